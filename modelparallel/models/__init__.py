@@ -1,0 +1,15 @@
+"""Built-in architectures: HF ``config.model_type`` -> ``ArchSpec`` (each in its own small file)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..tp.plan import ArchSpec
+from . import gpt2
+
+ARCHITECTURES: dict[str, ArchSpec] = {spec.model_type: spec for spec in (gpt2.SPEC,)}
+
+
+def spec_for(model: nn.Module) -> ArchSpec | None:
+    """The built-in spec for an HF model, or None if its architecture has none."""
+    return ARCHITECTURES.get(getattr(getattr(model, "config", None), "model_type", None))

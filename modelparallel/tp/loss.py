@@ -1,0 +1,109 @@
+"""Cross-entropy on vocabulary-sharded logits, so training never gathers the full logits.
+
+Gathering [tokens, vocab] logits costs vocab/hidden times one layer's all-reduce. Instead each
+rank keeps its vocabulary slice and the softmax statistics are combined with two all-reduces of
+[tokens] floats (Megatron-LM's vocab-parallel cross-entropy, Shoeybi et al. 2019).
+
+PyTorch's ``loss_parallel`` computes the same thing but requires the backward pass to run inside
+its context manager, which breaks plain ``loss.backward()`` and trainers that call it; this
+autograd function has no such requirement.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from transformers.loss.loss_utils import ForCausalLMLoss, ForMaskedLMLoss
+
+
+def shard_range(size: int, parts: int, index: int) -> tuple[int, int]:
+    """[start, end) of shard ``index`` when ``size`` rows are split like ``torch.chunk`` (DTensor's
+    Shard): ceil(size/parts) per shard, the last ones shorter."""
+    per = -(-size // parts)
+    start = min(index * per, size)
+    return start, min(start + per, size)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, vocab_start, ignore_index, group):
+        # logits: [N, V_local] this rank's vocabulary slice; target: [N] global token ids
+        logits = logits.float()
+        row_max = logits.max(dim=-1).values
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - row_max.unsqueeze(-1)
+        local_t = target - vocab_start
+        here = (local_t >= 0) & (local_t < logits.size(-1))
+        local_t = local_t.clamp(0, logits.size(-1) - 1)
+        target_logit = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) * here
+        exp = shifted.exp_()
+        stats = torch.stack([exp.sum(dim=-1), target_logit])
+        dist.all_reduce(stats, group=group)
+        sum_exp, target_logit = stats
+        valid = target != ignore_index
+        loss = (sum_exp.log() - target_logit) * valid
+        exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(exp, local_t, here & valid, valid)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_t, hit, valid = ctx.saved_tensors
+        grad = softmax * valid.unsqueeze(-1)
+        grad.scatter_add_(-1, local_t.unsqueeze(-1), -hit.to(grad.dtype).unsqueeze(-1))
+        return grad * grad_loss.unsqueeze(-1), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: DTensor, target: torch.Tensor, ignore_index: int = -100,
+                                 num_items_in_batch=None) -> torch.Tensor:
+    """Mean (or sum / ``num_items_in_batch``) cross-entropy of vocab-sharded ``logits`` [N, V].
+
+    Reduces like HF's ``fixed_cross_entropy``; returns a plain tensor, equal on every TP rank.
+    """
+    mesh = logits.device_mesh
+    start, _ = shard_range(logits.shape[-1], mesh.size(), mesh.get_local_rank())
+    local = logits.to_local()
+    losses = _VocabParallelCrossEntropy.apply(local, target.to(local.device), start, ignore_index,
+                                              mesh.get_group())
+    if num_items_in_batch is not None:
+        return losses.sum() / num_items_in_batch
+    return losses.sum() / (target != ignore_index).sum()
+
+
+def causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100,
+                   shift_labels=None, **kwargs):
+    """HF's ``ForCausalLMLoss`` contract, computed on vocab-sharded logits when they are sharded."""
+    if not isinstance(logits, DTensor):
+        return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs)
+    if shift_labels is None:
+        labels = nn.functional.pad(labels, (0, 1), value=ignore_index)
+        shift_labels = labels[..., 1:]
+    return vocab_parallel_cross_entropy(logits.view(-1, vocab_size), shift_labels.reshape(-1),
+                                        ignore_index, num_items_in_batch)
+
+
+def masked_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100, **kwargs):
+    """HF's ``ForMaskedLMLoss`` contract, computed on vocab-sharded logits when they are sharded."""
+    if not isinstance(logits, DTensor):
+        return ForMaskedLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index, **kwargs)
+    return vocab_parallel_cross_entropy(logits.view(-1, vocab_size), labels.reshape(-1), ignore_index,
+                                        num_items_in_batch)
+
+
+def _gather_logits_for_inference(module, args, kwargs, output):
+    """Without labels nobody computes a sharded loss: hand back full logits, as HF would, so
+    ``generate()`` and user code see plain tensors. With labels the logits stay sharded."""
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, DTensor) and kwargs.get("labels") is None:
+        output.logits = logits.full_tensor()
+    return output
+
+
+def install_vocab_parallel_loss(model: nn.Module) -> None:
+    """Route ``model``'s loss through the vocab-parallel cross-entropy and gather logits only
+    when no loss is being computed."""
+    kind = getattr(model, "loss_type", None) or type(model).__name__
+    model.loss_function = masked_lm_loss if "MaskedLM" in kind else causal_lm_loss
+    model.register_forward_hook(_gather_logits_for_inference, with_kwargs=True)

@@ -1,0 +1,72 @@
+"""Tensor-parallel plans as data: module-path globs mapped to style names, plus what the walker
+must rewrite per rank.
+
+A glob is a dotted module path in which ``*`` stands for exactly one whole path segment
+(``h.*.attn.c_attn``). Only whole segments are wildcards: ``w1`` stays ``w1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModulePlan:
+    """How to shard one module tree (a base model, a head, or a user-registered block).
+
+    Attributes:
+        rules: module-path glob -> style name (see ``styles.STYLE_NAMES``).
+        packed: glob -> number of equal chunks fused along the output dimension (q|k|v = 3);
+            such modules are sharded inside each chunk.
+        per_rank_attrs: glob -> attribute names holding sizes that HF code reshapes with (head
+            counts, split sizes, embed dims); the walker divides each by the degree.
+        optional_rules: rules that may match nothing (heads present only in some model classes).
+    """
+
+    rules: dict[str, str]
+    packed: dict[str, int] = field(default_factory=dict)
+    per_rank_attrs: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    optional_rules: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """One architecture's tensor-parallel description.
+
+    Attributes:
+        model_type: the HF ``config.model_type`` it serves.
+        base: plan relative to the base model (``model.base_model``, e.g. ``GPT2Model``).
+        head: plan relative to the top-level model (LM head, classifier), rules optional.
+    """
+
+    model_type: str
+    base: ModulePlan
+    head: ModulePlan = field(default_factory=lambda: ModulePlan(rules={}))
+
+
+def glob_match(pattern: str, path: str) -> bool:
+    """True when dotted ``path`` matches ``pattern`` segment by segment (``*`` = one segment)."""
+    p, s = pattern.split("."), path.split(".")
+    return len(p) == len(s) and all(a == "*" or a == b for a, b in zip(p, s))
+
+
+def to_glob(path: str) -> str:
+    """Replace numeric path segments (layer indices) by ``*``: ``h.3.attn`` -> ``h.*.attn``."""
+    return ".".join("*" if seg.isdigit() else seg for seg in path.split("."))
+
+
+def join(prefix: str, path: str) -> str:
+    return f"{prefix}.{path}" if prefix and path else prefix or path
+
+
+def block_prefix(pattern: str) -> str | None:
+    """The repeated-block part of a rule (``h.*.attn.c_attn`` -> ``h.*``), or None if no ``*``."""
+    segs = pattern.split(".")
+    if "*" not in segs:
+        return None
+    return ".".join(segs[: segs.index("*") + 1])
+
+
+def first_match(globs, path: str) -> str | None:
+    """The first glob in ``globs`` that matches ``path``."""
+    return next((g for g in globs if glob_match(g, path)), None)

@@ -1,0 +1,171 @@
+"""Parallel styles by name: PyTorch's DTensor styles, extended to HF's ``Conv1D`` and fused weights.
+
+A plan names a style per module ("colwise", "rowwise", ...); ``build_style`` turns the name and
+the module's type into a ``ParallelStyle``. ``nn.Linear`` and ``nn.Embedding`` use PyTorch's own
+``ColwiseParallel`` / ``RowwiseParallel``. HF's ``Conv1D`` stores its weight as [in, out] (the
+transpose of ``nn.Linear``'s [out, in]), which PyTorch's styles refuse, so it gets two small
+subclasses that shard the other dimension. Fused (packed) projections get ``PackedColwise``.
+
+Every style distributes with ``src_data_rank=None``: each rank slices its shard from its own copy
+without communication, which is right because ``init`` seeds every rank alike and pretrained
+weights are the same file on every rank.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel.style import ParallelStyle
+from transformers.pytorch_utils import Conv1D
+
+STYLE_NAMES = ("colwise", "rowwise", "packed_colwise", "vocab_embedding", "vocab_colwise")
+"""colwise / rowwise: Megatron's column- and row-parallel linear layers. packed_colwise: a fused
+projection (e.g. GPT-2's q|k|v) sharded chunk by chunk. vocab_embedding: embedding rows (the
+vocabulary) sharded. vocab_colwise: an LM head sharded over the vocabulary whose logits stay
+sharded, for the vocab-parallel loss."""
+
+
+def _replace(module: nn.Module, name: str, tensor: torch.Tensor, placements, mesh: DeviceMesh) -> None:
+    param = getattr(module, name)
+    dist = distribute_tensor(tensor.detach(), mesh, placements, src_data_rank=None)
+    module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
+
+
+class ColwiseConv1D(ColwiseParallel):
+    """Column parallel for HF ``Conv1D`` ([in, out] weight): weight Shard(1), bias Shard(0)."""
+
+    def _partition_conv1d_fn(self, name, module, mesh):
+        _replace(module, "weight", module.weight, [Shard(1)], mesh)
+        _replace(module, "bias", module.bias, [Shard(0)], mesh)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module, device_mesh, self._partition_conv1d_fn,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+class RowwiseConv1D(RowwiseParallel):
+    """Row parallel for HF ``Conv1D`` ([in, out] weight): weight Shard(0), bias replicated."""
+
+    def _partition_conv1d_fn(self, name, module, mesh):
+        _replace(module, "weight", module.weight, [Shard(0)], mesh)
+        _replace(module, "bias", module.bias, [Replicate()], mesh)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.desired_input_layouts = (Shard(-1),)
+        return distribute_module(
+            module, device_mesh, self._partition_conv1d_fn,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+def copy_to_tp(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Megatron's ``f`` operator (Shoeybi et al. 2019, sec. 3): identity forward, all-reduce of
+    the gradient backward, expressed with DTensor so autograd does the all-reduce."""
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+class _PackedConv1D(Conv1D):
+    """A ``Conv1D`` whose weight is stored [in, chunks, out/chunks] and sharded on the last dim, so
+    each rank computes its own slice of every chunk: [q_r | k_r | v_r] for GPT-2's ``c_attn``."""
+
+    def forward(self, x):
+        x = copy_to_tp(x, self.weight.device_mesh)
+        weight = self.weight.to_local().flatten(1)  # [in, chunks * out_per_chunk / tp]
+        bias = self.bias.to_local().flatten()
+        y = torch.addmm(bias, x.reshape(-1, x.size(-1)), weight)
+        return y.view(*x.shape[:-1], -1)
+
+
+class _PackedLinear(nn.Linear):
+    """An ``nn.Linear`` whose weight is stored [chunks, out/chunks, in], sharded on dim 1."""
+
+    def forward(self, x):
+        x = copy_to_tp(x, self.weight.device_mesh)
+        weight = self.weight.to_local().flatten(0, 1)  # [chunks * out_per_chunk / tp, in]
+        bias = None if self.bias is None else self.bias.to_local().flatten()
+        return nn.functional.linear(x, weight, bias)
+
+
+class PackedColwise(ParallelStyle):
+    """Column parallel for a projection that fuses ``chunks`` equal outputs (q, k and v).
+
+    A plain Shard of the fused dimension would give rank 0 all of q and part of k. Instead the
+    weight is stored with an explicit chunk dimension and sharded inside every chunk. The stored
+    (global) tensor is the HF tensor reshaped, so it does not depend on the degree and reshards.
+    """
+
+    def __init__(self, chunks: int):
+        super().__init__()
+        self.chunks = chunks
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        k = self.chunks
+        if isinstance(module, Conv1D):
+            _replace(module, "weight", module.weight.unflatten(1, (k, -1)), [Shard(2)], device_mesh)
+            _replace(module, "bias", module.bias.unflatten(0, (k, -1)), [Shard(1)], device_mesh)
+            module.__class__ = _PackedConv1D
+        elif isinstance(module, nn.Linear):
+            _replace(module, "weight", module.weight.unflatten(0, (k, -1)), [Shard(1)], device_mesh)
+            if module.bias is not None:
+                _replace(module, "bias", module.bias.unflatten(0, (k, -1)), [Shard(1)], device_mesh)
+            module.__class__ = _PackedLinear
+        else:
+            raise NotImplementedError(f"packed_colwise supports nn.Linear and Conv1D, not {type(module).__name__}")
+        return module
+
+
+def build_style(name: str, module: nn.Module, chunks: int = 1) -> ParallelStyle:
+    """The ``ParallelStyle`` for style ``name`` applied to ``module``.
+
+    Raises:
+        ValueError: for an unknown style name.
+        NotImplementedError: for a module type the style cannot shard.
+    """
+    conv = isinstance(module, Conv1D)
+    if name == "colwise":
+        return ColwiseConv1D() if conv else ColwiseParallel()
+    if name == "rowwise":
+        return RowwiseConv1D() if conv else RowwiseParallel()
+    if name == "packed_colwise":
+        return PackedColwise(chunks)
+    if name == "vocab_embedding":
+        return RowwiseParallel(input_layouts=Replicate())
+    if name == "vocab_colwise":
+        return ColwiseParallel(use_local_output=False)
+    raise ValueError(f"unknown parallel style {name!r}; known styles: {', '.join(STYLE_NAMES)}")
+
+
+SUPPORTED_TYPES = {
+    "colwise": (nn.Linear, Conv1D),
+    "rowwise": (nn.Linear, Conv1D),
+    "packed_colwise": (nn.Linear, Conv1D),
+    "vocab_embedding": (nn.Embedding,),
+    "vocab_colwise": (nn.Linear,),
+}
+
+
+def sharded_size(name: str, module: nn.Module, chunks: int = 1) -> tuple[str, int]:
+    """The dimension a style splits, as (description, size), for the walker's divisibility check."""
+    if isinstance(module, nn.Embedding):
+        return "num_embeddings (vocabulary)", module.num_embeddings
+    in_f, out_f = (module.weight.shape[0], module.weight.shape[1]) if isinstance(module, Conv1D) \
+        else (module.in_features, module.out_features)
+    if name == "rowwise":
+        return "in_features", in_f
+    if name == "packed_colwise":
+        return f"out_features per packed chunk ({out_f} / {chunks})", out_f // chunks
+    return ("out_features (vocabulary)" if name == "vocab_colwise" else "out_features"), out_f
+
+
+ALLOWS_UNEVEN = ("vocab_embedding", "vocab_colwise")
+"""Vocabulary shards may be uneven (GPT-2's 50257 rows at TP=4): DTensor keeps the global shape
+exact, so no padding ever reaches logits, losses or state dicts."""

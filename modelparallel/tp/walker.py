@@ -1,0 +1,206 @@
+"""The one walker: checks a model's plans against the model, then shards it in place.
+
+Nothing is touched until the whole plan has been checked: rules that match nothing, module types
+a style cannot shard, sizes not divisible by the degree, linear layers inside a planned block that
+no rule covers, and tied weights split between sharded and replicated holders all raise one
+``ValueError`` naming every module path and number at fault.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
+from transformers.pytorch_utils import Conv1D
+
+from . import marks
+from .loss import install_vocab_parallel_loss
+from .plan import ArchSpec, ModulePlan, block_prefix, first_match, glob_match, join, to_glob
+from .styles import ALLOWS_UNEVEN, SUPPORTED_TYPES, build_style, sharded_size
+
+logger = logging.getLogger("modelparallel")
+
+_SHARDABLE = (nn.Linear, Conv1D, nn.Embedding)
+
+
+@dataclass
+class Assignment:
+    path: str
+    module: nn.Module
+    style: str
+    chunks: int = 1
+
+
+@dataclass
+class Work:
+    """Everything the walker will do, gathered (and checked) before doing any of it."""
+
+    assignments: list[Assignment] = field(default_factory=list)
+    rewrites: list[tuple[str, nn.Module, str, int]] = field(default_factory=list)
+    registered: list[tuple[str, nn.Module, marks.Registration]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+def _check_size(a: Assignment, tp: int, problems: list[str]) -> None:
+    what, n = sharded_size(a.style, a.module, a.chunks)
+    if a.style in ALLOWS_UNEVEN:
+        per = -(-n // tp)
+        if (tp - 1) * per >= n:
+            problems.append(f"{a.path}: {what} = {n} is too small for tensor_parallel_degree {tp} "
+                            f"(a shard of {per} leaves the last rank empty)")
+    elif n % tp:
+        problems.append(f"{a.path}: {what} = {n} is not divisible by tensor_parallel_degree {tp}")
+
+
+def _collect_plan(model, plan: ModulePlan, prefix: str, tp: int, work: Work, skip: tuple[str, ...]):
+    """Match one plan's rules under ``prefix`` and check every match."""
+    root = model.get_submodule(prefix)
+    rel_modules = dict(root.named_modules())
+    def live(rel):
+        full = join(prefix, rel)
+        return marks.is_enabled(model, full) and not any(full.startswith(s + ".") for s in skip)
+
+    for rule, style in plan.rules.items():
+        matched = [rel for rel in rel_modules if rel and glob_match(rule, rel)]
+        if not matched and rule not in plan.optional_rules:
+            work.problems.append(f"rule {rule!r} -> {style!r} matches no module in "
+                                 f"{type(root).__name__}{' at ' + prefix if prefix else ''}")
+        for rel in filter(live, matched):
+            module, path = rel_modules[rel], join(prefix, rel)
+            if not isinstance(module, SUPPORTED_TYPES.get(style, ())):
+                work.problems.append(f"{path}: style {style!r} cannot shard a {type(module).__name__}")
+                continue
+            a = Assignment(path, module, style, plan.packed.get(first_match(plan.packed, rel) or "", 1))
+            _check_size(a, tp, work.problems)
+            work.assignments.append(a)
+    for glob, attrs in plan.per_rank_attrs.items():
+        for rel in filter(live, [r for r in rel_modules if r and glob_match(glob, r)]):
+            for attr in attrs:
+                value = getattr(rel_modules[rel], attr)
+                if value % tp:
+                    work.problems.append(f"{join(prefix, rel)}.{attr} = {value} is not divisible by "
+                                         f"tensor_parallel_degree {tp}")
+                work.rewrites.append((join(prefix, rel), rel_modules[rel], attr, value // tp))
+    blocks = {b for b in map(block_prefix, plan.rules) if b}
+    for rel, module in rel_modules.items():
+        in_block = any(glob_match(b, ".".join(rel.split(".")[: len(b.split("."))])) for b in blocks)
+        if in_block and isinstance(module, _SHARDABLE) and live(rel) and not first_match(plan.rules, rel):
+            work.problems.append(f"{join(prefix, rel)} ({type(module).__name__}) is inside a planned block "
+                                 "but no rule covers it")
+
+
+def _base_prefix(model: nn.Module) -> str:
+    prefix = getattr(model, "base_model_prefix", "")
+    return prefix if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
+
+
+def collect(model: nn.Module, spec: ArchSpec | None, tp: int) -> Work:
+    """Gather and check everything the walker would do to ``model``; modify nothing."""
+    work = Work()
+    for path, module in model.named_modules():
+        reg = marks.registration_of(module)
+        if reg is not None and marks.is_enabled(model, path):
+            work.registered.append((path, module, reg))
+            if reg.plan is not None:
+                _collect_plan(model, reg.plan, path, tp, work, ())
+    skip = tuple(path for path, _, _ in work.registered)
+    if spec is not None and marks.is_enabled(model, ""):
+        _collect_plan(model, spec.base, _base_prefix(model), tp, work, skip)
+        _collect_plan(model, spec.head, "", tp, work, skip)
+    _check_ties(model, work)
+    return work
+
+
+def _tied_groups(model: nn.Module) -> list[list[tuple[str, nn.Module, str]]]:
+    """Parameters shared by several modules (e.g. GPT-2's ``wte`` and ``lm_head``)."""
+    holders: dict[int, dict[tuple[int, str], tuple[str, nn.Module, str]]] = {}
+    for mpath, mod in model.named_modules(remove_duplicate=False):
+        for name, p in mod._parameters.items():
+            if p is not None:
+                holders.setdefault(id(p), {})[(id(mod), name)] = (mpath, mod, name)
+    return [list(h.values()) for h in holders.values() if len(h) > 1]
+
+
+def _check_ties(model: nn.Module, work: Work) -> None:
+    styled = {id(a.module): a.style for a in work.assignments}
+    for group in _tied_groups(model):
+        styles = {styled.get(id(mod)) for _, mod, _ in group}
+        if len(styles) > 1 and None in styles:
+            paths = ", ".join(join(p, n) for p, _, n in group)
+            work.problems.append(f"tied parameters {paths} would be split between sharded and replicated "
+                                 "modules; plan all of them or none")
+
+
+def _retie(groups) -> None:
+    for group in groups:
+        _, first_mod, first_name = group[0]
+        keep = getattr(first_mod, first_name)
+        for mpath, mod, name in group[1:]:
+            other = getattr(mod, name)
+            if isinstance(keep, DTensor) and other.placements != keep.placements:
+                raise ValueError(f"tied parameter {join(mpath, name)} sharded as {other.placements}, "
+                                 f"its tie as {keep.placements}")
+            setattr(mod, name, keep)
+
+
+def _apply_registered(model: nn.Module, tp_mesh: DeviceMesh, path: str, module: nn.Module, reg) -> None:
+    if reg.style is not None:
+        parallelize_module(module, tp_mesh, reg.style)
+    elif reg.factory is not None:
+        if not path:
+            raise ValueError("a factory registration cannot replace the top-level model itself")
+        parent, _, name = path.rpartition(".")
+        module = reg.factory(module, tp_mesh)
+        setattr(model.get_submodule(parent), name, module)
+    if reg.init_hook is not None:
+        reg.init_hook(module, tp_mesh)
+    marks.install_hooks(module, reg)
+
+
+def apply(model: nn.Module, tp_mesh: DeviceMesh, work: Work) -> None:
+    """Carry out checked ``work``: shard, rewrite per-rank sizes, restore ties, install the loss."""
+    groups = _tied_groups(model)
+    for a in work.assignments:
+        parallelize_module(a.module, tp_mesh, build_style(a.style, a.module, a.chunks))
+    for _, module, attr, value in work.rewrites:
+        setattr(module, attr, value)
+    for path, module, reg in work.registered:
+        _apply_registered(model, tp_mesh, path, module, reg)
+    _retie(groups)
+    if any(a.style == "vocab_colwise" for a in work.assignments):
+        install_vocab_parallel_loss(model)
+
+
+def replicated_paths(model: nn.Module, work: Work) -> list[str]:
+    """Globbed paths of modules with their own parameters that stay whole on every rank."""
+    sharded = {a.path for a in work.assignments}
+    under = [p for p, _, _ in work.registered]
+    out = []
+    for path, mod in model.named_modules():
+        own = any(p is not None for p in mod._parameters.values())
+        if own and path not in sharded and not any(path == u or path.startswith(u + ".") for u in under):
+            out.append(to_glob(path))
+    return sorted(set(out))
+
+
+def parallelize(model: nn.Module, tp_mesh: DeviceMesh, spec: ArchSpec | None) -> list[str]:
+    """Check, then shard ``model`` in place over ``tp_mesh``; return the replicated module globs.
+
+    Raises:
+        ValueError: naming every problem, before any tensor is touched.
+    """
+    work = collect(model, spec, tp_mesh.size())
+    if spec is None and not work.registered and marks.is_enabled(model, ""):
+        msg = (f"{type(model).__name__} (model_type {getattr(getattr(model, 'config', None), 'model_type', '?')!r}) "
+               "has no tensor-parallel plan and no tp_register_with_module registration")
+        if marks.is_strict(model):
+            raise ValueError(msg + "; tensor_parallelism(strict=True) refuses to keep it replicated")
+        logger.warning("%s: it stays replicated on every rank", msg)
+    if work.problems:
+        raise ValueError("cannot apply the tensor-parallel plan:\n  - " + "\n  - ".join(work.problems))
+    apply(model, tp_mesh, work)
+    return replicated_paths(model, work)

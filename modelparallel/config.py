@@ -139,9 +139,10 @@ def build_config(config: dict | str | os.PathLike | None, world_size: int) -> Co
     if unknown:
         problems.append(f"unknown config keys {unknown}; known keys are {sorted(_user_keys())}")
     known = {k: v for k, v in raw.items() if k in _user_keys()}
-    _check_types(known, problems)
-    if problems:
-        raise ValueError("invalid modelparallel config:\n  - " + "\n  - ".join(problems))
+    type_problems: list[str] = []
+    _check_types(known, type_problems)
+    if type_problems:
+        raise ValueError("invalid modelparallel config:\n  - " + "\n  - ".join(problems + type_problems))
     cfg = Config(**known, world_size=world_size)
     _check_placement(cfg.placement_strategy, problems)
     _check_degrees(cfg, problems)

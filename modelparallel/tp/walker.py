@@ -78,7 +78,7 @@ def _collect_plan(model, plan: ModulePlan, prefix: str, tp: int, work: Work, ski
             _check_size(a, tp, work.problems)
             work.assignments.append(a)
     for glob, attrs in plan.per_rank_attrs.items():
-        for rel in filter(live, [r for r in rel_modules if r and glob_match(glob, r)]):
+        for rel in filter(live, [r for r in rel_modules if glob_match(glob, r)]):
             for attr in attrs:
                 value = getattr(rel_modules[rel], attr)
                 if value % tp:

@@ -53,8 +53,11 @@ def tensor_parallelism(enabled: bool = True, strict: bool = False, **unsupported
 
 
 def set_tensor_parallelism(module: nn.Module, enabled: bool = True, strict: bool = False) -> None:
-    """Switch tensor parallelism on or off for ``module`` and its submodules after creation."""
-    module._mp_tp = Mark(enabled, strict)
+    """Switch tensor parallelism on or off for ``module`` and all its submodules after creation
+    (overriding marks they got from ``tensor_parallelism`` blocks)."""
+    mark = Mark(enabled, strict)
+    for sub in module.modules():
+        sub._mp_tp = mark
 
 
 def mark_of(model: nn.Module, path: str) -> Mark | None:

@@ -1,0 +1,103 @@
+"""Marking and registration: which modules get distributed, and user modules made distributable.
+
+A failure means modelparallel/tp/marks.py or the walker's handling of registrations is wrong;
+the reference is the same user model run undistributed in one process.
+"""
+
+import copy
+import sys
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
+
+import harness
+import modelparallel as smp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from custom_block import BLOCK_PLAN, Block, TinyLM  # noqa: E402
+
+
+def check_registered_block(tp):
+    smp.init({"tensor_parallel_degree": tp})
+    calls = []
+    smp.tp_register_with_module(Block, BLOCK_PLAN, return_hook=lambda out: calls.append(1) or out)
+    torch.manual_seed(0)
+    ref = TinyLM()
+    model = smp.DistributedModel(copy.deepcopy(ref))
+    assert isinstance(model.module.blocks[0].qkv.weight, DTensor)
+    assert model.module.blocks[0].num_heads == 4 // tp
+    ids = torch.randint(0, 97, (2, 16))
+    out, want = model(ids), ref(ids)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    assert len(calls) == 2, "return_hook runs once per block"
+    out.sum().backward()
+    want.sum().backward()
+    for (name, p), q in zip(model.module.named_parameters(), ref.parameters()):
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        torch.testing.assert_close(g.reshape(q.grad.shape), q.grad, rtol=1e-4, atol=1e-5, msg=name)
+    del Block._mp_tp_registration
+
+
+def check_marks():
+    smp.init({"tensor_parallel_degree": 2})
+    cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100, n_positions=16, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0)
+    with smp.tensor_parallelism():
+        model = GPT2LMHeadModel(cfg)
+    smp.set_tensor_parallelism(model.transformer.h[1], False)
+    ref = copy.deepcopy(model)
+    dist_model = smp.DistributedModel(model)
+    assert isinstance(dist_model.module.transformer.h[0].mlp.c_fc.weight, DTensor)
+    assert not isinstance(dist_model.module.transformer.h[1].mlp.c_fc.weight, DTensor)
+    ids = torch.randint(0, 100, (2, 8))
+    torch.testing.assert_close(dist_model(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
+    with smp.tensor_parallelism(enabled=False):
+        off = GPT2LMHeadModel(cfg)
+    smp.DistributedModel(off)
+    assert not any(isinstance(p, DTensor) for p in off.parameters())
+
+
+def check_no_plan(strict):
+    smp.init({"tensor_parallel_degree": 2})
+    cfg = GPTNeoXConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                        vocab_size=50)
+    with smp.tensor_parallelism(strict=strict):
+        model = GPTNeoXForCausalLM(cfg)
+    try:
+        smp.DistributedModel(model)
+    except ValueError as e:
+        return str(e)
+    return [isinstance(p, DTensor) for p in model.parameters()]
+
+
+def check_wrap_twice():
+    smp.init({"tensor_parallel_degree": 2})
+    model = smp.DistributedModel(GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50)))
+    errors = []
+    for target in (model, model.module):
+        try:
+            smp.DistributedModel(target)
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_registered_user_block_matches_undistributed():
+    harness.run(2, check_registered_block, 2)
+
+
+def test_marks_choose_what_is_distributed():
+    harness.run(2, check_marks)
+
+
+def test_model_without_plan_replicated_or_refused_when_strict():
+    assert harness.run(2, check_no_plan, False)[0] == [False] * len(harness.run(2, check_no_plan, False)[0])
+    msg = harness.run(2, check_no_plan, True)[0]
+    assert "GPTNeoXForCausalLM" in msg and "no tensor-parallel plan" in msg and "strict" in msg
+
+
+def test_distributed_model_twice_refused():
+    for errors in harness.run(2, check_wrap_twice):
+        assert len(errors) == 2 and all("already applied" in e for e in errors)

@@ -1,0 +1,289 @@
+"""DistributedOptimizer and the loss scalers, checked against independently computed references.
+
+Training steps are compared with plain ``torch.optim.AdamW`` on an unwrapped single-process copy
+of the model; loss-scale trajectories with values worked out by hand from the documented rules.
+Multi-rank checks run on the harness's 2-rank pool (TP degree 2).
+"""
+
+import copy
+import io
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+import harness
+import modelparallel as smp
+from modelparallel import runtime
+from modelparallel.dp import local_grad
+from modelparallel.loss_scaler import DynamicLossScaler, LossScaler
+
+LR, EPS = 1e-4, 1e-6
+"""Small lr, eps above the default 1e-8. Adam's update is about lr * g / (|g| + eps): for
+gradients near zero it turns the rounding differences between the sharded and the
+single-process computation (another summation order) into ~lr * difference / eps, which must
+stay below the 1e-6 tolerance over three steps. Parameters still move by ~3e-4 >> 1e-6."""
+
+
+def _gpt2():
+    import transformers
+    cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=32,
+                                  resid_pdrop=0, embd_pdrop=0, attn_pdrop=0, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _batch(step: int) -> torch.Tensor:
+    return torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(100 + step))
+
+
+def _setup(**opt_kwargs):
+    """init TP 2, wrap a tiny GPT-2, and build AdamW + DistributedOptimizer; also return an
+    unwrapped copy taken before wrapping (the reference)."""
+    smp.init({"tensor_parallel_degree": 2})
+    model = _gpt2()
+    ref = copy.deepcopy(model)
+    dm = smp.DistributedModel(model)
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(dm.parameters(), lr=LR, eps=EPS), **opt_kwargs)
+    return dm, opt, ref
+
+
+def _train_step(dm, opt, step: int, poison: bool = False) -> None:
+    """One step; with ``poison`` rank 1 alone puts an inf in one element of a sharded gradient."""
+    opt.zero_grad()
+    ids = _batch(step)
+    dm.backward(dm(input_ids=ids, labels=ids).loss)
+    if poison and smp.rank() == 1:
+        local_grad(dm.module.transformer.h[0].mlp.c_fc.weight).view(-1)[7] = float("inf")
+    opt.step()
+
+
+def _local_params(dm) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in dm.local_state_dict().items()}
+
+
+def _assert_same(name, got, want, rtol=1e-5, atol=1e-6) -> None:
+    full = got.full_tensor() if isinstance(got, DTensor) else got
+    # packed c_attn is stored [in, 3, out/3] (bias [3, out/3]); HF's [in, out] is its reshape
+    torch.testing.assert_close(full.detach().reshape(want.shape), want.detach(), rtol=rtol, atol=atol,
+                               msg=lambda m: f"{name}: {m}")
+
+
+# ---- multi-rank check functions (module level so the pool can run them) --------------------------
+
+def _matches_plain_adamw(opt_kwargs):
+    dm, opt, ref = _setup(**opt_kwargs)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    for step in range(3):
+        _train_step(dm, opt, step)
+        ref_opt.zero_grad()
+        ids = _batch(step)
+        ref(input_ids=ids, labels=ids).loss.backward()
+        ref_opt.step()
+    got = dict(dm.module.named_parameters())
+    for name, want in ref.named_parameters():
+        _assert_same(name, got[name], want)
+        # Adam is nearly blind to a constant gradient factor, so the unscaling is checked on the
+        # gradients themselves, which step() divides by the loss scale in place. After two steps
+        # the two models differ by rounding, and sums that nearly cancel amplify it: tolerance
+        # relative to the tensor's largest gradient (a missed unscale is off by a factor >= 128).
+        _assert_same(name + ".grad", got[name].grad, want.grad, rtol=1e-4,
+                     atol=1e-4 * want.grad.abs().max().item())
+    assert not opt.overflow
+    return opt.loss_scaler.loss_scale
+
+
+def _overflow_trajectory(delayed_shift):
+    """Two poisoned steps then a clean one; report scales, skips, whether parameters stayed put
+    and whether AdamW has taken a step (it keeps no state before its first one)."""
+    dm, opt, _ = _setup(dynamic_loss_scale=True,
+                        dynamic_loss_args={"init_scale": 2.0 ** 10, "delayed_shift": delayed_shift})
+    scales, skipped, unchanged, stepped = [], [], [], []
+    for step, poison in enumerate((True, True, False)):
+        before = _local_params(dm)
+        _train_step(dm, opt, step, poison=poison)
+        after = dm.local_state_dict()
+        scales.append(opt.loss_scaler.loss_scale)
+        skipped.append(opt.overflow)
+        unchanged.append(all(torch.equal(before[k], after[k]) for k in before))
+        stepped.append(len(opt.state) > 0)
+    return scales, skipped, unchanged, stepped
+
+
+def _growth_trajectory():
+    dm, opt, _ = _setup(dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 16.0, "scale_window": 2})
+    scales = []
+    for step, poison in enumerate((False, False, False, True, False, False)):
+        _train_step(dm, opt, step, poison=poison)
+        scales.append(opt.loss_scaler.loss_scale)
+    return scales
+
+
+def _state_dict_round_trip():
+    dm, opt, _ = _setup(dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 64.0, "scale_window": 2})
+    for step in range(3):
+        _train_step(dm, opt, step)
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    saved_scale = opt.loss_scaler.loss_scale
+    saved_avg = {id(p): opt.state[p]["exp_avg"].to_local().clone() for p in dm.parameters()
+                 if isinstance(p, DTensor)}
+
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    fresh = smp.DistributedOptimizer(torch.optim.AdamW(dm.parameters(), lr=LR), dynamic_loss_scale=True,
+                                     dynamic_loss_args={"scale_window": 2})
+    assert fresh.loss_scaler.loss_scale == 2.0 ** 32
+    fresh.load_state_dict(loaded)
+    assert fresh.loss_scaler.loss_scale == saved_scale
+    assert fresh.loss_scaler.good_steps == opt.loss_scaler.good_steps
+    for p in dm.parameters():
+        if id(p) in saved_avg:
+            assert torch.equal(fresh.state[p]["exp_avg"].to_local(), saved_avg[id(p)])
+    assert all(fresh.state[p]["step"] == 3 for p in dm.parameters())
+    return saved_scale, len(saved_avg)
+
+
+def _misuse():
+    smp.init({"tensor_parallel_degree": 2})
+    model = _gpt2()
+    early = torch.optim.AdamW(model.parameters(), lr=LR)
+    dm = smp.DistributedModel(model)
+    with pytest.raises(ValueError, match=r"must be created after smp\.DistributedModel\(\.\.\.\)"):
+        smp.DistributedOptimizer(early)
+
+    extra = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
+    mixed = torch.optim.AdamW([*dm.parameters(), *extra], lr=LR)
+    with pytest.raises(ValueError, match=r"^2 of the optimizer's"):
+        smp.DistributedOptimizer(mixed)
+
+    good = torch.optim.AdamW(dm.parameters(), lr=LR)
+    with pytest.raises(ValueError, match="init_scal"):
+        smp.DistributedOptimizer(good, dynamic_loss_scale=True, dynamic_loss_args={"init_scal": 8.0})
+    assert runtime.current().optimizers == []  # failed constructions registered nothing
+
+    opt = smp.DistributedOptimizer(good)
+    with pytest.raises(ValueError, match="must be created after"):
+        opt.add_param_group({"params": extra})
+    assert runtime.current().optimizers == [opt]
+    return True
+
+
+def _lr_scheduler_accepts_wrapper():
+    dm, opt, _ = _setup()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+    _train_step(dm, opt, 0)
+    sched.step()
+    return opt.param_groups[0]["lr"]
+
+
+# ---- tests -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("opt_kwargs, final_scale", [
+    ({}, 1.0),
+    ({"static_loss_scale": 128.0}, 128.0),
+    ({"dynamic_loss_scale": True, "dynamic_loss_args": {"init_scale": 2.0 ** 10}}, 2.0 ** 10),
+], ids=["static1", "static128", "dynamic"])
+def test_steps_match_plain_adamw(opt_kwargs, final_scale):
+    # power-of-two scales are exact in fp32, so scaled training must equal unscaled training
+    assert harness.run(2, _matches_plain_adamw, opt_kwargs) == [final_scale] * 2
+
+
+@pytest.mark.parametrize("delayed_shift, want_scales", [
+    (1, [2.0 ** 9, 2.0 ** 8, 2.0 ** 8]),   # every overflow halves
+    (2, [2.0 ** 10, 2.0 ** 9, 2.0 ** 9]),  # first overflow absorbed by hysteresis, second halves
+])
+def test_overflow_on_one_rank_skips_on_all(delayed_shift, want_scales):
+    for scales, skipped, unchanged, stepped in harness.run(2, _overflow_trajectory, delayed_shift):
+        assert scales == want_scales
+        assert skipped == [True, True, False]
+        assert unchanged == [True, True, False]
+        assert stepped == [False, False, True]
+
+
+def test_scale_grows_after_scale_window_good_steps():
+    # window 2 from 16: good, good -> 32; good; overflow -> 16 (run restarts); good, good -> 32
+    assert harness.run(2, _growth_trajectory) == [[16.0, 32.0, 32.0, 16.0, 16.0, 32.0]] * 2
+
+
+def test_state_dict_round_trip():
+    # init 64, window 2, three good steps -> 128 with one good step pending
+    for scale, sharded in harness.run(2, _state_dict_round_trip):
+        assert scale == 128.0 and sharded > 0
+
+
+def test_misuse_raises_and_registers_nothing():
+    assert harness.run(2, _misuse) == [True, True]
+
+
+def test_lr_scheduler_accepts_wrapper():
+    assert harness.run(2, _lr_scheduler_accepts_wrapper) == [LR * 0.5] * 2
+
+
+def test_requires_init(monkeypatch):
+    monkeypatch.setattr(runtime, "_RUNTIME", None)
+    with pytest.raises(RuntimeError, match="init"):
+        smp.DistributedOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
+
+
+# ---- the scaler rules alone (no collectives) ------------------------------------------------------
+
+def _run(scaler, outcomes):
+    scales = []
+    for overflow in outcomes:
+        scaler.update_scale(overflow)
+        scales.append(scaler.loss_scale)
+    return scales
+
+
+def test_unknown_dynamic_key_named():
+    with pytest.raises(ValueError, match="scale_windw"):
+        DynamicLossScaler.from_args({"scale_windw": 10, "min_scale": 2.0})
+
+
+def test_invalid_dynamic_values_listed():
+    with pytest.raises(ValueError, match="(?s)scale_factor.*scale_window"):
+        DynamicLossScaler.from_args({"scale_factor": 1.0, "scale_window": 0})
+
+
+def test_defaults_are_sagemakers():
+    s = DynamicLossScaler.from_args(None)
+    assert (s.loss_scale, s.scale_factor, s.scale_window, s.min_scale, s.delayed_shift,
+            s.consecutive_hysteresis) == (2.0 ** 32, 2.0, 1000, 1.0, 1, False)
+
+
+def test_scale_never_below_min_scale():
+    s = DynamicLossScaler(init_scale=8.0, min_scale=2.0)
+    assert _run(s, [True] * 4) == [4.0, 2.0, 2.0, 2.0]
+
+
+@pytest.mark.parametrize("consecutive, want", [
+    # overflow(hyst 2->1) good overflow: without consecutive_hysteresis the good step does not
+    # reset the counter, so the second overflow halves; with it, the counter is back at 2.
+    (False, [8.0, 8.0, 4.0]),
+    (True, [8.0, 8.0, 8.0]),
+])
+def test_consecutive_hysteresis(consecutive, want):
+    s = DynamicLossScaler(init_scale=8.0, delayed_shift=2, consecutive_hysteresis=consecutive)
+    assert _run(s, [True, False, True]) == want
+
+
+def test_growth_resets_hysteresis():
+    # hysteresis 2: overflow (2->1), good, good (window 2: grow to 16, counter back to 2),
+    # overflow (2->1, kept), overflow (halves)
+    s = DynamicLossScaler(init_scale=8.0, scale_window=2, delayed_shift=2)
+    assert _run(s, [True, False, False, True, True]) == [8.0, 8.0, 16.0, 16.0, 8.0]
+
+
+def test_static_scaler_never_moves_and_round_trips():
+    s = LossScaler(4.0)
+    assert _run(s, [True, False, True]) == [4.0] * 3
+    t = DynamicLossScaler(init_scale=2.0 ** 20)
+    t.load_state_dict(s.state_dict())
+    assert t.loss_scale == 4.0 and t.good_steps == 0
+
+
+def test_has_overflow_without_process_group():
+    s = LossScaler()
+    assert not s.has_overflow([torch.ones(3), None])
+    assert s.has_overflow([torch.ones(3), torch.tensor([1.0, float("nan")])])

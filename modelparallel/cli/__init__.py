@@ -1,0 +1,42 @@
+"""The ``modelparallel`` command: one entry point, one module per subcommand.
+
+A subcommand module provides ``HELP`` (one line), ``add_arguments(parser)`` and
+``run(args, parser) -> exit code``; adding one (e.g. ``convert``) is one line in ``COMMANDS``.
+Modules are imported only to build the parser and keep torch/transformers imports inside
+``run``, so ``modelparallel --help`` stays quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS: dict[str, str] = {
+    "train": "modelparallel.cli.train",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with one sub-parser per entry of ``COMMANDS``."""
+    parser = argparse.ArgumentParser(
+        prog="modelparallel",
+        description="Tensor-parallel training and tools for Hugging Face models on plain PyTorch.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, module_name in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(name, help=module.HELP, description=module.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run, _parser=p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (default: ``sys.argv[1:]``) and run the chosen subcommand."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--"]:  # the separator our own launcher puts before the arguments
+        argv = argv[1:]
+    args = build_parser().parse_args(argv)
+    args.argv = argv  # kept so a launcher can start the same command on every rank
+    return args._run(args, args._parser)

@@ -1,0 +1,162 @@
+"""Corpus reading, a download-free byte tokenizer and seeded training windows for ``train``.
+
+Every rank reads the corpus itself rather than receiving it from rank 0: reading a few megabytes
+of text is cheaper than broadcasting it, and it needs no collective before the model exists. That
+only works if every rank sees the same files in the same order, so file discovery is sorted and
+shuffled with a fixed seed, never by directory-listing order.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sysconfig
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+TEXT_SUFFIXES = (".py", ".txt", ".md")
+# Third-party code and tool caches are not "the corpus" even when they sit under a data
+# directory (the stdlib directory of many Python builds contains site-packages).
+SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "node_modules"}
+_FILE_ORDER_SEED = 20240601
+
+
+def default_data_path() -> Path:
+    """The Python standard library: text every machine with Python has, so the default run needs
+    no download and no user data."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+class ByteTokenizer:
+    """Raw UTF-8 bytes as ids 0..255 plus a few specials; decoding is exact for any text.
+
+    Needs no vocabulary file, so named-config runs work offline, and a 256-way softmax keeps a
+    tiny CPU model's output layer cheap. ``vocab_size`` is padded to a multiple of 8 so the
+    vocabulary splits evenly over common tensor-parallel degrees.
+    """
+
+    eos_token_id = 256  # separates documents; also used as bos/pad for generation
+    pad_token_id = 256
+    bos_token_id = 256
+    vocab_size = 264
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Bytes back to text; special ids are dropped and split multi-byte characters replaced."""
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+
+def find_text_files(paths: Sequence[str | os.PathLike], suffixes: tuple[str, ...] = TEXT_SUFFIXES) -> list[Path]:
+    """Every file ending in ``suffixes`` under ``paths`` (files are taken as given), sorted.
+
+    Raises:
+        FileNotFoundError: naming each path that does not exist.
+        ValueError: if no text file is found, so a typo does not train on nothing.
+    """
+    missing = [str(p) for p in paths if not Path(p).exists()]
+    if missing:
+        raise FileNotFoundError(f"--data path(s) not found: {', '.join(missing)}")
+    found: set[Path] = set()
+    for p in map(Path, paths):
+        if p.is_file():
+            found.add(p.resolve())
+            continue
+        for root, dirs, files in os.walk(p):
+            dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.startswith(".")]
+            found.update(Path(root, f).resolve() for f in files if f.endswith(suffixes))
+    if not found:
+        raise ValueError(f"no {'/'.join('*' + s for s in suffixes)} files under "
+                         f"{', '.join(map(str, paths))}")
+    return sorted(found)
+
+
+def select_files(files: list[Path], max_files: int | None) -> list[Path]:
+    """A fixed-seed shuffle, then the first ``max_files``: a bounded corpus that still samples the
+    whole tree (alphabetical order would take only ``__future__``, ``_aix_support``...)."""
+    order = list(files)
+    random.Random(_FILE_ORDER_SEED).shuffle(order)
+    return order[:max_files] if max_files else order
+
+
+def encode_to_tensor(tokenizer, text: str) -> torch.Tensor:
+    """int32 ids of ``text`` with no special tokens added. Bytes go straight through a buffer:
+    a Python list of ints costs ~30x the memory of the text and megabytes of text are common."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).to(torch.int32)
+    return torch.tensor(tokenizer.encode(text, add_special_tokens=False), dtype=torch.int32)
+
+
+def read_corpus(files: Sequence[Path], tokenizer, max_bytes: int | None = None) -> tuple[torch.Tensor, int]:
+    """(token ids of ``files`` concatenated, each followed by the end-of-text id if the tokenizer
+    has one; number of files read). Stops once ``max_bytes`` of text are read. Undecodable bytes
+    are replaced rather than aborting the run on one odd file."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    sep = torch.tensor([eos] if eos is not None else [], dtype=torch.int32)
+    parts: list[torch.Tensor] = []
+    total = 0
+    for f in files:
+        text = f.read_text(encoding="utf-8", errors="replace")
+        if not text:
+            continue  # empty __init__.py files: nothing to learn, and no document to separate
+        parts += [encode_to_tensor(tokenizer, text), sep]
+        total += len(text.encode("utf-8"))
+        if max_bytes and total >= max_bytes:
+            break
+    return torch.cat(parts), len(parts) // 2
+
+
+def split_holdout(tokens: torch.Tensor, val_fraction: float, min_val: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, val): the last ``val_fraction`` of the stream (at least ``min_val`` tokens) is held
+    out. Files were shuffled before concatenation, so the tail is a random set of files."""
+    n_val = max(int(len(tokens) * val_fraction), min_val)
+    if len(tokens) - n_val < min_val:
+        raise ValueError(f"corpus too small: {len(tokens)} tokens, need at least {2 * min_val} "
+                         "(add --data files, raise --max-files/--max-bytes or lower --seq-len)")
+    return tokens[:-n_val], tokens[-n_val:]
+
+
+@dataclass
+class WindowSampler:
+    """Random windows of ``seq_len + 1`` tokens: inputs are the first ``seq_len``, targets the last.
+
+    The generator is seeded by (seed, dp_rank) only, so the tensor-parallel ranks of one
+    data-parallel group draw identical batches (they must: they hold slices of one model) while
+    different data-parallel groups draw different ones.
+    """
+
+    tokens: torch.Tensor
+    seq_len: int
+    batch_size: int
+    seed: int
+    dp_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) <= self.seq_len + 1:
+            raise ValueError(f"{len(self.tokens)} training tokens is too few for --seq-len {self.seq_len}")
+        self._gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.dp_rank)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), each [batch_size, seq_len]; targets are inputs shifted by one."""
+        starts = torch.randint(0, len(self.tokens) - self.seq_len, (self.batch_size,), generator=self._gen)
+        windows = torch.stack([self.tokens[s:s + self.seq_len + 1] for s in starts.tolist()])
+        return windows[:, :-1].long(), windows[:, 1:].long()
+
+
+def eval_batches(tokens: torch.Tensor, seq_len: int, batch_size: int, max_windows: int,
+                 dp_rank: int = 0, dp_size: int = 1):
+    """Consecutive non-overlapping windows of the held-out stream, dealt round-robin to
+    data-parallel ranks (the same ones on every TP rank of a group), in (inputs, targets)
+    batches. Deterministic, so validation losses of different runs are comparable."""
+    n = min((len(tokens) - 1) // seq_len, max_windows)
+    mine = list(range(dp_rank, n, dp_size))
+    for b in range(0, len(mine), batch_size):
+        w = torch.stack([tokens[i * seq_len:(i + 1) * seq_len + 1] for i in mine[b:b + batch_size]])
+        yield w[:, :-1].long(), w[:, 1:].long()

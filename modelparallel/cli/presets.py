@@ -1,0 +1,109 @@
+"""What ``--model`` names: a small GPT-2 preset trained from scratch, or a local HF model directory.
+
+Presets exist so the CLI runs offline on any machine: they need no weights and no vocabulary
+file (they use the byte tokenizer). Dropout is off in all of them: short runs on a corpus much
+larger than the number of tokens seen do not overfit, and dropout only slows the loss down.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .data import ByteTokenizer
+
+PRESETS: dict[str, dict] = {
+    "gpt2-micro": dict(n_embd=64, n_layer=2, n_head=4),     # tests: seconds per run
+    "gpt2-tiny": dict(n_embd=128, n_layer=4, n_head=4),     # the default demo
+    "gpt2-small-cpu": dict(n_embd=256, n_layer=6, n_head=8),
+    "gpt2-medium-cpu": dict(n_embd=512, n_layer=8, n_head=8),
+    "gpt2-bench": dict(n_embd=1024, n_layer=4, n_head=16),  # bench/bench_gpt2_tp.py's shape
+}
+DEFAULT_PRESET = "gpt2-tiny"
+_DEFAULT_POSITIONS = 1024
+
+
+def preset_config(name: str, seq_len: int):
+    """The ``GPT2Config`` of a preset, sized for the byte tokenizer and at least ``seq_len``."""
+    from transformers import GPT2Config
+
+    tok = ByteTokenizer
+    return GPT2Config(vocab_size=tok.vocab_size, n_positions=max(_DEFAULT_POSITIONS, seq_len),
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      resid_pdrop=0.0, embd_pdrop=0.0,
+                      attn_pdrop=0.0, **PRESETS[name])
+
+
+def is_model_dir(model: str) -> bool:
+    return Path(model).is_dir()
+
+
+def load_config(model: str, seq_len: int):
+    """The model's config without building it, so the launcher can check sizes before starting
+    any rank.
+
+    Raises:
+        ValueError: for a name that is neither a preset nor a directory with a ``config.json``.
+    """
+    if model in PRESETS:
+        return preset_config(model, seq_len)
+    if not is_model_dir(model):
+        raise ValueError(f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a directory")
+    if not (Path(model) / "config.json").is_file():
+        raise ValueError(f"--model {model}: no config.json in that directory (expected a Hugging Face "
+                         "model saved with save_pretrained)")
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model)
+
+
+def max_positions(config) -> int | None:
+    """The longest sequence the model can embed, whatever its config calls it."""
+    for key in ("n_positions", "max_position_embeddings"):
+        value = getattr(config, key, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def size_problems(config, seq_len: int, tp: int) -> list[str]:
+    """Mismatches between the model and the run that would otherwise fail on every rank after
+    launch (the walker checks too, but by then N tracebacks bury the message)."""
+    problems = []
+    limit = max_positions(config)
+    if limit is not None and seq_len > limit:
+        problems.append(f"--seq-len {seq_len} exceeds the model's {limit} positions")
+    heads = getattr(config, "n_head", None) or getattr(config, "num_attention_heads", None)
+    if isinstance(heads, int) and heads % tp:
+        problems.append(f"the model has {heads} attention heads, not divisible by --tp {tp}")
+    return problems
+
+
+def load_tokenizer(model: str):
+    """A directory's own tokenizer; the byte tokenizer for presets and for tokenizer-less
+    directories whose vocabulary is the byte tokenizer's (models saved from a preset run).
+
+    Raises:
+        ValueError: for a directory with neither a tokenizer nor a byte-sized vocabulary.
+    """
+    if model in PRESETS:
+        return ByteTokenizer()
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError, TypeError) as exc:
+        if getattr(load_config(model, 0), "vocab_size", None) == ByteTokenizer.vocab_size:
+            return ByteTokenizer()
+        raise ValueError(f"--model {model}: no tokenizer found in the directory ({exc})") from exc
+
+
+def build_model(model: str, seq_len: int, seed: int):
+    """The unsharded model. Every rank builds it from the same seed, so all ranks start from the
+    same weights before ``DistributedModel`` keeps each rank's slice."""
+    import torch
+    from transformers import AutoModelForCausalLM, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    if model in PRESETS:
+        return GPT2LMHeadModel(preset_config(model, seq_len))
+    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)

@@ -1,0 +1,173 @@
+"""The body of ``modelparallel train`` on one rank: data, model, loop, validation, sample, artifacts.
+
+Every function here is called on every rank in the same order, because the model's forward
+pass, ``generate`` and ``state_dict`` run collectives; only printing and file writing are rank 0's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import platform
+import time
+
+import torch
+import torch.distributed as dist
+
+import modelparallel as smp
+
+from . import launch, plot
+from .data import WindowSampler, eval_batches, read_corpus, select_files, split_holdout
+from .presets import build_model, load_tokenizer
+
+
+def load_data(args: argparse.Namespace, tokenizer) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(train tokens, validation tokens, corpus facts). Same on every rank: same files, order, cut."""
+    files = select_files(args.data_files, args.max_files)
+    tokens, n_read = read_corpus(files, tokenizer, int(args.max_bytes) or None)
+    train, val = split_holdout(tokens, args.val_fraction, min_val=args.seq_len + 1)
+    info = {"files_found": len(args.data_files), "files_read": n_read, "train_tokens": len(train),
+            "val_tokens": len(val), "tokenizer": type(tokenizer).__name__}
+    return train, val, info
+
+
+def make_optimizer(model, args):
+    """AdamW over the sharded parameters, in ``smp.DistributedOptimizer`` when the library has a
+    working one; returns (what to step, the torch optimizer whose ``lr`` the schedule sets)."""
+    inner = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    try:
+        return smp.DistributedOptimizer(inner), inner
+    except NotImplementedError:
+        return inner, inner
+
+
+def lr_at(step: int, args) -> float:
+    """Linear warm-up, then cosine decay to a tenth of the peak: the usual schedule for short
+    runs, where a constant rate leaves the loss stuck at the noise floor of its step size."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def dp_mean(values: list[float]) -> list[float]:
+    """The mean over data-parallel groups (TP ranks of one group already agree)."""
+    if smp.dp_size() == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, group=smp.get_dp_process_group())
+    return (t / smp.dp_size()).tolist()
+
+
+@torch.no_grad()
+def evaluate(model, val_tokens: torch.Tensor, args) -> float:
+    """Mean loss per token over the first ``--eval-windows`` held-out sequences."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64)
+    for x, y in eval_batches(val_tokens, args.seq_len, args.batch_size, args.eval_windows,
+                             smp.dp_rank(), smp.dp_size()):
+        total += torch.tensor([model(x, labels=x, shift_labels=y).loss.item() * y.numel(), y.numel()])
+    if smp.dp_size() > 1:
+        dist.all_reduce(total, group=smp.get_dp_process_group())
+    model.train()
+    return (total[0] / total[1]).item()
+
+
+def train_loop(model, opt, inner, sampler, val_tokens, args) -> dict:
+    """Run ``--steps`` steps; returns the per-step history. Progress bar on rank 0 only."""
+    from tqdm.auto import tqdm
+
+    hist = {"loss": [], "lr": [], "step_time_s": [], "tokens_per_s": [], "val": []}
+    tokens_per_step = args.batch_size * args.seq_len * smp.dp_size()
+    bar = tqdm(total=args.steps, desc="train", disable=smp.rank() != 0, dynamic_ncols=True)
+    model.train()
+    for step in range(args.steps):
+        start = time.perf_counter()
+        for group in inner.param_groups:
+            group["lr"] = lr_at(step, args)
+        x, y = sampler.next_batch()
+        loss = model(x, labels=x, shift_labels=y).loss
+        model.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        (loss_value,) = dp_mean([loss.item()])
+        elapsed = time.perf_counter() - start
+        hist["loss"].append(loss_value)
+        hist["lr"].append(inner.param_groups[0]["lr"])
+        hist["step_time_s"].append(elapsed)
+        hist["tokens_per_s"].append(tokens_per_step / elapsed)
+        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
+            hist["val"].append((step + 1, evaluate(model, val_tokens, args)))
+        bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_step / elapsed:,.0f}", refresh=False)
+        bar.update()
+    bar.close()
+    return hist
+
+
+def generate_sample(model, tokenizer, args) -> str:
+    """Text continued from ``--prompt``. Runs on every rank (generate runs collectives); the
+    sampling seed is reset identically on all ranks so they pick the same tokens."""
+    if args.sample_tokens == 0:
+        return ""
+    ids = torch.tensor([tokenizer.encode(args.prompt, add_special_tokens=False)], dtype=torch.long)
+    sampling = {"do_sample": True, "temperature": args.temperature, "top_k": 40} if args.temperature > 0 \
+        else {"do_sample": False}
+    eos = getattr(tokenizer, "eos_token_id", None)
+    torch.manual_seed(args.seed)
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.sample_tokens,
+                             pad_token_id=eos, eos_token_id=eos, **sampling)
+    model.train()
+    return tokenizer.decode(out[0].tolist())
+
+
+def _summary(args, hist, info, val_loss, sample, wall, train_time, n_params, opt) -> dict:
+    last = hist["loss"][-min(10, len(hist["loss"])):]
+    return {
+        "config": {k: (str(v) if k in ("out",) else v) for k, v in vars(args).items()
+                   if not k.startswith("_") and k not in ("argv", "data_files")},
+        "world_size": smp.size(), "tp": smp.tp_size(), "dp": smp.dp_size(),
+        "threads_per_rank": torch.get_num_threads(), "optimizer": type(opt).__name__,
+        "parameters": n_params, "corpus": info, **hist, "val": [list(v) for v in hist["val"]],
+        "initial_train_loss": hist["loss"][0], "final_train_loss": sum(last) / len(last),
+        "final_val_loss": val_loss, "mean_tokens_per_s": args.steps * args.batch_size * args.seq_len
+        * smp.dp_size() / train_time, "train_time_s": train_time, "wall_time_s": wall, "sample": sample,
+        "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
+    }
+
+
+def _report(args, m: dict) -> None:
+    args.out.mkdir(parents=True, exist_ok=True)
+    plot.write_metrics(args.out, m)
+    plot.plot_loss(args.out, m["loss"], m["val"] + [[args.steps, m["final_val_loss"]]],
+                   f"{args.model}: tp {m['tp']} x dp {m['dp']}, {m['parameters'] / 1e6:.2f}M params")
+    print(f"\ntrain loss {m['initial_train_loss']:.3f} -> {m['final_train_loss']:.3f} (mean of last steps), "
+          f"validation loss {m['final_val_loss']:.3f}\n{m['mean_tokens_per_s']:,.0f} tokens/s, "
+          f"training {m['train_time_s']:.0f} s, total {m['wall_time_s']:.0f} s")
+    if m["sample"]:
+        print(f"sample from {args.prompt!r}:\n{'-' * 60}\n{m['sample']}\n{'-' * 60}")
+    print(f"wrote {args.out / 'metrics.json'} and {args.out / 'loss.png'}", flush=True)
+
+
+def run_job(args: argparse.Namespace) -> int:
+    """Train on this rank; rank 0 writes the artifacts and prints the summary."""
+    smp.init({"tensor_parallel_degree": args.tp, "random_seed": args.seed})
+    tokenizer = load_tokenizer(args.model)
+    train_tokens, val_tokens, info = load_data(args, tokenizer)
+    model = smp.DistributedModel(build_model(args.model, args.seq_len, args.seed))
+    n_params = sum(p.numel() for p in model.parameters())  # DTensor numel is the global size
+    opt, inner = make_optimizer(model, args)
+    sampler = WindowSampler(train_tokens, args.seq_len, args.batch_size, args.seed, smp.dp_rank())
+    t_train = time.perf_counter()
+    hist = train_loop(model, opt, inner, sampler, val_tokens, args)
+    train_time = time.perf_counter() - t_train
+    val_loss = evaluate(model, val_tokens, args)
+    sample = generate_sample(model, tokenizer, args)
+    if smp.rank() == 0:
+        m = _summary(args, hist, info, val_loss, sample, time.time() - launch.start_time(), train_time,
+                     n_params, opt)
+        _report(args, m)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0

@@ -59,7 +59,8 @@ class DistributedModel(nn.Module):
         """Backpropagate ``loss`` (scaled by the optimizer's loss scale, if any), then average
         gradients over data-parallel replicas."""
         rt = runtime.current()
-        scaler = next((o.loss_scaler for o in rt.optimizers if getattr(o, "loss_scaler", None)), None)
+        scaler = next((o.loss_scaler for o in reversed(rt.optimizers) if getattr(o, "loss_scaler", None) is not None),
+                      None)
         scale = scaler.loss_scale if scaler is not None else 1.0
         (loss * scale if scale != 1.0 else loss).backward()
         if rt.config.ddp:

@@ -164,7 +164,8 @@ def _check_owned(params, rt: runtime.Runtime) -> None:
     """Refuse parameters no DistributedModel uses: wrapping replaces a model's parameters with
     sharded ones, so an optimizer built before wrapping would update tensors nothing reads."""
     params = list(params)
-    foreign = sum(1 for p in params if not rt.owns_parameter(p))
+    owned = rt.owned_parameter_ids()
+    foreign = sum(1 for p in params if id(p) not in owned)
     if foreign:
         raise ValueError(
             f"{foreign} of the optimizer's {len(params)} parameters do not belong to any "

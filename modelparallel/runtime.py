@@ -60,9 +60,9 @@ class Runtime:
             return self.mesh.get_group("tp")
         raise ValueError(f"unknown group {name!r}; use one of world, dp, rdp, tp, mp")
 
-    def owns_parameter(self, param: torch.nn.Parameter) -> bool:
-        """True when ``param`` belongs to a ``DistributedModel`` of this runtime."""
-        return any(param is p for m in self.models for p in m.module.parameters())
+    def owned_parameter_ids(self) -> set[int]:
+        """ids of every parameter of this runtime's ``DistributedModel``s (one pass, for set lookups)."""
+        return {id(p) for m in self.models for p in m.module.parameters()}
 
 
 def _device() -> torch.device:

@@ -15,8 +15,9 @@ import os
 import queue
 import tempfile
 import traceback
+from multiprocessing.reduction import ForkingPickler
 
-RESULT_TIMEOUT_S = 600
+RESULT_TIMEOUT_S = 300
 AFTER_ERROR_WAIT_S = 15
 
 
@@ -37,7 +38,9 @@ def _worker(rank: int, world: int, store_path: str, tasks, results) -> None:
             break
         fn, args, kwargs = task
         try:
-            results.put((rank, "ok", fn(*args, **kwargs)))
+            value = fn(*args, **kwargs)
+            ForkingPickler.dumps(value)  # fail here, visibly, rather than in the queue's feeder thread
+            results.put((rank, "ok", value))
         except BaseException:  # noqa: BLE001 - report everything to the parent
             results.put((rank, "error", traceback.format_exc()))
 

@@ -5,9 +5,13 @@ from __future__ import annotations
 from torch import nn
 
 from ..tp.plan import ArchSpec
-from . import gpt2
+from . import bert, gpt2, gptj, gptneo, llama, roberta
 
-ARCHITECTURES: dict[str, ArchSpec] = {spec.model_type: spec for spec in (gpt2.SPEC,)}
+ARCHITECTURES: dict[str, ArchSpec] = {
+    spec.model_type: spec
+    for spec in (gpt2.SPEC, bert.SPEC, roberta.SPEC, gptj.SPEC, gptneo.SPEC, llama.SPEC)
+    if spec is not None
+}
 
 
 def spec_for(model: nn.Module) -> ArchSpec | None:

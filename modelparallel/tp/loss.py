@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
-from transformers.loss.loss_utils import ForCausalLMLoss, ForMaskedLMLoss
 
 
 def shard_range(size: int, parts: int, index: int) -> tuple[int, int]:
@@ -72,38 +71,50 @@ def vocab_parallel_cross_entropy(logits: DTensor, target: torch.Tensor, ignore_i
     return losses.sum() / (target != ignore_index).sum()
 
 
-def causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100,
-                   shift_labels=None, **kwargs):
-    """HF's ``ForCausalLMLoss`` contract, computed on vocab-sharded logits when they are sharded."""
-    if not isinstance(logits, DTensor):
-        return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs)
+def causal_lm_loss(logits: DTensor, labels: torch.Tensor, ignore_index: int = -100, num_items_in_batch=None,
+                   shift_labels=None) -> torch.Tensor:
+    """HF's ``ForCausalLMLoss`` (predict token t+1 from position t) on vocab-sharded logits."""
     if shift_labels is None:
-        labels = nn.functional.pad(labels, (0, 1), value=ignore_index)
-        shift_labels = labels[..., 1:]
-    return vocab_parallel_cross_entropy(logits.view(-1, vocab_size), shift_labels.reshape(-1),
+        shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    return vocab_parallel_cross_entropy(logits.view(-1, logits.shape[-1]), shift_labels.reshape(-1),
                                         ignore_index, num_items_in_batch)
 
 
-def masked_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100, **kwargs):
-    """HF's ``ForMaskedLMLoss`` contract, computed on vocab-sharded logits when they are sharded."""
-    if not isinstance(logits, DTensor):
-        return ForMaskedLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index, **kwargs)
-    return vocab_parallel_cross_entropy(logits.view(-1, vocab_size), labels.reshape(-1), ignore_index,
+def masked_lm_loss(logits: DTensor, labels: torch.Tensor, ignore_index: int = -100, num_items_in_batch=None,
+                   shift_labels=None) -> torch.Tensor:
+    """HF's masked-LM loss (labels aligned with positions, -100 ignored) on vocab-sharded logits."""
+    return vocab_parallel_cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index,
                                         num_items_in_batch)
 
 
-def _gather_logits_for_inference(module, args, kwargs, output):
-    """Without labels nobody computes a sharded loss: hand back full logits, as HF would, so
-    ``generate()`` and user code see plain tensors. With labels the logits stay sharded."""
+_LOSS_KWARGS = ("labels", "num_items_in_batch", "shift_labels")
+
+
+def _take_labels(module, args, kwargs):
+    """Keep the labels away from HF's own loss code, which cannot read vocab-sharded logits."""
+    module._mp_pending_labels = {k: kwargs.pop(k) for k in _LOSS_KWARGS if kwargs.get(k) is not None}
+    return args, kwargs
+
+
+def _loss_or_full_logits(module, args, kwargs, output):
+    """With labels: compute the loss on sharded logits and leave them sharded (no gather in
+    training). Without: hand back full logits, as HF would, so ``generate()`` and user code see
+    plain tensors."""
+    taken = module.__dict__.pop("_mp_pending_labels", {})
     logits = getattr(output, "logits", None)
-    if isinstance(logits, DTensor) and kwargs.get("labels") is None:
+    if not isinstance(logits, DTensor):
+        return output
+    if "labels" not in taken:
         output.logits = logits.full_tensor()
-    return output
+        return output
+    loss_fn = masked_lm_loss if "MaskedLM" in type(module).__name__ else causal_lm_loss
+    loss = loss_fn(logits, taken["labels"], num_items_in_batch=taken.get("num_items_in_batch"),
+                   shift_labels=taken.get("shift_labels"))
+    return type(output)(loss=loss, **{k: v for k, v in output.items() if k != "loss"})
 
 
 def install_vocab_parallel_loss(model: nn.Module) -> None:
-    """Route ``model``'s loss through the vocab-parallel cross-entropy and gather logits only
-    when no loss is being computed."""
-    kind = getattr(model, "loss_type", None) or type(model).__name__
-    model.loss_function = masked_lm_loss if "MaskedLM" in kind else causal_lm_loss
-    model.register_forward_hook(_gather_logits_for_inference, with_kwargs=True)
+    """Compute ``model``'s LM loss with the vocab-parallel cross-entropy; gather logits only when
+    no loss is asked for. The loss follows the model class: masked-LM for ``*MaskedLM``, else causal."""
+    model.register_forward_pre_hook(_take_labels, with_kwargs=True)
+    model.register_forward_hook(_loss_or_full_logits, with_kwargs=True)

@@ -37,11 +37,14 @@ class ArchSpec:
         model_type: the HF ``config.model_type`` it serves.
         base: plan relative to the base model (``model.base_model``, e.g. ``GPT2Model``).
         head: plan relative to the top-level model (LM head, classifier), rules optional.
+        divisible_config: config attributes the degree must divide (head counts, key/value
+            heads), checked with a message naming the attribute, its value and the degree.
     """
 
     model_type: str
     base: ModulePlan
     head: ModulePlan = field(default_factory=lambda: ModulePlan(rules={}))
+    divisible_config: tuple[str, ...] = ()
 
 
 def glob_match(pattern: str, path: str) -> bool:

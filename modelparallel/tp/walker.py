@@ -98,6 +98,15 @@ def _base_prefix(model: nn.Module) -> str:
     return prefix if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
 
 
+def _check_config(model: nn.Module, spec: ArchSpec, tp: int, problems: list[str]) -> None:
+    config = model.config
+    for attr in spec.divisible_config:
+        value = getattr(config, attr, None)
+        if value is not None and value % tp:
+            problems.append(f"{type(config).__name__}.{attr} = {value} is not divisible by "
+                            f"tensor_parallel_degree {tp} (each rank must hold whole heads)")
+
+
 def collect(model: nn.Module, spec: ArchSpec | None, tp: int) -> Work:
     """Gather and check everything the walker would do to ``model``; modify nothing."""
     work = Work()
@@ -109,6 +118,7 @@ def collect(model: nn.Module, spec: ArchSpec | None, tp: int) -> Work:
                 _collect_plan(model, reg.plan, path, tp, work, ())
     skip = tuple(path for path, _, _ in work.registered)
     if spec is not None and marks.is_enabled(model, ""):
+        _check_config(model, spec, tp, work.problems)
         _collect_plan(model, spec.base, _base_prefix(model), tp, work, skip)
         _collect_plan(model, spec.head, "", tp, work, skip)
     _check_ties(model, work)

@@ -1,0 +1,3 @@
+"""bert: tensor-parallel plan (to be written)."""
+
+SPEC = None

@@ -1,0 +1,3 @@
+"""gptj: tensor-parallel plan (to be written)."""
+
+SPEC = None

@@ -1,0 +1,3 @@
+"""gptneo: tensor-parallel plan (to be written)."""
+
+SPEC = None

@@ -1,0 +1,3 @@
+"""llama: tensor-parallel plan (to be written)."""
+
+SPEC = None

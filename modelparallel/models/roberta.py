@@ -1,0 +1,3 @@
+"""roberta: tensor-parallel plan (to be written)."""
+
+SPEC = None

@@ -1,0 +1,1 @@
+"""Neural-network helpers with SageMaker's module paths (``modelparallel.nn.huggingface.*``)."""

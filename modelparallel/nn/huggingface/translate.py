@@ -1,0 +1,150 @@
+"""State-dict translation between Hugging Face format and the distributed format, one table each.
+
+The distributed format keeps HF's module names; it differs only where the plan stores a fused
+weight with an explicit chunk dimension (GPT-2's ``c_attn``: HF [in, 3*out] <-> ours
+[in, 3, out]), so both formats are independent of the TP degree. A ``KeyTable`` lists every key an
+architecture may carry (templates, ``{}`` = layer index), the packed ones, the tied aliases and the
+legacy buffers old HF checkpoints stored. Unknown keys raise, naming the key and the architecture:
+nothing is silently dropped.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class KeyTable:
+    """One architecture's key mapping.
+
+    Attributes:
+        arch: the HF ``model_type``.
+        base_prefix: attribute name of the base model inside head models (``transformer``).
+        base_keys: templates relative to the base model.
+        head_keys: templates relative to the head model (LM head, MLM head, classifier).
+        packed: template -> (dim, chunks): HF concatenates ``chunks`` equal parts along ``dim``;
+            the distributed format keeps them as a separate dimension at ``dim``.
+        tied: HF key -> the key it shares storage with (filled in on export when absent).
+        legacy_buffers: template (relative to the base model) -> ``fn(max_seq_len, layer_index)``
+            building a buffer older HF checkpoints stored; dropped on import, added on export
+            only when ``max_seq_len`` is given.
+    """
+
+    arch: str
+    base_prefix: str
+    base_keys: tuple[str, ...]
+    head_keys: tuple[str, ...] = ()
+    packed: dict[str, tuple[int, int]] = field(default_factory=dict)
+    tied: dict[str, str] = field(default_factory=dict)
+    legacy_buffers: dict[str, Callable[[int, int], torch.Tensor]] = field(default_factory=dict)
+
+    def match(self, key: str) -> tuple[str, str, str | None]:
+        """(prefix, template, layer index) of ``key``; raises ``KeyError`` for unknown keys."""
+        for template in self.head_keys:
+            layer = _match(template, key)
+            if layer is not False:
+                return "", template, layer
+        prefix, rel = ("", key)
+        if key.startswith(self.base_prefix + "."):
+            prefix, rel = self.base_prefix + ".", key[len(self.base_prefix) + 1:]
+        for template in (*self.base_keys, *self.legacy_buffers):
+            layer = _match(template, rel)
+            if layer is not False:
+                return prefix, template, layer
+        raise KeyError(f"{key!r} is not a key of a {self.arch} model (base prefix {self.base_prefix!r}); "
+                       "is this state dict of another architecture?")
+
+
+def _pattern(template: str) -> re.Pattern:
+    return re.compile("^" + re.escape(template).replace(r"\{\}", r"(\d+)") + "$")
+
+
+def _match(template: str, key: str):
+    m = _pattern(template).match(key)
+    if m is None:
+        return False
+    return m.group(1) if m.groups() else None
+
+
+def to_hf_items(table: KeyTable, key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """One distributed-format entry as HF entries ([] for keys HF does not store)."""
+    _, template, _ = table.match(key)
+    if template in table.legacy_buffers:
+        return []
+    if template in table.packed:
+        dim, _ = table.packed[template]
+        tensor = tensor.flatten(dim, dim + 1)
+    return [(key, tensor)]
+
+
+def from_hf_items(table: KeyTable, key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """One HF entry in distributed format ([] for legacy buffers, which the model recomputes)."""
+    _, template, _ = table.match(key)
+    if template in table.legacy_buffers:
+        return []
+    if template in table.packed:
+        dim, chunks = table.packed[template]
+        if tensor.shape[dim] % chunks:
+            raise ValueError(f"{key}: dim {dim} of shape {tuple(tensor.shape)} does not split into {chunks} "
+                             f"fused chunks ({table.arch})")
+        tensor = tensor.unflatten(dim, (chunks, -1))
+    return [(key, tensor)]
+
+
+def _legacy(table: KeyTable, state_dict: dict, max_seq_len: int) -> dict[str, torch.Tensor]:
+    layers, prefix = set(), ""
+    for key in state_dict:
+        p, template, layer = table.match(key)
+        if layer is not None and template in table.base_keys:
+            layers.add(int(layer))
+            prefix = p
+    return {prefix + template.format(i): build(max_seq_len, i)
+            for template, build in table.legacy_buffers.items() for i in sorted(layers)}
+
+
+def to_hf(table: KeyTable, state_dict: dict, max_seq_len: int | None = None) -> dict[str, torch.Tensor]:
+    """A full distributed-format state dict in HF format, tied aliases included.
+
+    Raises:
+        KeyError: naming the first key that is not of this architecture.
+    """
+    out = {}
+    for key, tensor in state_dict.items():
+        out.update(to_hf_items(table, key, tensor))
+    for alias, source in table.tied.items():
+        if alias not in out and source in out:
+            out[alias] = out[source]
+    if max_seq_len is not None:
+        out.update(_legacy(table, state_dict, max_seq_len))
+    return out
+
+
+def from_hf(table: KeyTable, state_dict: dict) -> dict[str, torch.Tensor]:
+    """An HF state dict in distributed format (loadable by ``DistributedModel`` at any degree).
+
+    Raises:
+        KeyError: naming every key that is not of this architecture.
+    """
+    unknown, out = [], {}
+    for key, tensor in state_dict.items():
+        try:
+            out.update(from_hf_items(table, key, tensor))
+        except KeyError:
+            unknown.append(key)
+    if unknown:
+        raise KeyError(f"keys not of a {table.arch} model: {unknown}")
+    return out
+
+
+def causal_mask(max_seq_len: int, layer: int) -> torch.Tensor:
+    """The [1, 1, n, n] lower-triangular mask older GPT-2/GPT-J checkpoints stored per layer."""
+    return torch.tril(torch.ones(max_seq_len, max_seq_len, dtype=torch.bool)).view(1, 1, max_seq_len, max_seq_len)
+
+
+def masked_bias(value: float) -> Callable[[int, int], torch.Tensor]:
+    """The scalar fill value older checkpoints stored beside the mask."""
+    return lambda max_seq_len, layer: torch.tensor(value)

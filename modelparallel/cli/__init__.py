@@ -14,6 +14,7 @@ import sys
 
 COMMANDS: dict[str, str] = {
     "train": "modelparallel.cli.train",
+    "convert": "modelparallel.cli.convert",
 }
 
 

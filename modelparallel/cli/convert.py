@@ -1,0 +1,78 @@
+"""``modelparallel convert``: a Hugging Face model directory to the distributed format and back.
+
+The distributed format is degree-independent, so conversion needs no ranks: it runs in one
+process. ``--to distributed`` writes ``config.json`` plus ``model.safetensors`` holding the
+distributed-format state dict (what ``DistributedModel.load_state_dict`` accepts at any TP
+degree); ``--to hf`` writes a directory ``from_pretrained`` loads with no missing or unexpected
+keys (tied duplicates are left out, as ``save_pretrained`` does; HF re-ties them on load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+HELP = "convert a Hugging Face model directory to the distributed format, or back"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("source", type=Path, help="input directory (config.json + *.safetensors)")
+    p.add_argument("dest", type=Path, help="output directory (created; must not hold a model already)")
+    p.add_argument("--to", choices=("distributed", "hf"), required=True, help="target format")
+
+
+def _read_state_dict(directory: Path) -> dict:
+    from safetensors.torch import load_file
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{directory}: no *.safetensors files")
+    state_dict = {}
+    for f in files:
+        state_dict.update(load_file(f))
+    return state_dict
+
+
+def _without_aliases(state_dict: dict) -> dict:
+    """Keep one key per storage: safetensors refuses shared tensors, and HF re-ties on load."""
+    seen, out = set(), {}
+    for key, tensor in state_dict.items():
+        ptr = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if ptr not in seen:
+            seen.add(ptr)
+            out[key] = tensor.contiguous()
+    return out
+
+
+def convert(source: Path, dest: Path, to: str) -> Path:
+    """Convert ``source`` into ``dest``; returns the written weights file.
+
+    Raises:
+        FileNotFoundError / FileExistsError / ValueError: for a missing input, an output that
+            already holds weights, or an architecture without translation.
+    """
+    from safetensors.torch import save_file
+
+    from ..nn.huggingface import table_for
+    from ..nn.huggingface.translate import from_hf, to_hf
+
+    config = json.loads((source / "config.json").read_text())
+    table = table_for(config.get("model_type", ""))
+    if table is None:
+        raise ValueError(f"{source}: model_type {config.get('model_type')!r} has no state-dict translation")
+    if any(dest.glob("*.safetensors")):
+        raise FileExistsError(f"{dest} already holds *.safetensors files; choose an empty directory")
+    state_dict = _read_state_dict(source)
+    converted = from_hf(table, state_dict) if to == "distributed" else to_hf(table, state_dict)
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    out = dest / "model.safetensors"
+    save_file(_without_aliases(converted), out, metadata={"format": "pt", "modelparallel_format": to})
+    return out
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    out = convert(args.source, args.dest, args.to)
+    print(f"wrote {out}")
+    return 0

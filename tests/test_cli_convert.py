@@ -1,0 +1,35 @@
+"""``modelparallel convert``: HF directory -> distributed format -> HF directory, loaded by HF.
+
+A failure means modelparallel/cli/convert.py writes something HF or DistributedModel cannot read.
+"""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+from transformers.utils import logging as hf_logging
+
+from modelparallel.cli.convert import convert
+
+
+def test_convert_round_trip_loads_without_warnings(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=101, n_positions=16)).eval()
+    model.save_pretrained(tmp_path / "hf")
+    cmd = [sys.executable, "-m", "modelparallel.cli", "convert", str(tmp_path / "hf"), str(tmp_path / "dist"),
+           "--to", "distributed"]
+    subprocess.run(cmd, check=True, capture_output=True)
+    from safetensors.torch import load_file
+    dist = load_file(tmp_path / "dist" / "model.safetensors")
+    assert dist["transformer.h.0.attn.c_attn.weight"].shape == (32, 3, 32)
+    convert(tmp_path / "dist", tmp_path / "back", "hf")
+    hf_logging.set_verbosity_warning()
+    back, info = GPT2LMHeadModel.from_pretrained(tmp_path / "back", output_loading_info=True)
+    assert not any(info.values()), info
+    ids = torch.arange(10).reshape(1, 10)
+    torch.testing.assert_close(back.eval()(ids).logits, model(ids).logits, rtol=0, atol=0)
+    assert back.lm_head.weight.data_ptr() == back.transformer.wte.weight.data_ptr()
+    with pytest.raises(FileExistsError, match="already holds"):
+        convert(tmp_path / "dist", tmp_path / "back", "hf")

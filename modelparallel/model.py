@@ -41,10 +41,12 @@ class DistributedModel(nn.Module):
         module.to(device=rt.device, dtype=dtype)
         replicated = walker.parallelize(module, rt.tp_mesh, spec_for(module))
         if replicated and runtime.rank() == 0:
-            logger.info("modelparallel: replicated on every TP rank: %s", ", ".join(replicated))
+            logger.info("replicated on every TP rank: %s", ", ".join(replicated))
         module._mp_wrapped = True
         self.module = module
         rt.models.append(self)
+        if rt.pending_resume is not None:  # smp.resume_from_checkpoint ran before this model existed
+            rt.pending_resume.on_model(self)
 
     def __getattr__(self, name: str):
         try:

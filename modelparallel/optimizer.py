@@ -61,6 +61,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.loss_scaler = _make_scaler(static_loss_scale, dynamic_loss_scale, dynamic_loss_args)
         self.overflow = False
         rt.optimizers.append(self)
+        if rt.pending_resume is not None:  # smp.resume_from_checkpoint ran before this optimizer existed
+            rt.pending_resume.on_optimizer(self)
 
     # ---- the wrapped optimizer's state, seen as the wrapper's own ---------------------------
 
@@ -129,7 +131,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _log_skip(self) -> None:
         if dist.get_rank() == 0:
-            logger.info("modelparallel: gradient overflow, skipping step; loss scale now %g",
+            logger.info("gradient overflow, skipping step; loss scale now %g",
                         self.loss_scaler.loss_scale)
 
     # ---- checkpoints ------------------------------------------------------------------------
@@ -156,7 +158,7 @@ def _make_scaler(static_loss_scale: float, dynamic: bool, args: Mapping[str, Any
     if dynamic:
         return scaler
     if args:
-        logger.warning("modelparallel: dynamic_loss_args ignored because dynamic_loss_scale=False")
+        logger.warning("dynamic_loss_args ignored because dynamic_loss_scale=False")
     return LossScaler(static_loss_scale)
 
 

@@ -99,6 +99,17 @@ def mesh_layout(config: Config) -> torch.Tensor:
     return grid.reshape(config.dp_degree, config.tensor_parallel_degree)
 
 
+def _setup_logging(global_rank: int) -> None:
+    """Show the library's INFO lines (what stays replicated, the layout) unless the user has
+    configured the ``modelparallel`` logger already."""
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(f"[modelparallel rank {global_rank}] %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
 def init(config: dict | str | None = None, *, timeout_s: float = 300.0) -> Runtime:
     """Start (or restart) the distributed runtime.
 
@@ -121,8 +132,9 @@ def init(config: dict | str | None = None, *, timeout_s: float = 300.0) -> Runti
     torch.manual_seed(cfg.random_seed)
     random.seed(cfg.random_seed)
     _RUNTIME = Runtime(config=cfg, mesh=mesh, device=device)
+    _setup_logging(dist.get_rank())
     if dist.get_rank() == 0:
-        logger.info("modelparallel: world %d = dp %d x tp %d on %s", cfg.world_size, cfg.dp_degree,
+        logger.info("world %d = dp %d x tp %d on %s", cfg.world_size, cfg.dp_degree,
                     cfg.tensor_parallel_degree, device.type)
     return _RUNTIME
 

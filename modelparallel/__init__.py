@@ -5,6 +5,7 @@
 rank API (``smp.rank()``, ``smp.tp_rank()``, ``smp.dp_size()``...).
 """
 
+from .checkpoint import CheckpointError, last_load_report, resume_from_checkpoint, save_checkpoint
 from .config import Config
 from .model import DistributedModel
 from .optimizer import DistributedOptimizer
@@ -20,11 +21,12 @@ from .tp.plan import ArchSpec, ModulePlan
 __version__ = "0.1.0"
 
 __all__ = [
-    "ArchSpec", "Config", "DistributedModel", "DistributedOptimizer", "ModulePlan",
+    "ArchSpec", "CheckpointError", "Config", "DistributedModel", "DistributedOptimizer", "ModulePlan",
     "DP_GROUP", "MP_GROUP", "RDP_GROUP", "TP_GROUP", "WORLD",
     "barrier", "broadcast", "dp_rank", "dp_size", "get_dp_process_group", "get_mp_process_group",
     "get_rdp_process_group", "get_tp_process_group", "get_world_process_group", "init",
     "is_initialized", "local_rank", "local_size", "mp_rank", "mp_size", "pp_rank", "pp_size", "rank",
     "rdp_rank", "rdp_size", "set_tensor_parallelism", "size", "tensor_parallelism", "tp_rank",
     "tp_register_with_module", "tp_size",
+    "last_load_report", "resume_from_checkpoint", "save_checkpoint",
 ]

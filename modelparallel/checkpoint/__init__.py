@@ -1,0 +1,12 @@
+"""Distributed checkpoints: partial (DCP, reshardable) and full (Hugging Face) with crash safety.
+
+``smp.save_checkpoint`` / ``smp.resume_from_checkpoint`` are SageMaker's API; the guarantees
+(atomic commit, checksums, failure on one rank raising on all) are documented in ``commit`` and
+``errors``.
+"""
+
+from .api import last_load_report, resume_from_checkpoint, save_checkpoint
+from .errors import CheckpointError
+from .parts import LoadReport
+
+__all__ = ["CheckpointError", "LoadReport", "last_load_report", "resume_from_checkpoint", "save_checkpoint"]

@@ -1,0 +1,173 @@
+"""``smp.save_checkpoint`` and ``smp.resume_from_checkpoint``: SageMaker's checkpoint API.
+
+A resume called before the ``DistributedModel`` / ``DistributedOptimizer`` exist is kept in
+``Runtime.pending_resume`` and applied by their constructors, as SageMaker defers it: user code
+can resume first, then build the model as usual.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from .. import runtime
+from . import commit, full
+from . import partial as partial_ckpt
+from .errors import run_phase
+from .parts import USER_CONTENT, LoadReport, read_user_content
+
+logger = logging.getLogger("modelparallel")
+
+_LAST_REPORTS: dict[str, LoadReport] = {}
+
+
+def save_checkpoint(path: str | Path, tag: str, partial: bool = True, model=None, optimizer=None,
+                    user_content: Any = None, translate_if_full: bool = True,
+                    num_kept_partial_checkpoints: int | None = None) -> None:
+    """Save a checkpoint (a collective: call it on every rank).
+
+    Args:
+        path: the checkpoint directory (created if needed).
+        tag: the checkpoint's name, e.g. ``f"step_{step}"``.
+        partial: True writes ``path/{tag}_partial/`` (model, optimizer and user content as DCP
+            parts, reloadable at any TP/DP layout); False writes ``path/{tag}/``, a Hugging Face
+            model directory, and ``path/user_content_{tag}``.
+        model, optimizer: default to the last ``DistributedModel`` / ``DistributedOptimizer``
+            created (``optimizer`` is not saved by a full checkpoint).
+        user_content: any picklable object, returned by ``resume_from_checkpoint``.
+        translate_if_full: full checkpoints in Hugging Face format (else the distributed format).
+        num_kept_partial_checkpoints: keep only this many newest partial checkpoints.
+
+    Raises:
+        ValueError: for bad arguments, before anything is written.
+        CheckpointError: on every rank if the save failed on any; what was on disk before
+            (including ``newest``) is untouched.
+    """
+    model, optimizer = _defaults(model, optimizer)
+    _check_save_args(tag, num_kept_partial_checkpoints, model)
+    if partial:
+        partial_ckpt.save(Path(path), tag, model, optimizer, user_content, num_kept_partial_checkpoints)
+    else:
+        full.save(Path(path), tag, model, user_content, translate_if_full)
+
+
+def _defaults(model, optimizer):
+    rt = runtime.current()
+    model = model if model is not None else (rt.models[-1] if rt.models else None)
+    if optimizer is None and rt.optimizers and model is not None:
+        optimizer = rt.optimizers[-1]
+    return model, optimizer
+
+
+def _check_save_args(tag, keep, model) -> None:
+    problems = []
+    if model is None:
+        problems.append("no model: create a smp.DistributedModel first or pass model=")
+    if not isinstance(tag, str) or not tag or "/" in tag or tag.startswith(".") or tag == commit.NEWEST:
+        problems.append(f"tag must be a non-empty name without '/', not starting with '.', not "
+                        f"'{commit.NEWEST}'; got {tag!r}")
+    if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
+        problems.append(f"num_kept_partial_checkpoints must be an integer >= 1 or None, got {keep!r}")
+    if problems:
+        raise ValueError("save_checkpoint: " + "; ".join(problems))
+
+
+def resume_from_checkpoint(path: str | Path, tag: str | None = None, partial: bool = True,
+                           strict: bool = True, load_optimizer: bool = True,
+                           translate_function: Callable | None = None) -> Any:
+    """Load a checkpoint into this job's model and optimizer; returns the saved user content.
+
+    Args:
+        path: the directory given to ``save_checkpoint``.
+        tag: the checkpoint to load; None loads the one ``path/newest`` names.
+        partial: load a partial checkpoint (model and optimizer, any layout) or a full one
+            (model weights only).
+        strict: raise listing every missing / unexpected key and shape mismatch; False loads
+            what fits and reports the rest (``last_load_report()``).
+        load_optimizer: also load the optimizer and loss-scaler state (partial only).
+        translate_function: for a full checkpoint, maps the file's keys to the model's
+            (default: the architecture's own translation).
+
+    If the ``DistributedModel`` (or optimizer) does not exist yet, its load happens when it is
+    created. Every file is verified against the manifest's checksums first.
+
+    Raises:
+        FileNotFoundError: missing path, unknown tag, ``newest`` naming a missing checkpoint.
+        ValueError: another architecture; strict mismatches (listed); a corrupted file (named).
+    """
+    directory = Path(locate(Path(path), tag, partial))
+    if not partial:
+        return full.resume(Path(path), directory, strict, translate_function)
+    manifest = commit.read_manifest(directory)
+    prefixes = (partial_ckpt.MODEL + "/", USER_CONTENT) + ((partial_ckpt.OPTIMIZER + "/",) if load_optimizer else ())
+    partial_ckpt.verify(directory, manifest, prefixes)
+    content = read_user_content(directory / USER_CONTENT)
+    pending = PendingResume(directory, manifest, strict, load_optimizer)
+    rt = runtime.current()
+    rt.pending_resume = pending
+    if rt.models:
+        pending.on_model(rt.models[-1])
+    if rt.optimizers and rt.pending_resume is pending:
+        pending.on_optimizer(rt.optimizers[-1])
+    return content
+
+
+@dataclass
+class PendingResume:
+    """A partial load waiting for the model and optimizer it loads into."""
+
+    directory: Path
+    manifest: dict
+    strict: bool
+    load_optimizer: bool
+    model: Any = None
+
+    def on_model(self, model) -> None:
+        """Called when a ``DistributedModel`` exists (a collective)."""
+        _LAST_REPORTS.clear()
+        _LAST_REPORTS["model"] = partial_ckpt.load_model(self.directory, self.manifest, model, self.strict)
+        self.model = model
+        if not self.load_optimizer:
+            runtime.current().pending_resume = None
+
+    def on_optimizer(self, optimizer) -> None:
+        """Called when a ``DistributedOptimizer`` exists, after the model (a collective)."""
+        if self.model is None:
+            return
+        _LAST_REPORTS["optimizer"] = partial_ckpt.load_optimizer(
+            self.directory, self.manifest, self.model, optimizer, self.strict)
+        runtime.current().pending_resume = None
+
+
+def last_load_report() -> dict[str, LoadReport]:
+    """Per part ("model", "optimizer"): what the last resume skipped (non-empty only with
+    ``strict=False``)."""
+    return dict(_LAST_REPORTS)
+
+
+def locate(path: Path, tag: str | None, partial: bool) -> Path:
+    """The checkpoint directory for ``tag`` (or ``newest``), with an error that says what exists."""
+    def find():
+        if not path.is_dir():
+            raise FileNotFoundError(f"checkpoint path {path} does not exist")
+        name = commit.read_newest(path) if tag is None else (f"{tag}_partial" if partial else tag)
+        if name is None:
+            raise FileNotFoundError(f"{path} has no '{commit.NEWEST}' file, so tag=None finds nothing; "
+                                    f"saved checkpoints: {_saved(path)}")
+        where = f"{path}/{commit.NEWEST} names {name!r}, which" if tag is None else f"checkpoint {name!r}"
+        if not (path / name).is_dir():
+            raise FileNotFoundError(f"{where} does not exist in {path}; saved checkpoints: {_saved(path)}")
+        kind = commit.read_manifest(path / name).get("format", "")
+        if kind.endswith("partial") != partial:
+            raise ValueError(f"{where} is a {'partial' if kind.endswith('partial') else 'full'} checkpoint; "
+                             f"resume it with partial={not partial}")
+        return str(path / name)
+
+    return Path(run_phase("resume (locate)", find)[0])
+
+
+def _saved(path: Path) -> list[str]:
+    return sorted(p.name for p in path.iterdir()
+                  if p.is_dir() and not p.name.startswith(commit.HIDDEN) and (p / commit.MANIFEST).is_file())

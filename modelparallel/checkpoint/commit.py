@@ -1,0 +1,209 @@
+"""Crash-safe files and directories: staging, fsync, checksums, atomic commit, ``newest``, retention.
+
+The rules, each against a failure peers shipped (see shared PITFALLS, Checkpoints):
+
+* A checkpoint is written into a hidden staging directory (``.mp-staging-...``) and becomes
+  visible only through one atomic ``rename`` after every file and ``manifest.json`` (sizes and
+  CRC32 of every file) is written and fsynced. A visible checkpoint directory is complete by
+  construction; a crash leaves only hidden leftovers, which the next save removes.
+* ``path/newest`` is written last, through a temporary file, fsync and rename: it never names a
+  checkpoint that is not complete, and a crash leaves the previous one in place.
+* Replacing a checkpoint of the same tag swaps the two directories atomically
+  (``renameat2(RENAME_EXCHANGE)`` on Linux), so the old one stays whole until the new one is in.
+* Deleting (retention, replaced checkpoints) first renames into ``.mp-trash-...``, so a crash
+  mid-delete never leaves a half-deleted directory under a checkpoint's name.
+
+Everything here is local file work; the caller decides which rank does what.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import uuid
+import zlib
+from pathlib import Path
+
+HIDDEN = ".mp-"
+MANIFEST = "checkpoint_manifest.json"
+NEWEST = "newest"
+_CHUNK = 16 << 20
+
+
+def new_nonce() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def hidden_name(kind: str, nonce: str, name: str) -> str:
+    """``.mp-{kind}-{nonce}-{name}``: every temporary of ours starts with ``.mp-``."""
+    return f"{HIDDEN}{kind}-{nonce}-{name}"
+
+
+def fsync_path(path: str | Path) -> None:
+    """fsync a file or a directory (a directory's fsync persists the names in it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: str | Path) -> None:
+    """fsync every directory under ``root`` (files are fsynced by whoever wrote them)."""
+    for dirpath, _, _ in os.walk(root):
+        fsync_path(dirpath)
+
+
+def write_file_atomic(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a crash leaves either the old file or the new one."""
+    path = Path(path)
+    tmp = path.parent / hidden_name("tmp", new_nonce(), path.name)
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_path(path.parent)
+
+
+def file_checksum(path: str | Path, fsync: bool = False) -> dict:
+    """``{"size", "crc32"}`` of a file, read in chunks; with ``fsync`` also flush it to disk."""
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+        if fsync:
+            os.fsync(f.fileno())
+    return {"size": size, "crc32": f"{crc:08x}"}
+
+
+def data_files(root: str | Path) -> list[str]:
+    """Every file under ``root`` except the manifest, as sorted relative POSIX paths."""
+    root = Path(root)
+    files = (p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+    return sorted(f for f in files if f != MANIFEST)
+
+
+def verify_file(root: str | Path, rel: str, expected: dict) -> str | None:
+    """None if ``root/rel`` has the recorded size and CRC32, else a message naming the file."""
+    path = Path(root) / rel
+    if not path.is_file():
+        return f"{path}: missing (listed in the manifest)"
+    size = path.stat().st_size
+    if size != expected["size"]:
+        return f"{path}: size {size} bytes, manifest says {expected['size']} (truncated or overwritten)"
+    got = file_checksum(path)["crc32"]
+    if got != expected["crc32"]:
+        return f"{path}: CRC32 {got}, manifest says {expected['crc32']} (corrupted)"
+    return None
+
+
+def write_manifest(directory: str | Path, manifest: dict) -> None:
+    write_file_atomic(Path(directory) / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+
+
+def read_manifest(directory: str | Path, name: str = MANIFEST) -> dict:
+    """The manifest of a checkpoint directory.
+
+    Raises:
+        FileNotFoundError / ValueError: naming the directory, when it has none or it is unreadable.
+    """
+    path = Path(directory) / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory} is not a complete modelparallel checkpoint: no {name}")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: unreadable manifest ({e})") from e
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2); False where the system cannot."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    return fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
+
+
+def commit_dir(staging: str | Path, final: str | Path) -> None:
+    """Make the complete ``staging`` directory visible as ``final`` in one atomic step.
+
+    An existing ``final`` (same tag saved again) is swapped out whole and then deleted; where
+    an atomic swap is unavailable it is first moved aside, leaving a short window without it.
+    """
+    staging, final = Path(staging), Path(final)
+    fsync_tree(staging)
+    if final.exists():
+        if not _exchange(staging, final):
+            aside = final.parent / hidden_name("trash", new_nonce(), final.name)
+            os.rename(final, aside)
+            os.rename(staging, final)
+            staging = aside
+        fsync_path(final.parent)
+        remove_dir(staging)
+    else:
+        os.rename(staging, final)
+    fsync_path(final.parent)
+
+
+def remove_dir(directory: str | Path) -> None:
+    """Delete a directory tree: renamed into hidden trash first, so it disappears atomically."""
+    directory = Path(directory)
+    trash = directory
+    if not directory.name.startswith(HIDDEN):
+        trash = directory.parent / hidden_name("trash", new_nonce(), directory.name)
+        os.rename(directory, trash)
+        fsync_path(directory.parent)
+    shutil.rmtree(trash)
+
+
+def clean_leftovers(path: str | Path) -> list[str]:
+    """Remove what interrupted saves left in ``path`` (hidden ``.mp-`` entries only)."""
+    removed = []
+    for entry in sorted(Path(path).iterdir()):
+        if entry.name.startswith(HIDDEN):
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+            removed.append(entry.name)
+    return removed
+
+
+def write_newest(path: str | Path, name: str) -> None:
+    """Point ``path/newest`` at checkpoint directory ``name`` (written last, atomically)."""
+    write_file_atomic(Path(path) / NEWEST, (name + "\n").encode())
+
+
+def read_newest(path: str | Path) -> str | None:
+    """The checkpoint directory name in ``path/newest``, or None if there is no such file."""
+    f = Path(path) / NEWEST
+    return (f.read_text().strip() or None) if f.is_file() else None
+
+
+def saved_checkpoints(path: str | Path, suffix: str = "_partial") -> list[tuple[int, str]]:
+    """(saved_at_ns, directory name) of every complete checkpoint ending in ``suffix``, oldest
+    first. Complete means it holds a readable manifest; anything else is never counted."""
+    found = []
+    for entry in Path(path).iterdir():
+        if entry.is_dir() and not entry.name.startswith(HIDDEN) and entry.name.endswith(suffix):
+            try:
+                found.append((int(read_manifest(entry)["saved_at_ns"]), entry.name))
+            except (OSError, ValueError, KeyError):
+                continue
+    return sorted(found)
+
+
+def apply_retention(path: str | Path, keep: int, protect: str | None) -> list[str]:
+    """Delete all but the ``keep`` newest complete partial checkpoints; never ``protect`` (the
+    one ``newest`` names). Returns the deleted directory names."""
+    names = [name for _, name in saved_checkpoints(path)]
+    doomed = [n for n in names[:max(len(names) - keep, 0)] if n != protect]
+    for name in doomed:
+        remove_dir(Path(path) / name)
+    return doomed

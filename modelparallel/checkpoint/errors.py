@@ -1,0 +1,110 @@
+"""Failure on one rank becomes an exception on every rank: phases that end in an agreement.
+
+A checkpoint save or load is a sequence of phases. Each rank runs its local part of a phase,
+catching any exception; then every rank joins one ``all_gather_object`` of (error, payload). If
+any rank failed, every rank raises ``CheckpointError`` naming the phase, the failing ranks and
+their messages. A rank that died outright (SIGKILL) breaks the collective for its peers, which
+then raise at once (gloo notices the closed connection); a rank that hangs is bounded by the
+process-group timeout, the last resort.
+
+The local part of a phase must not start collectives that a failing rank could skip, or the
+agreement would pair with the wrong collective. DCP's own save/load is safe inside a phase: it
+propagates a failure on one rank to all ranks itself before returning.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint save or load failed on at least one rank; raised on every rank.
+
+    When every failing rank raised the same built-in type (``FileNotFoundError``, ``ValueError``...)
+    the error is also an instance of that type, so ``except FileNotFoundError`` still works.
+    """
+
+
+_TYPED: dict[str, type] = {}
+
+
+def _error_class(names: set[str]) -> type:
+    """``CheckpointError``, mixed with the one built-in exception type all failing ranks raised."""
+    name = next(iter(names)) if len(names) == 1 else None
+    base = getattr(builtins, name, None) if name else None
+    if not (isinstance(base, type) and issubclass(base, Exception)) or issubclass(CheckpointError, base):
+        return CheckpointError
+    if name not in _TYPED:
+        _TYPED[name] = type(f"Checkpoint{name}", (CheckpointError, base), {"__str__": RuntimeError.__str__})
+    return _TYPED[name]
+
+
+def object_group() -> dist.ProcessGroup | None:
+    """The group for object collectives: the world on gloo, a gloo side group over NCCL (object
+    collectives on NCCL need CUDA tensors, and a CPU group keeps them off the GPU stream)."""
+    if not dist.is_initialized() or dist.get_backend() == "gloo":
+        return None
+    global _GLOO_WORLD
+    if _GLOO_WORLD is None:
+        _GLOO_WORLD = dist.new_group(backend="gloo")
+    return _GLOO_WORLD
+
+
+_GLOO_WORLD: dist.ProcessGroup | None = None
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def agree(phase: str, error: BaseException | None, payload: Any = None) -> list[Any]:
+    """Share each rank's outcome of ``phase``; raise on every rank if any rank failed.
+
+    Returns:
+        Every rank's ``payload``, indexed by global rank.
+
+    Raises:
+        CheckpointError: naming the phase and each failing rank's error (chained to this rank's
+            own exception, if it had one).
+    """
+    mine = None if error is None else (type(error).__name__, _message(error))
+    outcomes = [(mine, payload)]
+    if _world() > 1:
+        outcomes = [None] * _world()
+        dist.all_gather_object(outcomes, (mine, payload), group=object_group())
+    failed = [(r, e) for r, (e, _) in enumerate(outcomes) if e is not None]
+    if failed:
+        by_error: dict[tuple[str, str], list[int]] = {}
+        for r, e in failed:
+            by_error.setdefault(e, []).append(r)
+        lines = [f"rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))}: {name}: {msg}"
+                 for (name, msg), rs in by_error.items()]
+        cls = _error_class({name for _, (name, _) in failed})
+        raise cls(f"checkpoint {phase} failed on rank(s) {[r for r, _ in failed]}:\n  "
+                  + "\n  ".join(lines)) from error
+    return [p for _, p in outcomes]
+
+
+def _message(error: BaseException) -> str:
+    """The error's text (KeyError's str() adds quotes around its argument; drop them)."""
+    return str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
+
+
+def run_phase(phase: str, fn: Callable[[], Any]) -> list[Any]:
+    """Run ``fn()`` on this rank, then ``agree``: every rank returns all ranks' results, or every
+    rank raises ``CheckpointError`` if ``fn`` raised anywhere."""
+    try:
+        result, error = fn(), None
+    except Exception as e:  # noqa: BLE001 - reported to every rank by agree()
+        result, error = None, e
+    return agree(phase, error, result)
+
+
+def single_error(phase: str, errors: list[str]) -> None:
+    """Raise one error listing every problem found (e.g. by all ranks' checksum checks)."""
+    if errors:
+        raise CheckpointError(f"checkpoint {phase}:\n  - " + "\n  - ".join(errors))

@@ -32,7 +32,7 @@ def test_train_command_two_ranks(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert (out / "loss.png").stat().st_size > 0
     m = json.loads((out / "metrics.json").read_text())
-    assert (m["world_size"], m["tp"], m["dp"]) == (2, 2, 1)
+    assert (m["world_size"], m["tp"], m["dp"]) == (2, 2, 1) and m["optimizer"] == "DistributedOptimizer"
     assert len(m["loss"]) == 5 and all(math.isfinite(v) for v in m["loss"])
     assert math.isfinite(m["final_val_loss"]) and math.isfinite(m["final_train_loss"])
     assert m["loss"][0] == pytest.approx(math.log(ByteTokenizer.vocab_size), abs=0.5)  # starts near uniform
@@ -107,3 +107,17 @@ def test_bad_arguments_fail_before_launch(capsys, tmp_path):
 def test_launcher_separates_its_arguments():
     cmd = torchrun_command(2, ["train", "--nproc", "2"])
     assert cmd[cmd.index("modelparallel.cli") + 1] == "--"
+
+
+def test_model_directory_tokenizer_choice(tmp_path):
+    """A tokenizer-less directory saved from a preset gets the byte tokenizer; any other
+    tokenizer-less directory is refused (transformers would hand back an empty tokenizer)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from modelparallel.cli.presets import load_tokenizer, preset_config
+
+    GPT2LMHeadModel(preset_config("gpt2-micro", 32)).save_pretrained(tmp_path / "bytes")
+    assert isinstance(load_tokenizer(str(tmp_path / "bytes")), ByteTokenizer)
+    GPT2LMHeadModel(GPT2Config(vocab_size=300, n_embd=16, n_layer=1, n_head=2)).save_pretrained(tmp_path / "other")
+    with pytest.raises(ValueError, match="no usable tokenizer"):
+        load_tokenizer(str(tmp_path / "other"))

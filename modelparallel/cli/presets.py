@@ -90,11 +90,21 @@ def load_tokenizer(model: str):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(model)
+        tok = AutoTokenizer.from_pretrained(model)
     except (OSError, ValueError, TypeError) as exc:
-        if getattr(load_config(model, 0), "vocab_size", None) == ByteTokenizer.vocab_size:
-            return ByteTokenizer()
-        raise ValueError(f"--model {model}: no tokenizer found in the directory ({exc})") from exc
+        tok, reason = None, str(exc)
+    if tok is not None and _has_vocabulary(tok):
+        return tok
+    if getattr(load_config(model, 0), "vocab_size", None) == ByteTokenizer.vocab_size:
+        return ByteTokenizer()
+    raise ValueError(f"--model {model}: no usable tokenizer in the directory "
+                     f"({reason if tok is None else 'its tokenizer has an empty vocabulary'})")
+
+
+def _has_vocabulary(tok) -> bool:
+    """False for the empty tokenizer transformers builds when a directory has no tokenizer files
+    (it loads without error and encodes every text to nothing)."""
+    return len(tok) > 1 and len(tok.encode("def f(x):", add_special_tokens=False)) > 0
 
 
 def build_model(model: str, seq_len: int, seed: int):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from . import launch
 from .data import default_data_path, find_text_files
-from .presets import DEFAULT_PRESET, PRESETS, load_config, size_problems
+from .presets import DEFAULT_PRESET, PRESETS, load_config, load_tokenizer, size_problems
 
 HELP = "train / fine-tune a causal LM with tensor parallelism (default: tiny GPT-2 on the stdlib, TP=2, CPU)"
 
@@ -61,12 +61,15 @@ def _range_problems(args: argparse.Namespace) -> list[str]:
     checks = [("--tp", args.tp, 1), ("--nproc", args.nproc, 1), ("--steps", args.steps, 1),
               ("--batch-size", args.batch_size, 1), ("--seq-len", args.seq_len, 2),
               ("--eval-windows", args.eval_windows, 1), ("--sample-tokens", args.sample_tokens, 0),
-              ("--max-files", args.max_files or 1, 1), ("--eval-every", args.eval_every or 0, 0)]
+              ("--max-files", args.max_files or 1, 1), ("--eval-every", args.eval_every or 0, 0),
+              ("--max-bytes", args.max_bytes, 0), ("--warmup", args.warmup or 0, 0)]
     problems = [f"{name} must be >= {low}, got {value}" for name, value, low in checks if value < low]
     if args.lr <= 0:
         problems.append(f"--lr must be positive, got {args.lr}")
     if not 0 < args.val_fraction < 0.5:
         problems.append(f"--val-fraction must be in (0, 0.5), got {args.val_fraction}")
+    if args.sample_tokens and not args.prompt:
+        problems.append("--prompt must not be empty when --sample-tokens > 0")
     if args.temperature < 0:
         problems.append(f"--temperature must be >= 0, got {args.temperature}")
     return problems
@@ -94,6 +97,7 @@ def check_args(args: argparse.Namespace) -> list[str]:
         problems.append(str(exc))
     try:
         problems += size_problems(load_config(args.model, args.seq_len), args.seq_len, args.tp)
+        load_tokenizer(args.model)
     except (OSError, ValueError) as exc:
         problems.append(str(exc))
     if args.warmup is None:
@@ -111,7 +115,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not launch.under_launcher() and args.nproc > 1:
         args.out.mkdir(parents=True, exist_ok=True)
         print(f"modelparallel train: launching {args.nproc} ranks (tp {args.tp}, dp {args.nproc // args.tp}, "
-              f"{launch.threads_per_rank(args.nproc)} thread(s) each)", file=sys.stderr, flush=True)
+              f"{launch.rank_env(args.nproc)['OMP_NUM_THREADS']} thread(s) each)", file=sys.stderr, flush=True)
         return launch.relaunch(args.nproc, args.argv)
     from .train_job import run_job
 

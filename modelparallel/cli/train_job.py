@@ -32,13 +32,10 @@ def load_data(args: argparse.Namespace, tokenizer) -> tuple[torch.Tensor, torch.
 
 
 def make_optimizer(model, args):
-    """AdamW over the sharded parameters, in ``smp.DistributedOptimizer`` when the library has a
-    working one; returns (what to step, the torch optimizer whose ``lr`` the schedule sets)."""
+    """AdamW over the sharded parameters, wrapped in ``smp.DistributedOptimizer`` as SageMaker
+    scripts do (it is a plain step in fp32; the wrapper is where loss scaling would live)."""
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
-    try:
-        return smp.DistributedOptimizer(inner), inner
-    except NotImplementedError:
-        return inner, inner
+    return smp.DistributedOptimizer(inner)
 
 
 def lr_at(step: int, args) -> float:
@@ -73,7 +70,7 @@ def evaluate(model, val_tokens: torch.Tensor, args) -> float:
     return (total[0] / total[1]).item()
 
 
-def train_loop(model, opt, inner, sampler, val_tokens, args) -> dict:
+def train_loop(model, opt, sampler, val_tokens, args) -> dict:
     """Run ``--steps`` steps; returns the per-step history. Progress bar on rank 0 only."""
     from tqdm.auto import tqdm
 
@@ -83,7 +80,7 @@ def train_loop(model, opt, inner, sampler, val_tokens, args) -> dict:
     model.train()
     for step in range(args.steps):
         start = time.perf_counter()
-        for group in inner.param_groups:
+        for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
         x, y = sampler.next_batch()
         loss = model(x, labels=x, shift_labels=y).loss
@@ -93,12 +90,14 @@ def train_loop(model, opt, inner, sampler, val_tokens, args) -> dict:
         (loss_value,) = dp_mean([loss.item()])
         elapsed = time.perf_counter() - start
         hist["loss"].append(loss_value)
-        hist["lr"].append(inner.param_groups[0]["lr"])
+        hist["lr"].append(opt.param_groups[0]["lr"])
         hist["step_time_s"].append(elapsed)
         hist["tokens_per_s"].append(tokens_per_step / elapsed)
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
             hist["val"].append((step + 1, evaluate(model, val_tokens, args)))
-        bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_step / elapsed:,.0f}", refresh=False)
+        recent = hist["step_time_s"][-10:]  # a single step's rate jitters too much to read
+        bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_step * len(recent) / sum(recent):,.0f}",
+                        refresh=False)
         bar.update()
     bar.close()
     return hist
@@ -132,7 +131,8 @@ def _summary(args, hist, info, val_loss, sample, wall, train_time, n_params, opt
         "parameters": n_params, "corpus": info, **hist, "val": [list(v) for v in hist["val"]],
         "initial_train_loss": hist["loss"][0], "final_train_loss": sum(last) / len(last),
         "final_val_loss": val_loss, "mean_tokens_per_s": args.steps * args.batch_size * args.seq_len
-        * smp.dp_size() / train_time, "train_time_s": train_time, "wall_time_s": wall, "sample": sample,
+        * smp.dp_size() / sum(hist["step_time_s"]), "train_time_s": train_time, "wall_time_s": wall,
+        "sample": sample,
         "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
     }
 
@@ -157,10 +157,10 @@ def run_job(args: argparse.Namespace) -> int:
     train_tokens, val_tokens, info = load_data(args, tokenizer)
     model = smp.DistributedModel(build_model(args.model, args.seq_len, args.seed))
     n_params = sum(p.numel() for p in model.parameters())  # DTensor numel is the global size
-    opt, inner = make_optimizer(model, args)
+    opt = make_optimizer(model, args)
     sampler = WindowSampler(train_tokens, args.seq_len, args.batch_size, args.seed, smp.dp_rank())
     t_train = time.perf_counter()
-    hist = train_loop(model, opt, inner, sampler, val_tokens, args)
+    hist = train_loop(model, opt, sampler, val_tokens, args)
     train_time = time.perf_counter() - t_train
     val_loss = evaluate(model, val_tokens, args)
     sample = generate_sample(model, tokenizer, args)

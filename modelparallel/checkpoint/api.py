@@ -157,6 +157,11 @@ def locate(path: Path, tag: str | None, partial: bool) -> Path:
             raise FileNotFoundError(f"{path} has no '{commit.NEWEST}' file, so tag=None finds nothing; "
                                     f"saved checkpoints: {_saved(path)}")
         where = f"{path}/{commit.NEWEST} names {name!r}, which" if tag is None else f"checkpoint {name!r}"
+        other = f"{tag}_partial" if not partial else tag
+        if not (path / name).is_dir() and tag is not None and (path / other / commit.MANIFEST).is_file():
+            raise FileNotFoundError(f"{where} does not exist in {path}, but {other!r} does: it is a "
+                                    f"{'partial' if not partial else 'full'} checkpoint, resume it with "
+                                    f"partial={not partial}")
         if not (path / name).is_dir():
             raise FileNotFoundError(f"{where} does not exist in {path}; saved checkpoints: {_saved(path)}")
         kind = commit.read_manifest(path / name).get("format", "")

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 
 class CheckpointError(RuntimeError):
@@ -99,7 +100,7 @@ def run_phase(phase: str, fn: Callable[[], Any]) -> list[Any]:
     rank raises ``CheckpointError`` if ``fn`` raised anywhere."""
     try:
         result, error = fn(), None
-    except Exception as e:  # noqa: BLE001 - reported to every rank by agree()
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported to every rank by agree()
         result, error = None, e
     return agree(phase, error, result)
 

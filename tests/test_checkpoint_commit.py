@@ -1,0 +1,82 @@
+"""Crash-safe commit, ``newest`` and retention (modelparallel/checkpoint/commit.py).
+
+A failure means a checkpoint could become visible before it is complete, a good checkpoint
+could be deleted, or a leftover could be mistaken for a checkpoint. The file-level rules are
+tested in one process; the last test checks them through ``smp.save_checkpoint`` on 2 ranks.
+"""
+
+import json
+import os
+
+import torch
+
+import harness
+import modelparallel as smp
+from modelparallel.checkpoint import commit
+
+
+def fake_checkpoint(root, name, saved_at, content=b"x"):
+    staging = root / commit.hidden_name("staging", commit.new_nonce(), name)
+    staging.mkdir()
+    (staging / "data.bin").write_bytes(content)
+    commit.write_manifest(staging, {"saved_at_ns": saved_at,
+                                    "files": {"data.bin": commit.file_checksum(staging / "data.bin")}})
+    commit.commit_dir(staging, root / name)
+
+
+def test_retention_keeps_the_newest_and_never_touches_foreign_directories(tmp_path):
+    for i in range(4):
+        fake_checkpoint(tmp_path, f"s{i}_partial", saved_at=100 + i)
+    (tmp_path / "mine_partial").mkdir()  # no manifest: not ours, never deleted (orbax #394)
+    (tmp_path / "mine_partial" / "notes.txt").write_text("keep me")
+    deleted = commit.apply_retention(tmp_path, keep=2, protect="s3_partial")
+    assert deleted == ["s0_partial", "s1_partial"]
+    assert sorted(os.listdir(tmp_path)) == ["mine_partial", "s2_partial", "s3_partial"]
+
+
+def test_retention_never_deletes_what_newest_names(tmp_path):
+    fake_checkpoint(tmp_path, "old_partial", saved_at=1)
+    fake_checkpoint(tmp_path, "new_partial", saved_at=2)
+    assert commit.apply_retention(tmp_path, keep=1, protect="old_partial") == []
+
+
+def test_same_tag_is_replaced_whole_and_leftovers_are_cleaned(tmp_path):
+    fake_checkpoint(tmp_path, "t_partial", saved_at=1, content=b"old")
+    fake_checkpoint(tmp_path, "t_partial", saved_at=2, content=b"new")
+    assert (tmp_path / "t_partial" / "data.bin").read_bytes() == b"new"
+    assert [p for p in os.listdir(tmp_path) if p.startswith(".")] == [], "the swapped-out copy is deleted"
+    (tmp_path / commit.hidden_name("staging", "dead", "u_partial")).mkdir()
+    (tmp_path / commit.hidden_name("tmp", "dead", "newest")).write_text("half")
+    assert len(commit.clean_leftovers(tmp_path)) == 2
+    assert os.listdir(tmp_path) == ["t_partial"]
+
+
+def test_newest_is_replaced_atomically_and_checksums_catch_changes(tmp_path):
+    commit.write_newest(tmp_path, "a_partial")
+    commit.write_newest(tmp_path, "b_partial")
+    assert commit.read_newest(tmp_path) == "b_partial" and os.listdir(tmp_path) == ["newest"]
+    fake_checkpoint(tmp_path, "c_partial", saved_at=1, content=b"abcdef")
+    entry = json.loads((tmp_path / "c_partial" / commit.MANIFEST).read_text())["files"]["data.bin"]
+    assert commit.verify_file(tmp_path / "c_partial", "data.bin", entry) is None
+    (tmp_path / "c_partial" / "data.bin").write_bytes(b"abcdeF")
+    assert "(corrupted)" in commit.verify_file(tmp_path / "c_partial", "data.bin", entry)
+
+
+def save_with_retention(path: str):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    smp.init({"tensor_parallel_degree": 2})
+    model = smp.DistributedModel(GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=50,
+                                                             n_positions=8, bos_token_id=0, eos_token_id=0)))
+    for step in range(4):
+        with torch.no_grad():
+            model.module.transformer.wpe.weight.fill_(step)
+        smp.save_checkpoint(path, f"step{step}", user_content=step, num_kept_partial_checkpoints=2)
+    smp.save_checkpoint(path, "step2", user_content="again")  # same tag saved again: replaced
+    return smp.resume_from_checkpoint(path), smp.resume_from_checkpoint(path, "step3")
+
+
+def test_save_checkpoint_applies_retention_and_updates_newest(tmp_path):
+    first, second = harness.run(2, save_with_retention, str(tmp_path))[0]
+    assert (first, second) == ("again", 3)
+    assert sorted(os.listdir(tmp_path)) == ["newest", "step2_partial", "step3_partial"]

@@ -21,12 +21,17 @@ class ModulePlan:
         per_rank_attrs: glob -> attribute names holding sizes that HF code reshapes with (head
             counts, split sizes, embed dims); the walker divides each by the degree.
         optional_rules: rules that may match nothing (heads present only in some model classes).
+        tied_holders: globs of parameters (``module.param``) that a module only holds, never
+            computes with, tied to a parameter a rule shards (BERT's ``cls.predictions.bias``, HF's
+            alias of the MLM decoder's bias). They are re-pointed to the sharded parameter instead
+            of being refused as a tie split between sharded and replicated modules.
     """
 
     rules: dict[str, str]
     packed: dict[str, int] = field(default_factory=dict)
     per_rank_attrs: dict[str, tuple[str, ...]] = field(default_factory=dict)
     optional_rules: tuple[str, ...] = ()
+    tied_holders: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

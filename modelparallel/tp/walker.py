@@ -42,6 +42,7 @@ class Work:
     assignments: list[Assignment] = field(default_factory=list)
     rewrites: list[tuple[str, nn.Module, str, int]] = field(default_factory=list)
     registered: list[tuple[str, nn.Module, marks.Registration]] = field(default_factory=list)
+    holders: set[tuple[int, str]] = field(default_factory=set)
     problems: list[str] = field(default_factory=list)
 
 
@@ -85,12 +86,21 @@ def _collect_plan(model, plan: ModulePlan, prefix: str, tp: int, work: Work, ski
                     work.problems.append(f"{join(prefix, rel)}.{attr} = {value} is not divisible by "
                                          f"tensor_parallel_degree {tp}")
                 work.rewrites.append((join(prefix, rel), rel_modules[rel], attr, value // tp))
+    _collect_holders(plan, rel_modules, work)
     blocks = {b for b in map(block_prefix, plan.rules) if b}
     for rel, module in rel_modules.items():
         in_block = any(glob_match(b, ".".join(rel.split(".")[: len(b.split("."))])) for b in blocks)
         if in_block and isinstance(module, _SHARDABLE) and live(rel) and not first_match(plan.rules, rel):
             work.problems.append(f"{join(prefix, rel)} ({type(module).__name__}) is inside a planned block "
                                  "but no rule covers it")
+
+
+def _collect_holders(plan: ModulePlan, rel_modules: dict[str, nn.Module], work: Work) -> None:
+    """Record the parameters a plan declares as mere holders of a tie (``module.param`` globs)."""
+    for rel, module in rel_modules.items():
+        for name in module._parameters:
+            if first_match(plan.tied_holders, join(rel, name)):
+                work.holders.add((id(module), name))
 
 
 def _base_prefix(model: nn.Module) -> str:
@@ -138,7 +148,7 @@ def _tied_groups(model: nn.Module) -> list[list[tuple[str, nn.Module, str]]]:
 def _check_ties(model: nn.Module, work: Work) -> None:
     styled = {id(a.module): a.style for a in work.assignments}
     for group in _tied_groups(model):
-        styles = {styled.get(id(mod)) for _, mod, _ in group}
+        styles = {styled.get(id(mod)) for _, mod, name in group if (id(mod), name) not in work.holders}
         if len(styles) > 1 and None in styles:
             paths = ", ".join(join(p, n) for p, _, n in group)
             work.problems.append(f"tied parameters {paths} would be split between sharded and replicated "
@@ -146,12 +156,13 @@ def _check_ties(model: nn.Module, work: Work) -> None:
 
 
 def _retie(groups) -> None:
+    """Point every holder of a tie at one parameter: the sharded one if sharding replaced any."""
     for group in groups:
-        _, first_mod, first_name = group[0]
-        keep = getattr(first_mod, first_name)
-        for mpath, mod, name in group[1:]:
+        keep = next((t for t in (getattr(m, n) for _, m, n in group) if isinstance(t, DTensor)),
+                    getattr(group[0][1], group[0][2]))
+        for mpath, mod, name in group:
             other = getattr(mod, name)
-            if isinstance(keep, DTensor) and other.placements != keep.placements:
+            if isinstance(other, DTensor) and other.placements != keep.placements:
                 raise ValueError(f"tied parameter {join(mpath, name)} sharded as {other.placements}, "
                                  f"its tie as {keep.placements}")
             setattr(mod, name, keep)
@@ -191,7 +202,7 @@ def replicated_paths(model: nn.Module, work: Work) -> list[str]:
     under = [p for p, _, _ in work.registered]
     out = []
     for path, mod in model.named_modules():
-        own = any(p is not None for p in mod._parameters.values())
+        own = any(p is not None and not isinstance(p, DTensor) for p in mod._parameters.values())
         if own and path not in sharded and not any(path == u or path.startswith(u + ".") for u in under):
             out.append(to_glob(path))
     return sorted(set(out))

@@ -6,7 +6,11 @@ rank API (``smp.rank()``, ``smp.tp_rank()``, ``smp.dp_size()``...).
 """
 
 from .checkpoint import CheckpointError, last_load_report, resume_from_checkpoint, save_checkpoint
+from . import delayed_param
 from .config import Config
+from .creation import delay_param_initialization, model_creation
+from .loading import load_hf_checkpoint
+from .meta import MetaTensorError
 from .model import DistributedModel
 from .optimizer import DistributedOptimizer
 from .runtime import (
@@ -17,6 +21,7 @@ from .runtime import (
 )
 from .tp.marks import set_tensor_parallelism, tensor_parallelism, tp_register_with_module
 from .tp.plan import ArchSpec, ModulePlan
+from .transform import transform
 
 __version__ = "0.1.0"
 
@@ -29,4 +34,6 @@ __all__ = [
     "rdp_rank", "rdp_size", "set_tensor_parallelism", "size", "tensor_parallelism", "tp_rank",
     "tp_register_with_module", "tp_size",
     "last_load_report", "resume_from_checkpoint", "save_checkpoint",
+    "MetaTensorError", "delay_param_initialization", "delayed_param", "load_hf_checkpoint", "model_creation",
+    "transform",
 ]

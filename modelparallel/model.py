@@ -8,9 +8,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from . import runtime
+from . import runtime, wrapping
 from .dp import allreduce_gradients
-from .models import spec_for
 from .state_dict import LoadResult, full_state_dict, load_state_dict, local_state_dict
 from .tp import walker
 
@@ -26,6 +25,10 @@ class DistributedModel(nn.Module):
 
     Args:
         module: the model; modules marked with ``tensor_parallelism(enabled=False)`` stay whole.
+            Built on the meta device it is sharded without allocating anything (load it with
+            ``smp.load_hf_checkpoint``, or build it in ``smp.delay_param_initialization()`` to
+            initialize each rank's shard); real on rank 0 only and meta elsewhere, each rank
+            receives its shards of rank 0's weights.
 
     Raises:
         ValueError: if the model was already wrapped, or its plan does not fit (before any
@@ -38,10 +41,12 @@ class DistributedModel(nn.Module):
         rt = runtime.current()
         super().__init__()
         dtype = torch.float16 if rt.config.fp16 else torch.bfloat16 if rt.config.bf16 else None
-        module.to(device=rt.device, dtype=dtype)
-        replicated = walker.parallelize(module, rt.tp_mesh, spec_for(module))
+        state = wrapping.before_shard(module, rt, dtype)  # meta / rank-0-only / delayed-init models
+        replicated = walker.parallelize(module, rt.tp_mesh, state.spec)
         if replicated and runtime.rank() == 0:
             logger.info("replicated on every TP rank: %s", ", ".join(replicated))
+        wrapping.after_shard(module, rt, state)
+        self._mp_state = state
         module._mp_wrapped = True
         self.module = module
         rt.models.append(self)
@@ -55,6 +60,7 @@ class DistributedModel(nn.Module):
             return getattr(super().__getattr__("module"), name)
 
     def forward(self, *args, **kwargs):
+        wrapping.check_ready(self.module, self._mp_state)
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -65,7 +71,7 @@ class DistributedModel(nn.Module):
                       None)
         scale = scaler.loss_scale if scaler is not None else 1.0
         (loss * scale if scale != 1.0 else loss).backward()
-        if rt.config.ddp:
+        if rt.config.ddp and not self._mp_state.fsdp:  # FSDP reduce-scatters gradients itself
             allreduce_gradients(self.module.parameters(), rt.group(runtime.DP_GROUP), rt.config.dp_degree)
 
     def state_dict(self, gather_to_rank0: bool = False, **_) -> dict[str, torch.Tensor]:

@@ -1,0 +1,52 @@
+"""Sharded data parallelism composed with TP: PyTorch FSDP2 (``fully_shard``) over the "dp" mesh.
+
+After the TP walker, each parameter is a DTensor on the "tp" dim of the runtime's 2-D
+("dp", "tp") mesh; ``fully_shard`` over the "dp" dim shards it further, so parameters, gradients
+and optimizer state are split over all ``dp x tp`` ranks (SageMaker's
+``sharded_data_parallel_degree`` / ``hybrid_shard_degree``). Each transformer block is its own
+FSDP group (all-gathered just before use, freed after), then the root takes the rest. FSDP
+averages gradients over "dp" by reduce-scatter, so ``DistributedModel.backward`` skips its own
+all-reduce.
+
+Only full sharding over the data-parallel dim is built here: a shard degree below the
+data-parallel degree (HSDP: replicate over groups, shard inside) would need a 3-D mesh the TP
+shards are not defined on, and is refused.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+from .tp.plan import ArchSpec, block_prefix, glob_match, join
+
+
+def block_modules(module: nn.Module, spec: ArchSpec | None) -> list[nn.Module]:
+    """The repeated blocks of ``module``'s plan (``layers.*``, ``h.*``...), in model order."""
+    if spec is None:
+        return []
+    prefix = getattr(module, "base_model_prefix", "")
+    prefix = prefix if prefix and isinstance(getattr(module, prefix, None), nn.Module) else ""
+    globs = {join(prefix, b) for b in map(block_prefix, spec.base.rules) if b}
+    globs |= {b for b in map(block_prefix, spec.head.rules) if b}
+    return [m for path, m in module.named_modules() if path and any(glob_match(g, path) for g in globs)]
+
+
+def check_degree(shard_degree: int, dp_degree: int) -> None:
+    if 1 < shard_degree < dp_degree:
+        raise NotImplementedError(
+            f"sharded data parallel degree {shard_degree} below the data-parallel degree {dp_degree} "
+            "(hybrid sharding) is not implemented; use the data-parallel degree or 1")
+
+
+def shard_data_parallel(module: nn.Module, mesh, spec: ArchSpec | None, shard_degree: int) -> bool:
+    """Apply FSDP2 over ``mesh["dp"]`` to each block of ``module`` and to the root, when
+    ``shard_degree`` > 1; return whether it did."""
+    if shard_degree <= 1:
+        return False
+    check_degree(shard_degree, mesh["dp"].size())
+    dp_mesh = mesh["dp"]
+    for block in block_modules(module, spec):
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(module, mesh=dp_mesh)
+    return True

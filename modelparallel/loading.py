@@ -1,0 +1,227 @@
+"""Shard-on-read loading: an HF safetensors checkpoint into a (meta-built) distributed model.
+
+Every rank reads only the block of each tensor it holds (``safe_open(...).get_slice``), so no
+rank ever holds the full model: each file is opened per tensor, so the memory map of the pages
+read is dropped as soon as the block is copied. The steps (STYLE 6): check every key and shape
+(nothing is allocated if one is wrong) -> give the loaded tensors storage -> copy each block ->
+initialize what the checkpoint does not hold (non-persistent buffers such as rotary
+``inv_freq``, causal masks, position ids; with ``strict=False`` missing weights) with the model's
+own HF init -> guard: raise naming anything still on meta.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from . import hf_init, meta
+from .delayed_param import DelayedParamIniter
+from .nn.huggingface import table_for
+from .state_dict import LoadResult
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+@dataclass
+class Entry:
+    """One tensor of the model and where its data is in the checkpoint."""
+
+    names: list[str]  # the model's keys holding this tensor (several for a tie)
+    target: torch.Tensor
+    key: str  # checkpoint key
+    file: str
+    packed: tuple[int, int] | None  # (dim, chunks) when the model stores a fused dim split
+
+
+def checkpoint_files(path: str | Path) -> dict[str, str]:
+    """Checkpoint key -> safetensors file, for a file, a directory with ``model.safetensors`` or
+    a sharded directory with ``model.safetensors.index.json``."""
+    path = Path(path)
+    if path.is_file():
+        files = [path]
+    elif (path / INDEX).is_file():
+        weight_map = json.loads((path / INDEX).read_text())["weight_map"]
+        return {k: str(path / f) for k, f in weight_map.items()}
+    elif (path / SINGLE).is_file():
+        files = [path / SINGLE]
+    else:
+        raise FileNotFoundError(f"{path}: no {SINGLE} or {INDEX} (only safetensors checkpoints are read "
+                                "shard by shard; save with save_pretrained(..., safe_serialization=True))")
+    out = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            out.update({k: str(f) for k in h.keys()})
+    return out
+
+
+def _shapes(files: dict[str, str]) -> dict[str, tuple[int, ...]]:
+    by_file: dict[str, list[str]] = {}
+    for key, f in files.items():
+        by_file.setdefault(f, []).append(key)
+    shapes = {}
+    for f, keys in by_file.items():
+        with safe_open(f, framework="pt") as h:
+            shapes.update({k: tuple(h.get_slice(k).get_shape()) for k in keys})
+    return shapes
+
+
+def _packed(table, key: str, model_shape: tuple, ckpt_shape: tuple) -> tuple[int, int] | None:
+    """(dim, chunks) if the model stores ``ckpt_shape`` with one dim split in two (a fused q|k|v
+    kept per chunk), from the architecture's key table, else inferred from the shapes."""
+    if len(model_shape) != len(ckpt_shape) + 1:
+        return None
+    if table is not None:
+        try:
+            _, template, _ = table.match(key)
+            if template in table.packed:
+                return table.packed[template]
+        except KeyError:
+            pass
+    for d in range(len(ckpt_shape)):
+        if (model_shape[:d] == ckpt_shape[:d] and model_shape[d + 2:] == ckpt_shape[d + 1:]
+                and model_shape[d] * model_shape[d + 1] == ckpt_shape[d]):
+            return d, model_shape[d]
+    return None
+
+
+def _hf_shape(shape: tuple, packed) -> tuple:
+    if packed is None:
+        return tuple(shape)
+    d = packed[0]
+    return (*shape[:d], shape[d] * shape[d + 1], *shape[d + 2:])
+
+
+def _candidates(module: nn.Module, key: str) -> list[str]:
+    """Checkpoint keys that may hold model key ``key`` (a head model's checkpoint read into its
+    base model, or the reverse, differ by the base-model prefix)."""
+    prefix = getattr(module, "base_model_prefix", "")
+    out = [key]
+    if prefix and isinstance(getattr(module, prefix, None), nn.Module):
+        if key.startswith(prefix + "."):
+            out.append(key[len(prefix) + 1:])
+    elif prefix:
+        out.append(f"{prefix}.{key}")
+    return out
+
+
+def plan(module: nn.Module, files: dict[str, str], strict: bool) -> tuple[list[Entry], LoadResult]:
+    """Match every model tensor with its checkpoint tensor and check shapes; raise ``ValueError``
+    naming every problem before anything is allocated."""
+    shapes = _shapes(files)
+    table = table_for(getattr(getattr(module, "config", None), "model_type", None))
+    groups: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        groups.setdefault(id(t), []).append(name)
+        tensors[id(t)] = t
+    entries, problems, missing, used = [], [], [], set()
+    for tid, names in groups.items():
+        t = tensors[tid]
+        key = next((c for n in names for c in _candidates(module, n) if c in shapes), None)
+        if key is None:
+            missing.extend(names)
+            continue
+        used.add(key)
+        packed = _packed(table, key, tuple(t.shape), shapes[key])
+        if _hf_shape(t.shape, packed) != shapes[key]:
+            problems.append(f"{key}: the checkpoint holds shape {shapes[key]}, the model (its config) expects "
+                            f"{_hf_shape(t.shape, packed)}")
+        entries.append(Entry(names, t, key, files[key], packed))
+    unexpected = sorted(k for k in shapes if k not in used and not _ignored(module, table, k))
+    if strict and (missing or unexpected):
+        problems.insert(0, f"missing keys {sorted(missing)}; unexpected keys {unexpected}")
+    if problems:
+        raise ValueError("cannot load the checkpoint:\n  - " + "\n  - ".join(problems))
+    return entries, LoadResult(sorted(missing), unexpected)
+
+
+def _ignored(module: nn.Module, table, key: str) -> bool:
+    """Checkpoint keys HF itself skips: the model's ``_keys_to_ignore_on_load_unexpected``, old
+    stored masks (the key table's legacy buffers) and stored copies of non-persistent buffers."""
+    patterns = getattr(module, "_keys_to_ignore_on_load_unexpected", None) or []
+    if any(re.search(p, key) for p in patterns):
+        return True
+    if table is not None:
+        try:
+            if table.match(key)[1] in table.legacy_buffers:
+                return True
+        except KeyError:
+            pass
+    buffers = {n.rpartition(".")[2] for n, _ in module.named_buffers()}
+    return key.rpartition(".")[2] in buffers
+
+
+def read_block(handle, key: str, target: torch.Tensor, packed) -> torch.Tensor:
+    """This rank's block of checkpoint tensor ``key`` for ``target`` (a DTensor's local shard, or
+    the whole tensor), reading only that block; a fused dim is read chunk by chunk."""
+    if isinstance(target, DTensor):
+        shape, offset = meta.local_block(target)
+    else:
+        shape, offset = tuple(target.shape), (0,) * target.dim()
+    sl = handle.get_slice(key)
+    if packed is None:
+        return sl[meta.block_slices(shape, offset)]
+    d, n = packed[0], target.shape[packed[0] + 1]
+    head = meta.block_slices(shape[:d], offset[:d])
+    tail = meta.block_slices(shape[d + 2:], offset[d + 2:])
+    pieces = [sl[(*head, slice(c * n + offset[d + 1], c * n + offset[d + 1] + shape[d + 1]), *tail)]
+              for c in range(offset[d], offset[d] + shape[d])]
+    return torch.stack(pieces, d) if pieces else torch.empty(shape)
+
+
+def _give_storage(module: nn.Module, target: torch.Tensor, device) -> torch.Tensor:
+    """Storage for one meta tensor (parameters keep their identity; a buffer is replaced in
+    every module holding it). Returns the tensor to copy into."""
+    if not meta.is_meta(target):
+        return target
+    if isinstance(target, nn.Parameter):
+        torch.utils.swap_tensors(target, nn.Parameter(meta.empty_like_on(target, device),
+                                                      requires_grad=target.requires_grad))
+        return target
+    new = meta.empty_like_on(target, device)
+    for mod in module.modules():
+        for k, b in mod._buffers.items():
+            if b is target:
+                mod._buffers[k] = new
+    return new
+
+
+def load_hf_checkpoint(model: nn.Module, path: str | Path, strict: bool = True) -> LoadResult:
+    """Load the HF safetensors checkpoint at ``path`` into ``model``, each rank reading only its
+    shards. ``model`` may be a ``DistributedModel``, a model sharded by ``smp.transform`` or a
+    plain one, built on the meta device (expected: nothing is allocated before the read) or not.
+    Takes no collective.
+
+    Raises:
+        ValueError: naming every missing/unexpected key (when ``strict``) and every shape that
+            does not match the model's config, before anything is allocated.
+        MetaTensorError: naming any parameter or buffer nothing could initialize.
+    """
+    from . import runtime
+
+    module = getattr(model, "module", model)
+    device = runtime.current().device if runtime.is_initialized() else torch.device("cpu")
+    entries, result = plan(module, checkpoint_files(path), strict)
+    loaded = []
+    with torch.no_grad():
+        for e in entries:
+            target = _give_storage(module, e.target, device)
+            with safe_open(e.file, framework="pt") as h:
+                block = read_block(h, e.key, target, e.packed)
+            dst = target.to_local() if isinstance(target, DTensor) else target
+            dst.copy_(block)
+            loaded.append(target)
+    with hf_init.frozen(loaded):
+        initer = DelayedParamIniter(module)
+        with initer.validate_params_and_buffers_inited():
+            initer.init_all(match_eager=False)
+    meta.check_no_meta(module, "after loading the checkpoint")
+    return result

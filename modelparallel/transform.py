@@ -1,0 +1,143 @@
+"""``smp.transform``: SageMaker v2's in-place tensor-parallel transform, and the sync from rank 0.
+
+``transform`` shards a supported HF model over the TP mesh in place and returns it (no
+wrapper), so FSDP or a user's training loop can be applied afterwards. With
+``load_state_dict_from_rank0=True`` only rank 0 needs real weights (the others build the same
+model on the meta device): every rank first moves its model to meta, so all ranks shard
+identically without communication, then each rank gives its shards storage and rank 0 sends
+every rank exactly its block of each tensor (point to point, in one fixed order every rank
+follows; replicated tensors by broadcast). No rank but 0 ever holds more than its shards.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from . import meta, runtime
+from .models import spec_for
+from .tp import walker
+
+logger = logging.getLogger("modelparallel")
+
+
+def _runtime(config: dict | None) -> runtime.Runtime:
+    if not runtime.is_initialized():
+        return runtime.init(config)
+    rt = runtime.current()
+    if config:
+        cfg = rt.config
+        wrong = {k: v for k, v in config.items() if getattr(cfg, k, v) != v}
+        if wrong:
+            raise ValueError(f"transform(config=...) disagrees with the running config: {wrong}; "
+                             "call smp.init with that config instead")
+    return rt
+
+
+def meta_states(module: nn.Module) -> list[tuple[bool, bool]]:
+    """(has any meta tensor, has any real tensor) of every rank's model (a collective)."""
+    names = meta.named_tensors(module)
+    state = [False, False]
+    for _, _, _, t in names:
+        state[0 if meta.is_meta(t) else 1] = True
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, tuple(state))
+    return out
+
+
+def check_rank0_source(states: list[tuple[bool, bool]]) -> None:
+    """Raise on every rank alike if rank 0 does not hold a complete real model."""
+    if states[0][0]:
+        raise meta.MetaTensorError("load_state_dict_from_rank0=True needs real weights on rank 0, but rank 0's "
+                                   "model has tensors on the meta device")
+
+
+def move(module: nn.Module, device: torch.device | None, dtype: torch.dtype | None) -> None:
+    """Move real tensors to ``device`` and cast floating ones to ``dtype``; meta tensors only
+    change dtype (they have no data to move)."""
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        cast = dtype if dtype is not None and t.is_floating_point() else None
+        return t.to(device=None if t.is_meta else device, dtype=cast)
+    if device is not None or dtype is not None:
+        module._apply(fn)
+
+
+def _coordinate(t: DTensor, rank: int, root) -> list[int]:
+    """Mesh coordinate of global ``rank`` in ``t``'s mesh, found through the runtime's root mesh
+    (a TP mesh of another data-parallel group does not contain rank 0)."""
+    coord = meta.rank_coordinate(root, rank)
+    return [coord[root.mesh_dim_names.index(n)] for n in t.device_mesh.mesh_dim_names]
+
+
+def _send_sharded(t: DTensor, src: torch.Tensor | None, root) -> None:
+    local = t.to_local()
+    if dist.get_rank() != 0:
+        dist.recv(local, src=0)
+        return
+    full = src.to(t.dtype).reshape(t.shape)
+    for r in range(dist.get_world_size()):
+        shape, offset = meta.local_block(t, _coordinate(t, r, root))
+        piece = full[meta.block_slices(shape, offset)]
+        if r == 0:
+            local.copy_(piece)
+        else:
+            dist.send(piece.contiguous(), dst=r)
+
+
+def sync_from_rank0(module: nn.Module, full: dict[str, torch.Tensor], root) -> None:
+    """Fill every tensor of ``module`` (already given storage) from rank 0's ``full`` tensors
+    (qualified name -> data; empty on other ranks). Every rank walks the same tensors in the same
+    order; each receives only its own block of sharded ones."""
+    seen = set()
+    with torch.no_grad():
+        for qname, _, _, t in list(meta.named_tensors(module)):
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            if isinstance(t, DTensor):
+                _send_sharded(t, full.get(qname), root)
+                continue
+            if dist.get_rank() == 0:
+                t.copy_(full[qname].reshape(t.shape))
+            dist.broadcast(t, src=0)
+
+
+def transform(model: nn.Module, device=None, dtype: torch.dtype | None = None, config: dict | None = None,
+              load_state_dict_from_rank0: bool = False) -> nn.Module:
+    """Shard a supported HF model over the tensor-parallel mesh in place and return it.
+
+    Args:
+        model: the model; with ``load_state_dict_from_rank0`` a real model on rank 0 and the same
+            model on the meta device (expected, to save memory) elsewhere.
+        device: where real tensors go (default: the runtime's device).
+        dtype: cast floating parameters and buffers to it.
+        config: the modelparallel config, used to ``init`` if not yet initialized (else it must
+            agree with the running one).
+        load_state_dict_from_rank0: afterwards every rank holds exactly its shard of rank 0's
+            weights. A collective: call on every rank.
+
+    Without it, a model built on meta stays on meta (shards described, not allocated) until
+    ``smp.load_hf_checkpoint`` or ``DelayedParamIniter`` initializes it.
+
+    Raises:
+        MetaTensorError: with ``load_state_dict_from_rank0`` when rank 0's model is on meta.
+        ValueError: when the plan does not fit the model (before any tensor is touched).
+    """
+    rt = _runtime(config)
+    device = torch.device(device) if device is not None else rt.device
+    full = {}
+    if load_state_dict_from_rank0:
+        check_rank0_source(meta_states(model))
+        full = meta.to_meta_(model)
+        if dist.get_rank() != 0:
+            full = {}
+    move(model, device, dtype)
+    walker.parallelize(model, rt.tp_mesh, spec_for(model))
+    if load_state_dict_from_rank0:
+        meta.materialize(model, device)
+        sync_from_rank0(model, full, rt.mesh)
+    return model

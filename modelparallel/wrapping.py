@@ -1,0 +1,95 @@
+"""The steps ``DistributedModel`` runs around the TP walker, for models that are not simply real
+and identical on every rank: built on the meta device, built in ``model_creation`` /
+``delay_param_initialization``, real only on rank 0, or to be sharded over data parallelism too.
+
+Before sharding every rank learns every rank's meta state (one small all-gather), so all ranks
+take the same path and no rank waits in a collective the others skip. The outcomes:
+
+* all real: as before (move to the device, shard);
+* rank 0 real, others meta: everything to meta, shard, then rank 0 sends each rank its blocks;
+* all meta, built in a delayed-init context: shard, then ``DelayedParamIniter.init_all``;
+* all meta otherwise: shard and stay on meta until ``smp.load_hf_checkpoint`` (forward refuses);
+* any other mix: refused on every rank, naming the ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import creation, fsdp, meta
+from .delayed_param import DelayedParamIniter
+from .models import spec_for
+from .tp.plan import ArchSpec
+from .transform import meta_states, move, sync_from_rank0
+
+
+@dataclass
+class WrapState:
+    spec: ArchSpec | None
+    options: creation.CreationOptions | None
+    full_on_rank0: dict = field(default_factory=dict)
+    from_rank0: bool = False
+    pending_meta: bool = False
+    fsdp: bool = False
+
+
+def _mode(states: list[tuple[bool, bool]]) -> str:
+    metas = [r for r, (has_meta, _) in enumerate(states) if has_meta]
+    real = [r for r, (has_meta, has_real) in enumerate(states) if not has_meta and has_real]
+    if not metas:
+        return "real"
+    if 0 in real and len(real) == 1:
+        return "rank0"
+    if len(metas) == len(states):
+        return "meta"
+    raise meta.MetaTensorError(f"ranks {metas} hold a model with meta-device tensors and ranks {real} a real one: "
+                               "either every rank builds on meta, or only rank 0 holds real weights")
+
+
+def before_shard(module: nn.Module, rt, dtype: torch.dtype | None) -> WrapState:
+    """Agree on the path, move/cast what has data, pick the plan; a collective."""
+    options = creation.options_of(module)
+    spec = spec_for(module)
+    if options is not None and not options.distribute_embedding:
+        spec = creation.without_vocab(spec)
+    fsdp.check_degree(rt.config.shard_degree, rt.config.dp_degree)
+    creation.apply_attention(module, options)
+    state = WrapState(spec, options)
+    mode = _mode(meta_states(module)) if dist.get_world_size() > 1 else ("meta" if meta.has_meta(module) else "real")
+    if mode == "rank0":
+        full = meta.to_meta_(module)
+        state.full_on_rank0, state.from_rank0 = (full if dist.get_rank() == 0 else {}), True
+    if options is not None and options.dtype is not None and dtype is None:
+        dtype = options.dtype
+    move(module, rt.device, dtype)
+    state.pending_meta = mode == "meta"
+    return state
+
+
+def after_shard(module: nn.Module, rt, state: WrapState) -> None:
+    """Give the shards storage and values (from rank 0, or by delayed init), then FSDP."""
+    if state.from_rank0:
+        meta.materialize(module, rt.device)
+        sync_from_rank0(module, state.full_on_rank0, rt.mesh)
+        state.full_on_rank0.clear()
+    elif state.pending_meta and state.options is not None and state.options.delayed:
+        initer = DelayedParamIniter(module)
+        with initer.validate_params_and_buffers_inited():
+            initer.init_all()
+        state.pending_meta = False
+    state.fsdp = fsdp.shard_data_parallel(module, rt.mesh, state.spec, rt.config.shard_degree)
+
+
+def check_ready(module: nn.Module, state: WrapState) -> None:
+    """Refuse to run a model whose shards were never given values."""
+    if state.pending_meta:
+        if meta.has_meta(module):
+            raise meta.MetaTensorError(
+                "this DistributedModel was built on the meta device and has no weights yet: load them with "
+                "smp.load_hf_checkpoint(model, directory), or build it inside smp.delay_param_initialization() "
+                f"to initialize it; still on meta: {', '.join(meta.meta_names(module)[:8])}...")
+        state.pending_meta = False

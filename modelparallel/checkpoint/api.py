@@ -16,6 +16,7 @@ from .. import runtime
 from . import commit, full
 from . import partial as partial_ckpt
 from .errors import run_phase
+from .full_load import load_weights
 from .parts import USER_CONTENT, LoadReport, read_user_content
 
 logger = logging.getLogger("modelparallel")
@@ -46,7 +47,7 @@ def save_checkpoint(path: str | Path, tag: str, partial: bool = True, model=None
             (including ``newest``) is untouched.
     """
     model, optimizer = _defaults(model, optimizer)
-    _check_save_args(tag, num_kept_partial_checkpoints, model)
+    _check_save_args(tag, num_kept_partial_checkpoints, model, partial)
     if partial:
         partial_ckpt.save(Path(path), tag, model, optimizer, user_content, num_kept_partial_checkpoints)
     else:
@@ -61,8 +62,11 @@ def _defaults(model, optimizer):
     return model, optimizer
 
 
-def _check_save_args(tag, keep, model) -> None:
+def _check_save_args(tag, keep, model, partial: bool) -> None:
     problems = []
+    if not partial and isinstance(tag, str) and (tag.endswith("_partial") or tag.startswith("user_content_")):
+        problems.append(f"a full checkpoint's tag may not end in '_partial' or start with 'user_content_' "
+                        f"(names of partial checkpoints and user content files); got {tag!r}")
     if model is None:
         problems.append("no model: create a smp.DistributedModel first or pass model=")
     if not isinstance(tag, str) or not tag or "/" in tag or tag.startswith(".") or tag == commit.NEWEST:
@@ -98,13 +102,19 @@ def resume_from_checkpoint(path: str | Path, tag: str | None = None, partial: bo
         ValueError: another architecture; strict mismatches (listed); a corrupted file (named).
     """
     directory = Path(locate(Path(path), tag, partial))
-    if not partial:
-        return full.resume(Path(path), directory, strict, translate_function)
     manifest = commit.read_manifest(directory)
-    prefixes = (partial_ckpt.MODEL + "/", USER_CONTENT) + ((partial_ckpt.OPTIMIZER + "/",) if load_optimizer else ())
-    partial_ckpt.verify(directory, manifest, prefixes)
-    content = read_user_content(directory / USER_CONTENT)
-    pending = PendingResume(directory, manifest, strict, load_optimizer)
+    if partial:
+        prefixes = (partial_ckpt.MODEL + "/", USER_CONTENT)
+        prefixes += (partial_ckpt.OPTIMIZER + "/",) if load_optimizer else ()
+        partial_ckpt.verify(directory, manifest, prefixes)
+        content = read_user_content(directory / USER_CONTENT)
+        pending = PendingResume(
+            lambda model: partial_ckpt.load_model(directory, manifest, model, strict),
+            (lambda model, opt: partial_ckpt.load_optimizer(directory, manifest, model, opt, strict))
+            if load_optimizer else None)
+    else:
+        content = full.resume(Path(path), directory, manifest)
+        pending = PendingResume(lambda model: _load_full(directory, manifest, model, strict, translate_function))
     rt = runtime.current()
     rt.pending_resume = pending
     if rt.models:
@@ -114,30 +124,33 @@ def resume_from_checkpoint(path: str | Path, tag: str | None = None, partial: bo
     return content
 
 
+def _load_full(directory: Path, manifest: dict, model, strict: bool, translate_function) -> LoadReport:
+    partial_ckpt.check_architecture(manifest, model)
+    return run_phase("full load (weights)", lambda: load_weights(directory, manifest, model, strict,
+                                                                 translate_function))[0]
+
+
 @dataclass
 class PendingResume:
-    """A partial load waiting for the model and optimizer it loads into."""
+    """A load waiting for the model (and optimizer) it loads into; each loader is a collective."""
 
-    directory: Path
-    manifest: dict
-    strict: bool
-    load_optimizer: bool
+    load_model: Callable[[Any], LoadReport]
+    load_optimizer: Callable[[Any, Any], LoadReport] | None = None
     model: Any = None
 
     def on_model(self, model) -> None:
-        """Called when a ``DistributedModel`` exists (a collective)."""
+        """Called when a ``DistributedModel`` exists."""
         _LAST_REPORTS.clear()
-        _LAST_REPORTS["model"] = partial_ckpt.load_model(self.directory, self.manifest, model, self.strict)
+        _LAST_REPORTS["model"] = self.load_model(model)
         self.model = model
-        if not self.load_optimizer:
+        if self.load_optimizer is None:
             runtime.current().pending_resume = None
 
     def on_optimizer(self, optimizer) -> None:
-        """Called when a ``DistributedOptimizer`` exists, after the model (a collective)."""
-        if self.model is None:
+        """Called when a ``DistributedOptimizer`` exists (after the model)."""
+        if self.model is None or self.load_optimizer is None:
             return
-        _LAST_REPORTS["optimizer"] = partial_ckpt.load_optimizer(
-            self.directory, self.manifest, self.model, optimizer, self.strict)
+        _LAST_REPORTS["optimizer"] = self.load_optimizer(self.model, optimizer)
         runtime.current().pending_resume = None
 
 

@@ -1,9 +1,152 @@
-"""Full checkpoints (partial=False): not written yet."""
+"""Full checkpoints (``partial=False``): ``path/{tag}/`` is a Hugging Face model directory.
+
+Export streams tensor by tensor: every rank gathers one tensor (``full_tensor()``: every rank
+takes part in every collective, in the same order), rank 0 translates it to HF's layout and
+appends it to its planned safetensors shard, and the tensor is dropped before the next one. No
+rank holds more than one full tensor beyond its own shards. A write error on rank 0 does not stop
+its gathers (the others would wait forever); it is reported once all gathers are done.
+
+The directory holds ``config.json``, ``model.safetensors`` (or shards and their index) and
+``checkpoint_manifest.json``; ``from_pretrained`` loads it as is. Without a translation (or with
+``translate_if_full=False``) the weights are the distributed format in ``full_state_dict*.safetensors``.
+User content goes to ``path/user_content_{tag}``. Commit rules are those of partial checkpoints.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from . import commit, parts
+from .errors import run_phase
+from .partial import check_architecture, describe, verify
+from .shards import ShardWriter, plan_shards
+
+FORMAT = "modelparallel-full"
+MAX_SHARD_BYTES = 5 * 2**30
+"""Largest safetensors shard written (Hugging Face's long-standing default, 5 GiB)."""
+HF_PREFIX, PLAIN_PREFIX = "model", "full_state_dict"
+
+Items = Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]]
 
 
-def save(path, tag, model, user_content, translate_if_full):
-    raise NotImplementedError("full checkpoints (save_checkpoint(partial=False)) are not implemented yet")
+def translation(model_type: str | None, to_hf: bool) -> Items | None:
+    """The per-key translation (distributed -> HF, or back) of an architecture, or None."""
+    from ..nn.huggingface import from_hf_items, table_for, to_hf_items
+
+    if model_type is None or table_for(model_type) is None:
+        return None
+    fn = to_hf_items if to_hf else from_hf_items
+    return lambda key, tensor: fn(model_type, key, tensor)
 
 
-def resume(path, directory, strict, translate_function):
-    raise NotImplementedError("loading full checkpoints (resume_from_checkpoint(partial=False)) is not implemented yet")
+def _plan(state: dict[str, torch.Tensor], translate: Items | None, prefix: str, max_bytes: int):
+    """Shards for the translated entries, from shapes alone (meta tensors: nothing gathered)."""
+    items, seen = [], set()
+    for key, t in state.items():
+        meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        for out_key, out in (translate(key, meta) if translate else [(key, meta)]):
+            if out_key in seen:
+                raise ValueError(f"two entries translate to the same key {out_key!r}")
+            seen.add(out_key)
+            items.append((out_key, tuple(out.shape), out.dtype))
+    return plan_shards(items, prefix, max_bytes)
+
+
+def _stream(state, translate: Items | None, writer: ShardWriter | None) -> Exception | None:
+    """Gather every tensor on every rank in order; rank 0 (``writer``) writes each one."""
+    error = None
+    for key, t in state.items():
+        full = t.full_tensor() if isinstance(t, DTensor) else t
+        if writer is not None and error is None:
+            try:
+                for out_key, out in (translate(key, full) if translate else [(key, full)]):
+                    writer.write(out_key, out)
+            except Exception as e:  # noqa: BLE001 - reported after the last gather
+                error = e
+        del full
+    return error
+
+
+def _config_copy(model):
+    """The HF config to store, naming the class and dtype as ``save_pretrained`` would."""
+    config = copy.deepcopy(model.module.config)
+    config.architectures = [type(model.module).__name__]
+    config.dtype = next(model.module.parameters()).dtype
+    return config
+
+
+def save(path: Path, tag: str, model, user_content: Any, translate_if_full: bool,
+         max_shard_bytes: int | None = None) -> Path:
+    """Write ``path/{tag}/`` and ``path/user_content_{tag}`` (a collective)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    translate = translation(getattr(model.module.config, "model_type", None), True) if translate_if_full else None
+    prefix = HF_PREFIX if translate else PLAIN_PREFIX
+    state = parts.model_state(model.module)
+    found: dict[str, Any] = {}
+
+    def prepare():
+        found["shards"] = _plan(state, translate, prefix, max_shard_bytes or MAX_SHARD_BYTES)
+        if rank != 0:
+            return None
+        path.mkdir(parents=True, exist_ok=True)
+        commit.clean_leftovers(path)
+        staging = path / commit.hidden_name("staging", commit.new_nonce(), tag)
+        staging.mkdir()
+        return staging.name
+
+    staging = path / run_phase("full save (prepare)", prepare)[0]
+    try:
+        writer = ShardWriter(staging, found["shards"], {"modelparallel_format": "hf" if translate else "distributed"}) \
+            if rank == 0 else None
+        error = _stream(state, translate, writer)
+        run_phase("full save (write)", lambda: _finish(path, staging, tag, model, writer, prefix, user_content,
+                                                      bool(translate), error) if rank == 0 else None)
+    except Exception:
+        if rank == 0:
+            commit.clean_leftovers(path)
+        raise
+    return path / tag
+
+
+def _finish(path: Path, staging: Path, tag: str, model, writer: ShardWriter, prefix: str, user_content: Any,
+            translated: bool, error: Exception | None) -> None:
+    """Rank 0: close the shards, write config, user content and manifest, commit, point newest."""
+    if error is not None:
+        raise error
+    weights = writer.close(prefix)
+    _config_copy(model).save_pretrained(staging)
+    content_name = f"user_content_{tag}"
+    content_tmp = path / commit.hidden_name("tmp", commit.new_nonce(), content_name)
+    parts.write_user_content(user_content, content_tmp.parent, content_tmp.name)
+    manifest = {"format": FORMAT, "version": 1, "tag": tag, "translated": translated, "weights": weights,
+                "files": {f: commit.file_checksum(staging / f, fsync=True) for f in commit.data_files(staging)},
+                "user_content": {"file": content_name, **commit.file_checksum(content_tmp)},
+                "saved_at_ns": time.time_ns(), **describe(model, None)}
+    commit.write_manifest(staging, manifest)
+    commit.commit_dir(staging, path / tag)
+    os.replace(content_tmp, path / content_name)
+    commit.fsync_path(path)
+    commit.write_newest(path, tag)
+
+
+def resume(path: Path, directory: Path, manifest: dict) -> Any:
+    """Verify the directory and the user content; return the user content."""
+    verify(directory, manifest, ("",))
+    entry = manifest["user_content"]
+
+    def check():
+        problem = commit.verify_file(path, entry["file"], entry)
+        if problem:
+            raise ValueError(f"user content of {directory.name} does not match its manifest: {problem}")
+
+    run_phase("full load (user content)", check)
+    return parts.read_user_content(path / entry["file"])

@@ -130,8 +130,8 @@ def read_part(state: dict[str, Any], directory: Path, keys: set[str]) -> None:
             set_element(state, paths[key], value)
 
 
-def write_user_content(obj: Any, directory: Path) -> None:
-    with open(directory / USER_CONTENT, "wb") as f:
+def write_user_content(obj: Any, directory: Path, name: str = USER_CONTENT) -> None:
+    with open(directory / name, "wb") as f:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())

@@ -1,0 +1,104 @@
+"""Loading a full checkpoint's weights into a sharded model, one tensor at a time.
+
+Each rank opens the safetensors files (memory-mapped), translates each entry to the distributed
+format and copies only its own shard: no communication and no rank holds the whole model. Keys
+and shapes are compared first, from the headers alone, so a strict load that cannot succeed
+copies nothing.
+
+A user ``translate_function`` (SageMaker's whole-state-dict translators, e.g.
+``translate_hf_state_dict_to_smdistributed_gpt2``) needs the whole state dict at once; with one,
+every rank reads all weights into memory and loads through ``DistributedModel.load_state_dict``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from .. import state_dict as sd_mod
+from . import parts
+from .full import translation
+from .parts import LoadReport
+from .shards import DTYPES
+
+_DTYPE_OF = {name: dtype for dtype, name in DTYPES.items()}
+
+
+def _sources(directory: Path, files: list[str], from_hf) -> dict[str, tuple[str, str, tuple]]:
+    """distributed key -> (file, stored key, global shape), from the headers only."""
+    out = {}
+    for name in files:
+        with safe_open(directory / name, framework="pt") as f:
+            for key in f.keys():
+                piece = f.get_slice(key)
+                meta = torch.empty(piece.get_shape(), dtype=_DTYPE_OF[piece.get_dtype()], device="meta")
+                for dist_key, t in (from_hf(key, meta) if from_hf else [(key, meta)]):
+                    out[dist_key] = (name, key, tuple(t.shape))
+    return out
+
+
+def _compare(state: dict[str, torch.Tensor], sources: dict, ties: dict[str, str]) -> LoadReport:
+    """Keys and shapes; a stored tie alias (``lm_head.weight``) stands for the key it is tied to."""
+    for alias, kept in ties.items():
+        if alias in sources and kept not in sources:
+            sources[kept] = sources.pop(alias)
+    extra = sorted(k for k in sources if k not in state and k not in ties)
+    mismatched = [f"{k}: checkpoint {sources[k][2]}, model {tuple(t.shape)}"
+                  for k, t in state.items() if k in sources and sources[k][2] != tuple(t.shape)]
+    return LoadReport(sorted(set(state) - set(sources)), extra, mismatched)
+
+
+def _copy_shard(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's piece of ``full`` into ``target`` (a DTensor's local shard, or whole)."""
+    with torch.no_grad():
+        if isinstance(target, DTensor):
+            piece = distribute_tensor(full.to(target.dtype), target.device_mesh, target.placements,
+                                      src_data_rank=None).to_local()
+            target.to_local().copy_(piece)
+        else:
+            target.copy_(full)
+
+
+def load_weights(directory: Path, manifest: dict, model, strict: bool,
+                 translate_function: Callable | None = None) -> LoadReport:
+    """Load the weights of the full checkpoint in ``directory`` into ``model`` (no collectives).
+
+    Raises:
+        ValueError: with ``strict``, listing every missing / unexpected key and shape mismatch,
+            before anything is copied.
+    """
+    files = [f for f in manifest["weights"] if f.endswith(".safetensors")]
+    if translate_function is not None:
+        return _load_whole(directory, files, model, strict, translate_function)
+    from_hf = translation(manifest.get("model_type"), False) if manifest["translated"] else None
+    state = parts.model_state(model.module)
+    sources = _sources(directory, files, from_hf)
+    report = _compare(state, sources, parts.tied_keys(model.module))
+    problems = report.problems("model")
+    if problems and strict:
+        raise ValueError("checkpoint does not fit (strict=True):\n  - " + "\n  - ".join(problems))
+    skip = {m.split(": ")[0] for m in report.mismatched_shapes}
+    wanted: dict[str, list[tuple[str, str]]] = {}
+    for key in state:
+        if key in sources and key not in skip:
+            name, stored, _ = sources[key]
+            wanted.setdefault(name, []).append((key, stored))
+    for name, entries in wanted.items():
+        with safe_open(directory / name, framework="pt") as f:
+            for key, stored in entries:
+                items = dict(from_hf(stored, f.get_tensor(stored)) if from_hf else [(stored, f.get_tensor(stored))])
+                _copy_shard(state[key], items.get(key, next(iter(items.values()))))
+    return report
+
+
+def _load_whole(directory: Path, files: list[str], model, strict: bool, translate_function) -> LoadReport:
+    whole = {}
+    for name in files:
+        with safe_open(directory / name, framework="pt") as f:
+            whole.update({k: f.get_tensor(k) for k in f.keys()})
+    result = sd_mod.load_state_dict(model.module, translate_function(whole), strict=strict)
+    return LoadReport(result.missing_keys, result.unexpected_keys, [])

@@ -1,0 +1,120 @@
+"""Streamed safetensors shards: the layout is planned from shapes first, then tensors are appended.
+
+A safetensors file starts with a header giving every tensor's offsets, so a writer normally
+needs all tensors before writing the first byte. Every key, dtype and shape of an export is
+known before any tensor is gathered (global shapes are metadata), so ``plan_shards`` fixes the
+files, headers and offsets up front and ``ShardWriter`` then writes each tensor's bytes the
+moment it arrives and forgets it: the writer never holds more than the tensor in hand.
+
+Files are named as Hugging Face names them: one ``{prefix}.safetensors``, or
+``{prefix}-00001-of-0000N.safetensors`` plus ``{prefix}.safetensors.index.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+          torch.bool: "BOOL"}
+
+
+@dataclass
+class Shard:
+    name: str
+    entries: dict[str, dict] = field(default_factory=dict)  # key -> safetensors header entry
+    size: int = 0
+
+
+def _nbytes(shape, dtype) -> int:
+    return int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+
+
+def plan_shards(items: list[tuple[str, tuple[int, ...], torch.dtype]], prefix: str, max_bytes: int) -> list[Shard]:
+    """Assign (key, shape, dtype) items, in order, to shards of at most ``max_bytes`` (a tensor
+    larger than that gets a shard of its own) and fix every header entry."""
+    shards = [Shard("")]
+    for key, shape, dtype in items:
+        if dtype not in DTYPES:
+            raise ValueError(f"{key}: dtype {dtype} cannot be stored in safetensors")
+        n = _nbytes(shape, dtype)
+        if shards[-1].entries and shards[-1].size + n > max_bytes:
+            shards.append(Shard(""))
+        s = shards[-1]
+        s.entries[key] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [s.size, s.size + n]}
+        s.size += n
+    for i, s in enumerate(shards):
+        s.name = f"{prefix}.safetensors" if len(shards) == 1 else \
+            f"{prefix}-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+    return shards
+
+
+def _header(shard: Shard, metadata: dict[str, str]) -> bytes:
+    """The 8-byte length and the JSON header, space-padded to a multiple of 8 (as safetensors does)."""
+    raw = json.dumps({"__metadata__": metadata, **shard.entries}, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+class ShardWriter:
+    """Write planned shards into ``directory``, one tensor at a time, in plan order."""
+
+    def __init__(self, directory: Path, shards: list[Shard], metadata: dict[str, str] | None = None):
+        self.directory, self.shards = directory, shards
+        self.metadata = {"format": "pt", **(metadata or {})}
+        self._where = {key: i for i, s in enumerate(shards) for key in s.entries}
+        self._open: tuple[int, object] | None = None
+        self._written: set[str] = set()
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        """Append ``key``'s bytes; its dtype and shape must be what the plan said."""
+        index = self._where[key]
+        entry = self.shards[index].entries[key]
+        if DTYPES.get(tensor.dtype) != entry["dtype"] or list(tensor.shape) != entry["shape"]:
+            raise ValueError(f"{key}: got {tensor.dtype} {tuple(tensor.shape)}, planned {entry['dtype']} "
+                             f"{tuple(entry['shape'])}")
+        f = self._file(index)
+        if f.tell() - self._data_start != entry["data_offsets"][0]:
+            raise ValueError(f"{key}: written out of plan order")
+        f.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        self._written.add(key)
+
+    def _file(self, index: int):
+        if self._open is not None and self._open[0] == index:
+            return self._open[1]
+        self._close_current()
+        f = open(self.directory / self.shards[index].name, "wb")
+        header = _header(self.shards[index], self.metadata)
+        f.write(header)
+        self._data_start = len(header)
+        self._open = (index, f)
+        return f
+
+    def _close_current(self) -> None:
+        if self._open is not None:
+            f = self._open[1]
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+            self._open = None
+
+    def close(self, prefix: str) -> list[str]:
+        """Finish the last shard and write the index (several shards); returns the file names."""
+        self._close_current()
+        unwritten = [k for k in self._where if k not in self._written]
+        if unwritten:
+            raise ValueError(f"planned tensors never written: {unwritten[:10]}")
+        names = [s.name for s in self.shards]
+        if len(self.shards) > 1:
+            index = {"metadata": {"total_size": sum(s.size for s in self.shards)},
+                     "weight_map": {k: s.name for s in self.shards for k in s.entries}}
+            path = self.directory / f"{prefix}.safetensors.index.json"
+            path.write_text(json.dumps(index, indent=2, sort_keys=True))
+            names.append(path.name)
+        return names

@@ -1,0 +1,104 @@
+"""Full checkpoints (partial=False): a Hugging Face directory that ``from_pretrained`` loads.
+
+A failure means the streamed export (modelparallel/checkpoint/full.py, shards.py) or its loader
+(full_load.py) changed a value, a key or the tie: the reference is the single-process HF model
+the distributed one was copied from; ``from_pretrained`` must report no missing, unexpected or
+mismatched keys, and tied weights must stay one tensor. The vocabulary (1001) is uneven at TP=2.
+"""
+
+import copy
+import json
+import os
+
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM
+
+import harness
+import modelparallel as smp
+from modelparallel.checkpoint import full
+
+
+def cfg():
+    return GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=1001, n_positions=16, bos_token_id=0,
+                      eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def export(path: str, max_shard_bytes: int, translate: bool):
+    smp.init({"tensor_parallel_degree": 2})
+    torch.manual_seed(0)
+    ref = GPT2LMHeadModel(cfg())
+    model = smp.DistributedModel(copy.deepcopy(ref))
+    saved = full.MAX_SHARD_BYTES
+    full.MAX_SHARD_BYTES = max_shard_bytes
+    try:
+        smp.save_checkpoint(path, "final", partial=False, user_content={"epoch": 3}, translate_if_full=translate)
+    finally:
+        full.MAX_SHARD_BYTES = saved
+    return ref.state_dict()
+
+
+def check_from_pretrained(directory, want):
+    loaded, info = AutoModelForCausalLM.from_pretrained(directory, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight, "tie kept"
+    got = loaded.state_dict()
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
+
+
+def test_full_export_is_an_hf_directory_with_the_same_values(tmp_path):
+    want = harness.run(2, export, str(tmp_path), 2**30, True)[0]
+    assert sorted(os.listdir(tmp_path / "final")) == ["checkpoint_manifest.json", "config.json", "model.safetensors"]
+    assert torch.load(tmp_path / "user_content_final", weights_only=False) == {"epoch": 3}
+    assert (tmp_path / "newest").read_text().strip() == "final"
+    check_from_pretrained(tmp_path / "final", want)
+
+
+def test_sharded_export_writes_an_index_that_from_pretrained_follows(tmp_path):
+    want = harness.run(2, export, str(tmp_path), 30_000, True)[0]
+    index = json.loads((tmp_path / "final" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 3 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    check_from_pretrained(tmp_path / "final", want)
+
+
+def resume_full(path: str, tp: int, want: dict, defer: bool):
+    smp.init({"tensor_parallel_degree": tp, "random_seed": 7})
+    if defer:
+        content = smp.resume_from_checkpoint(path, partial=False)
+        model = smp.DistributedModel(GPT2LMHeadModel(cfg()))
+    else:
+        model = smp.DistributedModel(GPT2LMHeadModel(cfg()))
+        content = smp.resume_from_checkpoint(path, "final", partial=False)
+    got = model.state_dict()
+    for key, value in want.items():
+        assert torch.equal(got[key].reshape(value.shape), value), key
+    return content
+
+
+def test_full_checkpoint_resumes_at_another_degree(tmp_path):
+    want = harness.run(2, export, str(tmp_path / "hf"), 60_000, True)[0]
+    assert harness.run(4, resume_full, str(tmp_path / "hf"), 4, want, True)[0] == {"epoch": 3}
+    harness.run(2, export, str(tmp_path / "plain"), 2**30, False)
+    assert os.path.exists(tmp_path / "plain" / "final" / "full_state_dict.safetensors")
+    harness.run(1, resume_full, str(tmp_path / "plain"), 1, want, False)
+
+
+def export_untranslated_arch(path: str):
+    smp.init({"tensor_parallel_degree": 2})
+    torch.manual_seed(0)
+    ref = OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, ffn_dim=32,
+                                   num_attention_heads=2, max_position_embeddings=16))
+    smp.DistributedModel(copy.deepcopy(ref))
+    smp.save_checkpoint(path, "opt", partial=False)
+    return {k: v for k, v in ref.state_dict().items() if k != "lm_head.weight"}
+
+
+def test_model_without_translation_gets_a_plain_full_state_dict(tmp_path):
+    from safetensors.torch import load_file
+
+    want = harness.run(2, export_untranslated_arch, str(tmp_path))[0]
+    got = load_file(tmp_path / "opt" / "full_state_dict.safetensors")
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)

@@ -6,8 +6,8 @@ options are remembered on its modules. ``DistributedModel`` reads them, shards t
 gives each rank storage for its shard only and initializes it with the model's own HF init in
 HF's order (``DelayedParamIniter.init_all``), so the result equals the eagerly built model for
 the same seed wherever constructors draw through ``reset_parameters``. To start from pretrained
-weights instead, build inside the context and call ``smp.load_hf_checkpoint(model, dir)`` after
-``DistributedModel``: nothing is initialized twice.
+weights instead, build under ``torch.device("meta")`` (outside these contexts: nothing is then
+initialized) and call ``smp.load_hf_checkpoint(model, dir)`` after ``DistributedModel``.
 
 Every option is honoured or refused: a value that would change numerics which this library
 cannot produce raises ``NotImplementedError`` naming the option; the fusion switches only choose

@@ -63,8 +63,6 @@ def before_shard(module: nn.Module, rt, dtype: torch.dtype | None) -> WrapState:
     if mode == "rank0":
         full = meta.to_meta_(module)
         state.full_on_rank0, state.from_rank0 = (full if dist.get_rank() == 0 else {}), True
-    if options is not None and options.dtype is not None and dtype is None:
-        dtype = options.dtype
     move(module, rt.device, dtype)
     state.pending_meta = mode == "meta"
     return state

@@ -1,8 +1,10 @@
 """Shard-on-read loading: an HF safetensors checkpoint into a (meta-built) distributed model.
 
-Every rank reads only the block of each tensor it holds (``safe_open(...).get_slice``), so no
-rank ever holds the full model: each file is opened per tensor, so the memory map of the pages
-read is dropped as soon as the block is copied. The steps (STYLE 6): check every key and shape
+Every rank reads only the block of each tensor it holds, so no rank ever holds the full model:
+a block that is one byte range of the file (row shards, replicated tensors) is read straight into
+the shard's memory (``safetensors_io``); other blocks through ``safe_open(...).get_slice``, with
+the file opened per tensor so the memory map of the pages read is dropped as soon as the block
+is copied. The steps (STYLE 6): check every key and shape
 (nothing is allocated if one is wrong) -> give the loaded tensors storage -> copy each block ->
 initialize what the checkpoint does not hold (non-persistent buffers such as rotary
 ``inv_freq``, causal masks, position ids; with ``strict=False`` missing weights) with the model's
@@ -21,7 +23,7 @@ from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from . import hf_init, meta
+from . import hf_init, meta, safetensors_io
 from .delayed_param import DelayedParamIniter
 from .nn.huggingface import table_for
 from .state_dict import LoadResult
@@ -159,13 +161,17 @@ def _ignored(module: nn.Module, table, key: str) -> bool:
     return key.rpartition(".")[2] in buffers
 
 
+def block_of(target: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape, offset) of the part of ``target``'s global tensor this rank holds."""
+    if isinstance(target, DTensor):
+        return meta.local_block(target)
+    return tuple(target.shape), (0,) * target.dim()
+
+
 def read_block(handle, key: str, target: torch.Tensor, packed) -> torch.Tensor:
     """This rank's block of checkpoint tensor ``key`` for ``target`` (a DTensor's local shard, or
     the whole tensor), reading only that block; a fused dim is read chunk by chunk."""
-    if isinstance(target, DTensor):
-        shape, offset = meta.local_block(target)
-    else:
-        shape, offset = tuple(target.shape), (0,) * target.dim()
+    shape, offset = block_of(target)
     sl = handle.get_slice(key)
     if packed is None:
         return sl[meta.block_slices(shape, offset)]
@@ -214,11 +220,12 @@ def load_hf_checkpoint(model: nn.Module, path: str | Path, strict: bool = True) 
     with torch.no_grad():
         for e in entries:
             target = _give_storage(module, e.target, device)
-            with safe_open(e.file, framework="pt") as h:
-                block = read_block(h, e.key, target, e.packed)
-            dst = target.to_local() if isinstance(target, DTensor) else target
-            dst.copy_(block)
             loaded.append(target)
+            dst = target.to_local() if isinstance(target, DTensor) else target
+            if e.packed is None and safetensors_io.read_into(e.file, e.key, dst, *block_of(target)):
+                continue  # one byte range read straight into the shard
+            with safe_open(e.file, framework="pt") as h:
+                dst.copy_(read_block(h, e.key, target, e.packed))
     with hf_init.frozen(loaded):
         initer = DelayedParamIniter(module)
         with initer.validate_params_and_buffers_inited():

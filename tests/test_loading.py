@@ -7,6 +7,8 @@ c_attn chunks); ``inv_freq`` wrong -> buffers were not recomputed after the meta
 loss 3.6 instead of 11); a refusal test failing -> a bad checkpoint got (partly) loaded.
 """
 
+import copy
+
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
@@ -114,3 +116,17 @@ def test_missing_keys_listed_and_loaded_only_when_not_strict(checkpoints, tmp_pa
     assert result.missing_keys == ["model.norm.weight"]
     assert torch.equal(model.model.norm.weight, torch.ones(64))
     assert not meta.has_meta(model)
+
+
+def test_bf16_checkpoint_cast_on_read_and_direct_reads_exact(checkpoints, tmp_path):
+    """A bf16 checkpoint read into an fp32 model goes through the casting path; the fp32 one
+    through direct byte-range reads: both must give HF's tensors exactly."""
+    ref = LlamaForCausalLM.from_pretrained(checkpoints["llama"])
+    copy.deepcopy(ref).to(torch.bfloat16).save_pretrained(tmp_path)
+    for path, want_dtype in ((tmp_path, torch.bfloat16), (checkpoints["llama"], torch.float32)):
+        with torch.device("meta"):
+            model = LlamaForCausalLM(llama_cfg())
+        smp.load_hf_checkpoint(model, path)
+        for name, p in model.named_parameters():
+            assert p.dtype == torch.float32
+            assert torch.equal(p, ref.get_parameter(name).to(want_dtype).float()), name

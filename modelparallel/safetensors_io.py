@@ -1,0 +1,70 @@
+"""Read a contiguous block of a safetensors tensor straight into an existing tensor.
+
+``safe_open(...).get_slice`` memory-maps the file and returns a new tensor: the block exists
+twice (mapped pages and the copy) before it reaches the model. When a rank's block is one
+contiguous byte range of the file (a row shard such as a column-parallel weight or a vocabulary
+shard, or a whole replicated tensor) and the dtypes agree, this reads the range with one
+``readinto`` into the destination's own memory: no map, no copy. Other blocks (column shards,
+packed chunks, dtype casts) return False and the caller uses ``get_slice``.
+
+The format: 8 bytes little-endian header length, a JSON header (per tensor ``dtype``, ``shape``,
+``data_offsets`` relative to the end of the header), then the data, C-contiguous.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import struct
+
+import torch
+
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool}
+
+
+@functools.lru_cache(maxsize=64)
+def header(path: str) -> tuple[int, dict]:
+    """(byte where the data starts, the JSON header) of a safetensors file."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return 8 + n, json.loads(f.read(n))
+
+
+def contiguous_range(shape: tuple[int, ...], offset: tuple[int, ...], full: tuple[int, ...]) -> tuple[int, int] | None:
+    """(first element, element count) if the block is one contiguous run of the C-contiguous
+    ``full`` tensor, else None."""
+    partial = [d for d in range(len(full)) if shape[d] != full[d]]
+    if partial:
+        k = partial[0]
+        if any(shape[d] != 1 for d in range(k)) or any(shape[d] != full[d] for d in range(k + 1, len(full))):
+            return None
+    strides = [math.prod(full[d + 1:]) for d in range(len(full))]
+    return sum(o * s for o, s in zip(offset, strides)), math.prod(shape)
+
+
+def read_into(path: str, key: str, dst: torch.Tensor, shape: tuple[int, ...], offset: tuple[int, ...]) -> bool:
+    """Fill contiguous CPU tensor ``dst`` with block (``shape`` at ``offset``) of tensor ``key``;
+    False (nothing read) if the block is not one byte range or the dtypes differ."""
+    start, meta = header(path)
+    info = meta[key]
+    if DTYPES.get(info["dtype"]) != dst.dtype or dst.device.type != "cpu" or not dst.is_contiguous():
+        return False
+    run = contiguous_range(tuple(shape), tuple(offset), tuple(info["shape"]))
+    if run is None or run[1] != dst.numel():
+        return False
+    item = dst.element_size()
+    if run[1] == 0:
+        return True
+    with open(path, "rb", buffering=0) as f:
+        f.seek(start + info["data_offsets"][0] + run[0] * item)
+        view = memoryview(dst.view(torch.uint8).reshape(-1).numpy())
+        got = 0
+        while got < len(view):
+            n = f.readinto(view[got:])
+            if not n:
+                raise OSError(f"{path}: file ends inside tensor {key}")
+            got += n
+    return True

@@ -10,9 +10,12 @@ then the newest visible checkpoint must load bit-exactly and no rank may hang. T
 """
 
 import argparse
+import os
 import sys
 import tempfile
 from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported: the driver forks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,9 +32,16 @@ def main() -> int:
     import checkpoint_kill
 
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="soak-ckpt-") as work:
-        return checkpoint_kill.main([work, "--trials", str(args.trials), "--seed", str(args.seed),
-                                     "--json", str(args.json)])
+    work = tempfile.mkdtemp(prefix="soak-ckpt-")
+    code = checkpoint_kill.main([work, "--trials", str(args.trials), "--seed", str(args.seed),
+                                 "--json", str(args.json)])
+    if code == 0:
+        import shutil
+
+        shutil.rmtree(work)
+    else:
+        print(f"kept {work} (checkpoints and every rank's log) for inspection")
+    return code
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 rank API (``smp.rank()``, ``smp.tp_rank()``, ``smp.dp_size()``...).
 """
 
-from .checkpoint import CheckpointError, last_load_report, resume_from_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, last_load_report, load, resume_from_checkpoint, save, save_checkpoint
 from . import delayed_param
 from .config import Config
 from .creation import delay_param_initialization, model_creation

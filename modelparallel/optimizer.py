@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from . import runtime
+from .checkpoint.legacy import local_optimizer_state, to_param_layout
 from .dp import local_grad
 from .loss_scaler import DynamicLossScaler, LossScaler
 
@@ -140,13 +141,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """This rank's optimizer state (sharded entries as DTensors) and the loss scaler's."""
         return {"optimizer": self.optimizer.state_dict(), "loss_scaler": self.loss_scaler.state_dict()}
 
+    def local_state_dict(self) -> dict[str, Any]:
+        """Like ``state_dict()`` with sharded entries as this rank's local tensors (for ``smp.save``)."""
+        return local_optimizer_state(self)
+
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load what ``state_dict()`` returned; a plain torch optimizer state dict (no loss
-        scaler entry) is also accepted and keeps the current scale."""
+        """Load what ``state_dict()`` or ``local_state_dict()`` returned, or ``smp.load`` of it at
+        another TP degree (plain tensors become DTensors like their parameters); a plain torch
+        optimizer state dict (no loss scaler entry) is also accepted and keeps the current scale."""
         if "optimizer" not in state_dict:
-            self.optimizer.load_state_dict(state_dict)
+            self.optimizer.load_state_dict(to_param_layout(self.optimizer, state_dict))
             return
-        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.optimizer.load_state_dict(to_param_layout(self.optimizer, state_dict["optimizer"]))
         if "loss_scaler" in state_dict:
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
 

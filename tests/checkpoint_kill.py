@@ -18,6 +18,7 @@ tensor with ``torch.equal``.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import random
@@ -28,7 +29,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-import torch
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch: an OpenMP pool in the driver is not fork-safe
+import torch  # noqa: E402
 
 SURVIVOR_LIMIT_S = 45.0
 SAVES_PER_TRIAL = 2
@@ -121,6 +123,7 @@ def _fork_rank(rank: int, root: Path, trial: int, kill_at: int, store: str) -> i
         log = os.open(root / "logs" / f"trial{trial}.rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(log, 1)
         os.dup2(log, 2)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # the driver asks for stacks of a hang
         _job(rank, root, trial, kill_at, store)
     except BaseException:  # noqa: BLE001 - a child reports through its exit code and log
         import traceback
@@ -144,6 +147,10 @@ def _wait_all(pids: dict[int, int], limit_s: float) -> tuple[dict[int, int], flo
                 if done:
                     codes[rank] = os.waitstatus_to_exitcode(status)
         time.sleep(0.01)
+    hung = [pid for rank, pid in pids.items() if rank not in codes]
+    for pid in hung:
+        os.kill(pid, signal.SIGUSR1)  # Python stacks of every thread into the rank's log
+    time.sleep(1.0 if hung else 0)
     for rank, pid in pids.items():
         if rank not in codes:
             os.kill(pid, signal.SIGKILL)
@@ -244,6 +251,8 @@ def run_trial(root: Path, trial: int, rng: random.Random, calibration: dict, kil
         problem = f"unexpected exit codes {codes}"
     problem = problem or _verify(root)
     record.update(ok=problem is None, problem=problem)
+    if problem:
+        record["logs"] = {r: (root / "logs" / f"trial{trial}.rank{r}.log").read_text()[-3000:] for r in range(2)}
     return record
 
 

@@ -7,6 +7,8 @@
 
 from .api import last_load_report, resume_from_checkpoint, save_checkpoint
 from .errors import CheckpointError
+from .legacy import load, save
 from .parts import LoadReport
 
-__all__ = ["CheckpointError", "LoadReport", "last_load_report", "resume_from_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointError", "LoadReport", "last_load_report", "load", "resume_from_checkpoint", "save",
+           "save_checkpoint"]

@@ -1,0 +1,190 @@
+"""SageMaker's v1.6-1.9 checkpoint API: ``smp.save(obj, f, partial=True)`` and ``smp.load``.
+
+``partial=True`` writes this rank's file ``{f}_{pp_rank}_{tp_rank}``. Every tensor in ``obj``
+that is a shard of a live DTensor (``model.local_state_dict()``, ``optimizer.local_state_dict()``
+return views of them) or a DTensor itself is stored as a record with its global shape and
+placement, so ``smp.load`` at another TP degree reassembles the global tensor from the saved
+ranks' files, which ``DistributedModel.load_state_dict`` / ``DistributedOptimizer.load_state_dict``
+then slice for the new layout. At the same layout ``smp.load`` returns the local shards as saved
+(the ``same_partition_load=True`` fast path). Neither call is a collective: as in SageMaker,
+callers typically save from ``smp.rdp_rank() == 0`` only.
+
+Records are plain dicts of tensors and numbers, so files load with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from .. import runtime
+from . import commit
+
+RECORD = "__modelparallel_shard__"
+
+
+def _key(t: torch.Tensor) -> tuple:
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+
+
+def _live_shards() -> dict[tuple, DTensor]:
+    """Local tensors of every DTensor this job holds (model entries, optimizer states), by storage."""
+    rt = runtime.current()
+    found = [t for m in rt.models for t in m.module.state_dict(keep_vars=True).values()]
+    found += [v for o in rt.optimizers for slots in o.optimizer.state.values() for v in slots.values()]
+    return {_key(t.to_local()): t for t in found if isinstance(t, DTensor)}
+
+
+def _record(local: torch.Tensor, like: DTensor) -> dict:
+    placement = like.placements[0]
+    if len(like.placements) != 1 or not isinstance(placement, (Shard, Replicate)):
+        raise NotImplementedError(f"smp.save of a tensor placed {like.placements} (only 1-D Shard/Replicate)")
+    return {RECORD: 1, "local": _own_storage(local.detach()), "global_shape": list(like.shape),
+            "shard_dim": placement.dim if isinstance(placement, Shard) else -1,
+            "degree": like.device_mesh.size(), "coordinate": like.device_mesh.get_local_rank()}
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or a copy if it views a larger storage (torch.save writes whole storages)."""
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
+
+
+def local_optimizer_state(optimizer) -> dict[str, Any]:
+    """A ``DistributedOptimizer``'s state with DTensor entries as this rank's local shards."""
+    inner = optimizer.optimizer.state_dict()
+    state = {i: {k: v.to_local() if isinstance(v, DTensor) else v for k, v in slots.items()}
+             for i, slots in inner["state"].items()}
+    return {"optimizer": {**inner, "state": state}, "loss_scaler": optimizer.loss_scaler.state_dict()}
+
+
+def to_param_layout(torch_optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A torch optimizer state dict whose entries for DTensor parameters are plain tensors (global
+    shape from ``smp.load`` at another degree, or this rank's shard) made DTensors like their
+    parameter: torch's own load would keep them plain, and the next step would mix the two."""
+    params = [p for g in torch_optimizer.param_groups for p in g["params"]]
+    state = {}
+    for index, slots in state_dict["state"].items():
+        p = params[int(index)]
+        state[index] = {k: _like(p, v) for k, v in slots.items()} if isinstance(p, DTensor) else slots
+    return {**state_dict, "state": state}
+
+
+def _like(param: DTensor, value: Any) -> Any:
+    if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+        return value
+    if value.shape == param.shape:  # global: each rank slices its own shard, no communication
+        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+    if value.shape == param.to_local().shape:  # this rank's shard, same layout
+        return DTensor.from_local(value.to(param.device), param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+    return value  # e.g. Adam's scalar step: torch's load handles it
+
+
+def _encode(obj: Any, live: dict) -> Any:
+    if isinstance(obj, DTensor):
+        return _record(obj.to_local(), obj)
+    if isinstance(obj, torch.Tensor):
+        like = live.get(_key(obj))
+        return _record(obj, like) if like is not None else obj
+    if isinstance(obj, dict):
+        return type(obj)((k, _encode(v, live)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_encode(v, live) for v in obj)
+    return obj
+
+
+def save(obj: Any, f: str | Path, partial: bool = True) -> None:
+    """Write ``obj`` (SageMaker's ``smp.save``); atomically, so a crash never leaves half a file.
+
+    Args:
+        partial: True: this rank's file ``{f}_{pp_rank}_{tp_rank}`` with shards recorded; False:
+            one file ``f`` written by global rank 0 only (``obj`` holding full tensors).
+    """
+    if not partial:
+        if any(isinstance(t, DTensor) for t in _tensors(obj)):
+            raise ValueError("smp.save(partial=False) needs full tensors: pass model.state_dict(), "
+                             "not DTensors or local_state_dict()")
+        if runtime.rank() == 0:
+            _write(obj, Path(f))
+        return
+    _write(_encode(obj, _live_shards()), Path(f"{f}_{runtime.pp_rank()}_{runtime.tp_rank()}"))
+
+
+def _write(obj: Any, path: Path) -> None:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    commit.write_file_atomic(path, buf.getvalue())
+
+
+def _tensors(obj: Any):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def _read(path: Path, weights_only: bool) -> Any:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such checkpoint file")
+    return torch.load(path, map_location="cpu", weights_only=weights_only)
+
+
+def _records(obj: Any):
+    if isinstance(obj, dict) and obj.get(RECORD) == 1:
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _records(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _records(v)
+
+
+def _decode(objs: list[Any], same_layout: bool) -> Any:
+    """Records replaced by local shards (same layout) or by reassembled global tensors."""
+    first = objs[0]
+    if isinstance(first, dict) and first.get(RECORD) == 1:
+        if same_layout:
+            return first["local"]
+        pieces = sorted(objs, key=lambda r: r["coordinate"])
+        if first["shard_dim"] < 0:
+            return first["local"]
+        out = torch.cat([r["local"] for r in pieces], dim=first["shard_dim"])
+        if list(out.shape) != first["global_shape"]:
+            raise ValueError(f"shards of a {first['global_shape']} tensor reassemble to {list(out.shape)}")
+        return out
+    if isinstance(first, dict):
+        return type(first)((k, _decode([o[k] for o in objs], same_layout)) for k in first)
+    if isinstance(first, (list, tuple)):
+        return type(first)(_decode([o[i] for o in objs], same_layout) for i in range(len(first)))
+    return first
+
+
+def load(f: str | Path, partial: bool = True, weights_only: bool = False) -> Any:
+    """Read what ``save`` wrote (SageMaker's ``smp.load``).
+
+    With ``partial=True`` at the saving layout this rank's file is returned with local shards;
+    at another TP degree, every saved rank's file is read and sharded tensors come back at their
+    global shapes (each rank then holds full tensors until it loads them).
+
+    Raises:
+        FileNotFoundError: naming the missing file(s).
+    """
+    if not partial:
+        return _read(Path(f), weights_only)
+    own = Path(f"{f}_{runtime.pp_rank()}_{runtime.tp_rank()}")
+    first = _read(own if own.is_file() else Path(f"{f}_{runtime.pp_rank()}_0"), weights_only)
+    records = list(_records(first))
+    degree = records[0]["degree"] if records else 1
+    if own.is_file() and degree == runtime.tp_size():
+        return _decode([first], same_layout=True)
+    objs = [_read(Path(f"{f}_{runtime.pp_rank()}_{r}"), weights_only) for r in range(degree)]
+    return _decode(objs, same_layout=False)

@@ -12,6 +12,7 @@ import torch
 
 import harness
 import modelparallel as smp
+from modelparallel.cli import main
 from modelparallel.checkpoint import commit
 
 
@@ -76,7 +77,15 @@ def save_with_retention(path: str):
     return smp.resume_from_checkpoint(path), smp.resume_from_checkpoint(path, "step3")
 
 
-def test_save_checkpoint_applies_retention_and_updates_newest(tmp_path):
+def test_save_checkpoint_applies_retention_and_updates_newest(tmp_path, capsys):
     first, second = harness.run(2, save_with_retention, str(tmp_path))[0]
     assert (first, second) == ("again", 3)
     assert sorted(os.listdir(tmp_path)) == ["newest", "step2_partial", "step3_partial"]
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "newest: step2_partial" in out and "* step2_partial" in out and "  step3_partial" in out
+    assert "tp 2 x dp 1" in out and "gpt2 GPT2LMHeadModel" in out and out.count("ok (4 files)") == 2
+    victim = tmp_path / "step3_partial" / "model" / ".metadata"
+    victim.write_bytes(victim.read_bytes()[:-1])
+    assert main(["inspect", str(tmp_path)]) == 1
+    assert "step3_partial/model/.metadata: size" in capsys.readouterr().out

@@ -15,6 +15,7 @@ import sys
 COMMANDS: dict[str, str] = {
     "train": "modelparallel.cli.train",
     "convert": "modelparallel.cli.convert",
+    "inspect": "modelparallel.cli.inspect",
 }
 
 

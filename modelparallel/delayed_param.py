@@ -64,6 +64,9 @@ class DelayedParamIniter:
 
     def __init__(self, model: nn.Module, init_method_using_config: Callable[[nn.Module], None] | None = None,
                  verbose: bool = False):
+        if not meta.has_meta(model):
+            raise meta.MetaTensorError(f"DelayedParamIniter needs a model built on the meta device; this "
+                                       f"{type(model).__name__} holds real tensors only (nothing to initialize)")
         self.model = model
         self.init_fn = init_method_using_config or hf_init.default_init_fn(model)
         self.verbose = verbose

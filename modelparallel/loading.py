@@ -226,9 +226,10 @@ def load_hf_checkpoint(model: nn.Module, path: str | Path, strict: bool = True) 
                 continue  # one byte range read straight into the shard
             with safe_open(e.file, framework="pt") as h:
                 dst.copy_(read_block(h, e.key, target, e.packed))
-    with hf_init.frozen(loaded):
-        initer = DelayedParamIniter(module)
-        with initer.validate_params_and_buffers_inited():
-            initer.init_all(match_eager=False)
+    if meta.has_meta(module):  # non-persistent buffers, and missing weights when not strict
+        with hf_init.frozen(loaded):
+            initer = DelayedParamIniter(module)
+            with initer.validate_params_and_buffers_inited():
+                initer.init_all(match_eager=False)
     meta.check_no_meta(module, "after loading the checkpoint")
     return result

@@ -77,10 +77,12 @@ class DistributedModel(nn.Module):
     def state_dict(self, gather_to_rank0: bool = False, **_) -> dict[str, torch.Tensor]:
         """The full state dict at global shapes (a collective). With ``gather_to_rank0`` only rank
         0 receives it and other ranks get ``{}``."""
+        wrapping.check_ready(self.module, self._mp_state)
         return full_state_dict(self.module, gather_to_rank0)
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's shards, keyed like ``state_dict()``."""
+        wrapping.check_ready(self.module, self._mp_state)
         return local_state_dict(self.module)
 
     def load_state_dict(self, state_dict, same_partition_load: bool = False, strict: bool = True) -> LoadResult:

@@ -66,6 +66,11 @@ def test_guard_names_tensors_left_on_meta_or_never_written():
     assert not meta.is_meta(model.lin.weight) and model.lin.weight.abs().sum() > 0
 
 
+def test_real_model_refused_saying_so():
+    with pytest.raises(smp.MetaTensorError, match="needs a model built on the meta device"):
+        smp.delayed_param.DelayedParamIniter(nn.Linear(2, 2))
+
+
 def delayed_tp_equals_eager(cls, cfg):
     smp.init({"tensor_parallel_degree": 2})
     torch.manual_seed(11)

@@ -101,6 +101,24 @@ def test_checkpoint_of_another_config_is_refused_naming_tensors(checkpoints):
     assert "model.layers.0.mlp.gate_proj.weight" in msg and "(96, 64)" in msg and "(128, 64)" in msg, msg
 
 
+def refuse_unusable_meta_models():
+    smp.init({"tensor_parallel_degree": 2})
+    with torch.device("meta"):
+        odd = LlamaForCausalLM(llama_cfg(hidden_size=48, num_attention_heads=3, num_key_value_heads=3))
+    with pytest.raises(ValueError, match="num_attention_heads = 3 is not divisible by tensor_parallel_degree 2"):
+        smp.DistributedModel(odd)
+    assert all(meta.is_meta(p) for p in odd.parameters()), "memory allocated before the refusal"
+    with torch.device("meta"):
+        model = smp.DistributedModel(LlamaForCausalLM(llama_cfg()))
+    for call in (model.state_dict, model.local_state_dict):
+        with pytest.raises(smp.MetaTensorError, match="has no weights yet"):
+            call()
+
+
+def test_meta_models_refused_where_weights_are_needed():
+    harness.run(2, refuse_unusable_meta_models)
+
+
 def test_missing_keys_listed_and_loaded_only_when_not_strict(checkpoints, tmp_path):
     """A checkpoint without a layer norm: refused when strict; with strict=False the model's own
     init fills it (norm weights are ones) and the guard finds nothing on meta."""

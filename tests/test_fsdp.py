@@ -80,3 +80,23 @@ def test_fsdp_tp_meta_model_loaded_shard_on_read(tmp_path):
                                  num_key_value_heads=2, vocab_size=101,
                                  max_position_embeddings=64)).save_pretrained(tmp_path)
     harness.run(4, fsdp_meta_llama, str(tmp_path))
+
+
+def fsdp_from_rank0_only():
+    """Only global rank 0 holds weights; ranks of the other data-parallel group get their blocks
+    from it too (their TP mesh does not contain rank 0)."""
+    smp.init(CONFIG)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=101, max_position_embeddings=64)
+    torch.manual_seed(6)
+    ref = LlamaForCausalLM(cfg)
+    if smp.rank() == 0:
+        model = copy.deepcopy(ref)
+    else:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(cfg)
+    _train_and_compare(ref, smp.DistributedModel(model), 101)
+
+
+def test_fsdp_tp_weights_from_rank0_only():
+    harness.run(4, fsdp_from_rank0_only)

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import ctypes
 import json
+import mmap
 import os
 import shutil
+import threading
 import uuid
 import zlib
 from pathlib import Path
@@ -29,7 +31,6 @@ from pathlib import Path
 HIDDEN = ".mp-"
 MANIFEST = "checkpoint_manifest.json"
 NEWEST = "newest"
-_CHUNK = 16 << 20
 
 
 def new_nonce() -> str:
@@ -69,15 +70,39 @@ def write_file_atomic(path: str | Path, data: bytes) -> None:
 
 
 def file_checksum(path: str | Path, fsync: bool = False) -> dict:
-    """``{"size", "crc32"}`` of a file, read in chunks; with ``fsync`` also flush it to disk."""
-    crc, size = 0, 0
+    """``{"size", "crc32"}`` of a file. With ``fsync`` the file is also flushed to disk, in a
+    thread while the CRC is computed: the disk write-back and the CPU work overlap (zlib releases
+    the GIL), so checksumming a just-written checkpoint costs about what its fsync costs alone."""
     with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-            size += len(chunk)
-        if fsync:
-            os.fsync(f.fileno())
+        size = os.fstat(f.fileno()).st_size
+        sync = _Background(os.fsync, f.fileno()) if fsync else None
+        crc = 0
+        if size:
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:  # no copies: ~2x read()
+                crc = zlib.crc32(view)
+        if sync is not None:
+            sync.join()
     return {"size": size, "crc32": f"{crc:08x}"}
+
+
+class _Background(threading.Thread):
+    """Run ``fn(*args)`` in a thread; ``join`` re-raises its exception (an fsync EIO must fail the save)."""
+
+    def __init__(self, fn, *args):
+        super().__init__(daemon=True)
+        self.fn, self.args, self.error = fn, args, None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.fn(*self.args)
+        except BaseException as e:  # noqa: BLE001 - handed to the joining thread
+            self.error = e
+
+    def join(self, timeout=None) -> None:
+        super().join(timeout)
+        if self.error is not None:
+            raise self.error
 
 
 def data_files(root: str | Path) -> list[str]:

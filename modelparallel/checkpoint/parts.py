@@ -115,8 +115,9 @@ def loadable(state: dict[str, Any], report: LoadReport) -> set[str]:
 
 
 def write_part(state: dict[str, Any], directory: Path) -> None:
-    """One DCP save (a collective); DCP fsyncs its data files and metadata."""
-    dcp.save(state, storage_writer=FileSystemWriter(directory, sync_files=True))
+    """One DCP save (a collective). DCP's own fsync is off: the checksum phase fsyncs every file
+    while it computes the CRC, before anything is committed (``commit.file_checksum``)."""
+    dcp.save(state, storage_writer=FileSystemWriter(directory, sync_files=False))
 
 
 def read_part(state: dict[str, Any], directory: Path, keys: set[str]) -> None:

@@ -1,0 +1,210 @@
+"""Checkpoint benchmark: partial save/load throughput against plain DCP, and full-export memory.
+
+A GPT-2 of about 355M parameters (gpt2-medium's shape: n_embd 1024, 24 layers, 16 heads, the
+50257-token vocabulary) with AdamW state, at TP=2 on two ranks (one thread each). Per repeat:
+
+* ``ours save``: ``smp.save_checkpoint(partial=True)`` (DCP parts, checksums, fsync, atomic
+  commit, ``newest``, retention);
+* ``dcp save``: ``torch.distributed.checkpoint.save`` of the same two state dicts (the model's
+  ``state_dict()`` and ``get_optimizer_state_dict``), fsynced as DCP does by default;
+* ``ours load``: ``smp.resume_from_checkpoint`` (checksum verification, key checks, DCP reads);
+* ``dcp load``: ``dcp.load`` of both + ``set_optimizer_state_dict``.
+
+MB/s = bytes on disk / the slowest rank's seconds; the order of ours and DCP alternates between
+repeats and the median is reported. Loads read from the page cache for both. Then a full export
+(``partial=False``) of the same model: peak RSS above the process's RSS just before it (VmHWM
+reset through ``/proc/self/clear_refs``), compared with the largest tensor (target: <= 2x).
+
+Usage: ``python bench/bench_checkpoint.py [--preset medium|small|tiny] [--repeats 3]``; starts its
+two ranks with torchrun and writes ``bench/results/checkpoint.json``. Run it on a quiet machine:
+the 1-minute load average after the run is recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PRESETS = {"medium": dict(n_embd=1024, n_layer=24, n_head=16, vocab_size=50257, n_positions=1024),
+           "small": dict(n_embd=768, n_layer=12, n_head=12, vocab_size=50257, n_positions=1024),
+           "tiny": dict(n_embd=64, n_layer=2, n_head=4, vocab_size=1001, n_positions=64)}
+RESULTS = Path(__file__).resolve().parent / "results" / "checkpoint.json"
+
+
+def _status_kb(field: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _timed(fn) -> float:
+    """Seconds of ``fn()`` on the slowest rank (a collective)."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    t = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _dcp_save(model, optimizer, directory: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    dcp.save(model.module.state_dict(), checkpoint_id=directory / "model")
+    dcp.save(get_optimizer_state_dict(model.module, optimizer.optimizer), checkpoint_id=directory / "optimizer")
+
+
+def _dcp_load(model, optimizer, directory: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    dcp.load(model.module.state_dict(), checkpoint_id=directory / "model")
+    osd = get_optimizer_state_dict(model.module, optimizer.optimizer)
+    dcp.load(osd, checkpoint_id=directory / "optimizer")
+    set_optimizer_state_dict(model.module, optimizer.optimizer, osd)
+
+
+def _build(preset: str):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import modelparallel as smp
+
+    smp.init({"tensor_parallel_degree": 2, "random_seed": 0})
+    cfg = GPT2Config(**PRESETS[preset], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = smp.DistributedModel(GPT2LMHeadModel(cfg))
+    optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
+    ids = torch.arange(16).reshape(1, 16)
+    model.backward(model(ids, labels=ids).loss)  # one step: AdamW's exp_avg / exp_avg_sq exist
+    optimizer.step()
+    optimizer.zero_grad()
+    return model, optimizer
+
+
+def _partial_runs(model, optimizer, work: Path, repeats: int) -> dict:
+    import modelparallel as smp
+
+    rows = {"ours_save": [], "dcp_save": [], "ours_load": [], "dcp_load": []}
+    sizes = {}
+    for r in range(repeats):
+        dcp_dir = work / f"dcp{r}"
+        order = ("ours", "dcp") if r % 2 == 0 else ("dcp", "ours")
+        for who in order:
+            rows[f"{who}_save"].append(_timed(
+                (lambda: smp.save_checkpoint(work / "ours", f"r{r}", num_kept_partial_checkpoints=1)) if who == "ours"
+                else (lambda: _dcp_save(model, optimizer, dcp_dir))))
+        sizes = {"ours": _dir_bytes(work / "ours" / f"r{r}_partial"), "dcp": _dir_bytes(dcp_dir)}
+        for who in order:
+            rows[f"{who}_load"].append(_timed(
+                (lambda: smp.resume_from_checkpoint(work / "ours")) if who == "ours"
+                else (lambda: _dcp_load(model, optimizer, dcp_dir))))
+        if smp.rank() == 0:
+            shutil.rmtree(dcp_dir)
+    out = {"bytes": sizes, "seconds": rows}
+    for kind, times in rows.items():
+        who = kind.split("_")[0]
+        out[f"{kind}_mb_s"] = sizes[who] / 1e6 / statistics.median(times)
+    return out
+
+
+def _full_export(model, work: Path) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    import modelparallel as smp
+
+    largest = max(t.numel() * t.element_size() for t in model.module.state_dict().values())
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    base = _status_kb("VmRSS")
+    seconds = _timed(lambda: smp.save_checkpoint(work / "full", "export", partial=False))
+    above = torch.tensor([(_status_kb("VmHWM") - base) * 1024.0], dtype=torch.float64)
+    dist.all_reduce(above, op=dist.ReduceOp.MAX)
+    return {"seconds": seconds, "largest_tensor_bytes": largest, "peak_rss_above_baseline_bytes": above.item(),
+            "ratio_to_largest_tensor": above.item() / largest, "bytes": _dir_bytes(work / "full" / "export")}
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import modelparallel as smp
+
+    torch.set_num_threads(1)
+    model, optimizer = _build(args.preset)
+    # DTensor parameters report their global numel; tied weights are counted once
+    result = {"preset": args.preset, "parameters": sum(p.numel() for p in model.module.parameters())}
+    result["partial"] = _partial_runs(model, optimizer, Path(args.work), args.repeats)
+    result["full_export"] = _full_export(model, Path(args.work))
+    if smp.rank() == 0:
+        Path(args.result).write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def launch(args) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir))
+    try:
+        result = work / "result.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+               str(Path(__file__).resolve()), "--worker", "--work", str(work), "--result", str(result),
+               "--preset", args.preset, "--repeats", str(args.repeats)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        subprocess.run(cmd, env=env, check=True)
+        return json.loads(result.read_text())
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def report(r: dict) -> None:
+    p, f = r["partial"], r["full_export"]
+    print(f"\nGPT-2 {r['preset']} ({r['parameters'] / 1e6:.0f}M parameters) + AdamW, TP=2, "
+          f"{p['bytes']['ours'] / 1e9:.2f} GB per checkpoint")
+    print(f"{'':12}{'ours MB/s':>12}{'DCP MB/s':>12}{'ratio':>8}")
+    for op in ("save", "load"):
+        ours, base = p[f"ours_{op}_mb_s"], p[f"dcp_{op}_mb_s"]
+        print(f"{op:12}{ours:12.0f}{base:12.0f}{ours / base:8.2f}x")
+    print(f"full export: {f['seconds']:.1f} s, peak RSS above baseline {f['peak_rss_above_baseline_bytes'] / 1e6:.0f} MB"
+          f" = {f['ratio_to_largest_tensor']:.2f}x the largest tensor ({f['largest_tensor_bytes'] / 1e6:.0f} MB)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="medium")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dir", default=None, help="where the checkpoints are written (default: the temp dir)")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--work", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    result = launch(args)
+    result["load_average_1min_after"] = os.getloadavg()[0]
+    report(result)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

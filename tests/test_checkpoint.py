@@ -9,7 +9,7 @@ checkpoint must reproduce the uninterrupted run's losses exactly (fp32, same dat
 
 import torch
 from torch.distributed.tensor import DTensor
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import harness
 import modelparallel as smp
@@ -20,13 +20,23 @@ def cfg():
                       embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
 
 
+def llama_cfg():
+    """Grouped-query attention (8 query heads, 4 KV heads: TP=4 splits both) and an untied head."""
+    return LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
+                       num_key_value_heads=4, vocab_size=1001, max_position_embeddings=32,
+                       tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
+ARCHS = {"gpt2": lambda: GPT2LMHeadModel(cfg()), "llama": lambda: LlamaForCausalLM(llama_cfg())}
+
+
 def batch(step: int) -> torch.Tensor:
     return (torch.arange(24).reshape(2, 12) * (step + 7) + step) % 1001
 
 
-def build(tp: int, seed: int):
+def build(tp: int, seed: int, arch: str = "gpt2"):
     smp.init({"tensor_parallel_degree": tp, "random_seed": seed})
-    model = smp.DistributedModel(GPT2LMHeadModel(cfg()))
+    model = smp.DistributedModel(ARCHS[arch]())
     optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
     return model, optimizer
 
@@ -58,23 +68,24 @@ def gathered_state(model, optimizer) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_after_training(tp: int, path: str, tag: str):
-    model, optimizer = build(tp, seed=0)
+def save_after_training(tp: int, path: str, tag: str, arch: str = "gpt2"):
+    model, optimizer = build(tp, seed=0, arch=arch)
     train(model, optimizer, range(2))
     smp.save_checkpoint(path, tag, user_content={"step": 2, "note": "hello"})
     return gathered_state(model, optimizer)
 
 
-def load_elsewhere(tp: int, path: str, expected: dict, defer: bool):
+def load_elsewhere(tp: int, path: str, expected: dict, defer: bool, arch: str = "gpt2"):
     """Resume into a fresh model of another seed (so an ignored load would be caught)."""
     if defer:
         smp.init({"tensor_parallel_degree": tp, "random_seed": 5})
         content = smp.resume_from_checkpoint(path)
-        model, optimizer = build_without_init(tp)
+        model, optimizer = build_without_init(arch)
     else:
-        model, optimizer = build(tp, seed=5)
+        model, optimizer = build(tp, seed=5, arch=arch)
         before = gathered_state(model, optimizer)
-        assert not torch.equal(before["model/transformer.wte.weight"], expected["model/transformer.wte.weight"])
+        changed = [k for k in expected if k.startswith("model/") and not torch.equal(before[k], expected[k])]
+        assert changed, "fresh model already equal: the load would prove nothing"
         content = smp.resume_from_checkpoint(path)
     got = gathered_state(model, optimizer)
     assert sorted(got) == sorted(expected), sorted(set(got) ^ set(expected))
@@ -83,8 +94,8 @@ def load_elsewhere(tp: int, path: str, expected: dict, defer: bool):
     return content
 
 
-def build_without_init(tp: int):
-    model = smp.DistributedModel(GPT2LMHeadModel(cfg()))
+def build_without_init(arch: str):
+    model = smp.DistributedModel(ARCHS[arch]())
     optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
     return model, optimizer
 
@@ -96,6 +107,13 @@ def test_saved_at_tp2_loads_bit_exactly_at_tp1_tp4_and_dp2(tmp_path):
     for world, tp, defer in ((1, 1, False), (4, 4, True), (4, 2, False)):
         contents = harness.run(world, load_elsewhere, tp, str(tmp_path), expected, defer)
         assert contents == [{"step": 2, "note": "hello"}] * world
+
+
+def test_llama_saved_at_tp2_loads_bit_exactly_at_tp1_and_tp4(tmp_path):
+    expected = harness.run(2, save_after_training, 2, str(tmp_path), "llama", "llama")[0]
+    assert expected["optim/lm_head.weight/exp_avg_sq"].shape == (1001, 32), "untied head saved on its own"
+    for world, defer in ((1, False), (4, True)):
+        harness.run(world, load_elsewhere, world, str(tmp_path), expected, defer, "llama")
 
 
 def test_saved_at_tp2_dp2_loads_at_tp4(tmp_path):

@@ -11,7 +11,8 @@ import json
 import os
 
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM
+from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaForCausalLM, OPTConfig,
+                          OPTForCausalLM)
 
 import harness
 import modelparallel as smp
@@ -37,10 +38,10 @@ def export(path: str, max_shard_bytes: int, translate: bool):
     return ref.state_dict()
 
 
-def check_from_pretrained(directory, want):
+def check_from_pretrained(directory, want, tied=True):
     loaded, info = AutoModelForCausalLM.from_pretrained(directory, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    assert loaded.lm_head.weight is loaded.transformer.wte.weight, "tie kept"
+    assert (loaded.lm_head.weight is loaded.get_input_embeddings().weight) == tied, "tie kept (or absent) as saved"
     got = loaded.state_dict()
     assert sorted(got) == sorted(want)
     for key, value in want.items():
@@ -83,6 +84,22 @@ def test_full_checkpoint_resumes_at_another_degree(tmp_path):
     harness.run(2, export, str(tmp_path / "plain"), 2**30, False)
     assert os.path.exists(tmp_path / "plain" / "final" / "full_state_dict.safetensors")
     harness.run(1, resume_full, str(tmp_path / "plain"), 1, want, False)
+
+
+def export_llama(path: str):
+    from test_checkpoint import llama_cfg
+
+    smp.init({"tensor_parallel_degree": 2})
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(llama_cfg())
+    smp.DistributedModel(copy.deepcopy(ref))
+    smp.save_checkpoint(path, "llama", partial=False)
+    return ref.state_dict()
+
+
+def test_llama_with_untied_head_exports_for_from_pretrained(tmp_path):
+    want = harness.run(2, export_llama, str(tmp_path))[0]
+    check_from_pretrained(tmp_path / "llama", want, tied=False)
 
 
 def export_untranslated_arch(path: str):

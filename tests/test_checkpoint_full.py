@@ -119,3 +119,37 @@ def test_model_without_translation_gets_a_plain_full_state_dict(tmp_path):
     got = load_file(tmp_path / "opt" / "full_state_dict.safetensors")
     assert sorted(got) == sorted(want)
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def failing_export(path: str):
+    """A full save whose writes fail on rank 0 after an earlier good save of the same tag."""
+    from modelparallel.checkpoint import shards
+
+    smp.init({"tensor_parallel_degree": 2})
+    smp.DistributedModel(GPT2LMHeadModel(cfg()))
+    smp.save_checkpoint(path, "final", partial=False, user_content="first")
+    before = {p: open(os.path.join(path, p), "rb").read() for p in ("user_content_final", "newest")}
+    original = shards.ShardWriter.write
+    if smp.rank() == 0:
+        def boom(*_a, **_k):
+            raise OSError("No space left on device (simulated)")
+        shards.ShardWriter.write = boom
+    try:
+        smp.save_checkpoint(path, "final", partial=False, user_content="second")
+    except Exception as e:  # noqa: BLE001 - the message is checked
+        message = str(e)
+    else:
+        message = None
+    finally:
+        shards.ShardWriter.write = original
+    after = {p: open(os.path.join(path, p), "rb").read() for p in before}
+    assert after == before, "a failed save overwrote nothing"
+    return message, sorted(os.listdir(path))
+
+
+def test_failed_full_export_raises_everywhere_and_keeps_the_previous_one(tmp_path):
+    results = harness.run(2, failing_export, str(tmp_path))
+    for message, listing in results:
+        assert message and "rank 0: OSError: No space left on device (simulated)" in message, message
+        assert listing == ["final", "newest", "user_content_final"]
+    assert torch.load(tmp_path / "user_content_final", weights_only=False) == "first"

@@ -55,10 +55,15 @@ def save_checkpoint(path: str | Path, tag: str, partial: bool = True, model=None
 
 
 def _defaults(model, optimizer):
+    """SageMaker's defaults: the newest model, and the newest optimizer if it optimizes that
+    model (with several models, the newest optimizer may belong to another one)."""
     rt = runtime.current()
     model = model if model is not None else (rt.models[-1] if rt.models else None)
     if optimizer is None and rt.optimizers and model is not None:
-        optimizer = rt.optimizers[-1]
+        owned = {id(p) for p in model.module.parameters()}
+        newest = rt.optimizers[-1]
+        if all(id(p) in owned for g in newest.param_groups for p in g["params"]):
+            optimizer = newest
     return model, optimizer
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import runtime
 from . import commit, parts
 from .errors import run_phase, single_error
 from .parts import LoadReport
@@ -33,8 +34,6 @@ def _rank_world() -> tuple[int, int]:
 
 def describe(model, optimizer) -> dict[str, Any]:
     """What the manifest records about the saving job: architecture and layout."""
-    from .. import runtime
-
     cfg = runtime.current().config
     config = getattr(model.module, "config", None)
     return {

@@ -174,7 +174,12 @@ def build_style(name: str, module: nn.Module, chunks: int = 1) -> ParallelStyle:
         ValueError: for an unknown style name.
         NotImplementedError: for a module type the style cannot shard.
     """
-    conv = isinstance(module, Conv1D)
+    style = _new_style(name, isinstance(module, Conv1D), chunks)
+    style.src_data_rank = None  # slice locally: every rank already holds the same weights (see top)
+    return style
+
+
+def _new_style(name: str, conv: bool, chunks: int) -> ParallelStyle:
     if name == "colwise":
         return ColwiseConv1D() if conv else ColwiseParallelShared()
     if name == "rowwise":

@@ -57,7 +57,7 @@ def test_full_export_is_an_hf_directory_with_the_same_values(tmp_path):
 
 
 def test_sharded_export_writes_an_index_that_from_pretrained_follows(tmp_path):
-    want = harness.run(2, export, str(tmp_path), 30_000, True)[0]
+    want = harness.run(4, export, str(tmp_path), 30_000, True)[0]  # TP=2 x DP=2: one TP group sends
     index = json.loads((tmp_path / "final" / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 3 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"

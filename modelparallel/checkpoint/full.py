@@ -1,10 +1,11 @@
 """Full checkpoints (``partial=False``): ``path/{tag}/`` is a Hugging Face model directory.
 
-Export streams tensor by tensor: every rank gathers one tensor (``full_tensor()``: every rank
-takes part in every collective, in the same order), rank 0 translates it to HF's layout and
-appends it to its planned safetensors shard, and the tensor is dropped before the next one. No
-rank holds more than one full tensor beyond its own shards. A write error on rank 0 does not stop
-its gathers (the others would wait forever); it is reported once all gathers are done.
+Export streams tensor by tensor: the shards of one tensor are sent to global rank 0 (every rank
+of its TP group takes part, for every tensor, in the same order), rank 0 translates it to HF's
+layout and appends it to its planned safetensors shard, and the tensor is dropped before the
+next one. Rank 0 holds at most one full tensor and one shard beyond its own shards; the others
+nothing new. A write error on rank 0 does not stop its receives (the senders would wait
+forever); it is reported once every tensor has been sent.
 
 The directory holds ``config.json``, ``model.safetensors`` (or shards and their index) and
 ``checkpoint_manifest.json``; ``from_pretrained`` loads it as is. Without a translation (or with
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import commit, parts
 from .errors import run_phase
@@ -61,11 +62,56 @@ def _plan(state: dict[str, torch.Tensor], translate: Items | None, prefix: str, 
     return plan_shards(items, prefix, max_bytes)
 
 
+def _chunk(n: int, parts: int, index: int) -> tuple[int, int]:
+    """(offset, size) of piece ``index`` when ``n`` rows split in ``parts`` like DTensor's
+    ``Shard`` (torch.chunk: pieces of ceil(n / parts), the last ones smaller or empty)."""
+    step = -(-n // parts)
+    start = min(index * step, n)
+    return start, min(n, start + step) - start
+
+
+def _gather_to_rank0(t: torch.Tensor, writer_rank: int) -> torch.Tensor | None:
+    """The global tensor on global rank ``writer_rank`` (None elsewhere): the other ranks of
+    its TP group send their shards one by one, each received straight into its place (for
+    dim-0 shards) or through a shard-sized buffer, so the writer holds the tensor plus at most
+    one shard and the senders nothing new. Ranks of other TP groups return at once."""
+    if not isinstance(t, DTensor):
+        return t if dist.get_rank() == writer_rank else None
+    mesh, placement = t.device_mesh, t.placements[0]
+    group_ranks = mesh.mesh.flatten().tolist()
+    me, local = dist.get_rank(), t.to_local()
+    if writer_rank not in group_ranks:
+        return None
+    if isinstance(placement, Replicate):
+        return local if me == writer_rank else None
+    if not isinstance(placement, Shard) or len(t.placements) != 1:
+        full = t.full_tensor()  # anything else: every rank of the group gathers
+        return full if me == writer_rank else None
+    if me != writer_rank:
+        dist.send(local.contiguous(), dst=writer_rank, group=mesh.get_group())
+        return None
+    full = torch.empty(t.shape, dtype=t.dtype)
+    dim = placement.dim
+    for index, src in enumerate(group_ranks):
+        offset, size = _chunk(t.shape[dim], len(group_ranks), index)
+        place = full.narrow(dim, offset, size)
+        if src == me:
+            place.copy_(local)
+        elif place.is_contiguous():
+            dist.recv(place, src=src, group=mesh.get_group())
+        else:
+            piece = torch.empty(place.shape, dtype=t.dtype)
+            dist.recv(piece, src=src, group=mesh.get_group())
+            place.copy_(piece)
+    return full
+
+
 def _stream(state, translate: Items | None, writer: ShardWriter | None) -> Exception | None:
-    """Gather every tensor on every rank in order; rank 0 (``writer``) writes each one."""
+    """Bring every tensor to global rank 0 in order (every rank of its TP group takes part);
+    rank 0 (``writer``) writes each one and drops it before the next."""
     error = None
     for key, t in state.items():
-        full = t.full_tensor() if isinstance(t, DTensor) else t
+        full = _gather_to_rank0(t, writer_rank=0)
         if writer is not None and error is None:
             try:
                 for out_key, out in (translate(key, full) if translate else [(key, full)]):
@@ -123,12 +169,14 @@ def _finish(path: Path, staging: Path, tag: str, model, writer: ShardWriter, pre
     if error is not None:
         raise error
     weights = writer.close(prefix)
+    sums = writer.checksums()  # computed while writing (and fsynced): the weights are not re-read
     _config_copy(model).save_pretrained(staging)
     content_name = f"user_content_{tag}"
     content_tmp = path / commit.hidden_name("tmp", commit.new_nonce(), content_name)
     parts.write_user_content(user_content, content_tmp.parent, content_tmp.name)
     manifest = {"format": FORMAT, "version": 1, "tag": tag, "translated": translated, "weights": weights,
-                "files": {f: commit.file_checksum(staging / f, fsync=True) for f in commit.data_files(staging)},
+                "files": {f: sums[f] if f in sums else commit.file_checksum(staging / f, fsync=True)
+                          for f in commit.data_files(staging)},
                 "user_content": {"file": content_name, **commit.file_checksum(content_tmp)},
                 "saved_at_ns": time.time_ns(), **describe(model, None)}
     commit.write_manifest(staging, manifest)

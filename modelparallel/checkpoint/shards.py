@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,6 +72,7 @@ class ShardWriter:
         self._where = {key: i for i, s in enumerate(shards) for key in s.entries}
         self._open: tuple[int, object] | None = None
         self._written: set[str] = set()
+        self._crc = [0] * len(shards)  # CRC32 of every byte written: no re-read to checksum the shards
 
     def write(self, key: str, tensor: torch.Tensor) -> None:
         """Append ``key``'s bytes; its dtype and shape must be what the plan said."""
@@ -82,7 +84,9 @@ class ShardWriter:
         f = self._file(index)
         if f.tell() - self._data_start != entry["data_offsets"][0]:
             raise ValueError(f"{key}: written out of plan order")
-        f.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data
+        f.write(data)
+        self._crc[index] = zlib.crc32(data, self._crc[index])
         self._written.add(key)
 
     def _file(self, index: int):
@@ -92,6 +96,7 @@ class ShardWriter:
         f = open(self.directory / self.shards[index].name, "wb")
         header = _header(self.shards[index], self.metadata)
         f.write(header)
+        self._crc[index] = zlib.crc32(header)
         self._data_start = len(header)
         self._open = (index, f)
         return f
@@ -103,6 +108,14 @@ class ShardWriter:
             os.fsync(f.fileno())
             f.close()
             self._open = None
+
+    def checksums(self) -> dict[str, dict]:
+        """``{file: {"size", "crc32"}}`` of the shards, as ``commit.file_checksum`` would compute."""
+        return {s.name: {"size": self._data_start_of(s) + s.size, "crc32": f"{crc:08x}"}
+                for s, crc in zip(self.shards, self._crc)}
+
+    def _data_start_of(self, shard: Shard) -> int:
+        return len(_header(shard, self.metadata))
 
     def close(self, prefix: str) -> list[str]:
         """Finish the last shard and write the index (several shards); returns the file names."""

@@ -173,3 +173,29 @@ def test_failure_on_one_rank_raises_on_all_and_keeps_the_previous_checkpoint(tmp
         assert "No space left on device (simulated)" in msg and "failed on rank(s)" in msg, msg
         assert elapsed < 30, f"took {elapsed:.1f}s"
     assert results[0][2] == ["a_partial", "newest"], "failed save removed its staging; leftovers cleaned"
+
+
+def fail_load_on_rank1(path: str):
+    """A load whose DCP read fails on rank 1 only: every rank raises, quickly."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    model_with(0)
+    smp.save_checkpoint(path, "a")
+    model_with(1)
+    original = FileSystemReader.read_data
+    if smp.rank() == 1:
+        def boom(*_a, **_k):
+            raise OSError("Input/output error (simulated)")
+        FileSystemReader.read_data = boom
+    start = time.monotonic()
+    try:
+        msg = errors_of(smp.resume_from_checkpoint, path)
+    finally:
+        FileSystemReader.read_data = original
+    return msg, time.monotonic() - start
+
+
+def test_read_failure_on_one_rank_raises_on_all(tmp_path):
+    for msg, elapsed in harness.run(2, fail_load_on_rank1, str(tmp_path)):
+        assert "load (model: read) failed on rank(s)" in msg and "Input/output error (simulated)" in msg, msg
+        assert elapsed < 30

@@ -103,8 +103,10 @@ def resume_from_checkpoint(path: str | Path, tag: str | None = None, partial: bo
     created. Every file is verified against the manifest's checksums first.
 
     Raises:
-        FileNotFoundError: missing path, unknown tag, ``newest`` naming a missing checkpoint.
-        ValueError: another architecture; strict mismatches (listed); a corrupted file (named).
+        CheckpointError (on every rank; also a ``FileNotFoundError`` / ``ValueError`` when every
+            failing rank raised that type): missing path, unknown tag, ``newest`` naming a
+            missing checkpoint; another architecture; strict mismatches (all listed); a missing,
+            truncated or corrupted file (named).
     """
     directory = Path(locate(Path(path), tag, partial))
     manifest = commit.read_manifest(directory)

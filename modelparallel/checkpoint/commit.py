@@ -112,6 +112,18 @@ def data_files(root: str | Path) -> list[str]:
     return sorted(f for f in files if f != MANIFEST)
 
 
+def share(sizes: dict[str, int], rank: int, world: int) -> list[str]:
+    """This rank's share of the files when ``world`` ranks split the reading: largest first, each
+    to the least-loaded rank, so every rank reads about the same number of bytes."""
+    loads, mine = [0] * world, []
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        r = loads.index(min(loads))
+        loads[r] += sizes[name]
+        if r == rank:
+            mine.append(name)
+    return mine
+
+
 def verify_file(root: str | Path, rel: str, expected: dict) -> str | None:
     """None if ``root/rel`` has the recorded size and CRC32, else a message naming the file."""
     path = Path(root) / rel

@@ -89,8 +89,8 @@ def _write(states: dict, staging: Path, user_content: Any, rank: int) -> None:
 
 def _checksums(staging: Path, rank: int, world: int) -> dict[str, dict]:
     """This rank's share of the files, hashed and fsynced (every rank reads a different share)."""
-    files = commit.data_files(staging)
-    return {f: commit.file_checksum(staging / f, fsync=True) for f in files[rank::world]}
+    sizes = {f: (staging / f).stat().st_size for f in commit.data_files(staging)}
+    return {f: commit.file_checksum(staging / f, fsync=True) for f in commit.share(sizes, rank, world)}
 
 
 def _commit(path: Path, staging: Path, name: str, manifest: dict, keep: int | None) -> None:
@@ -106,9 +106,10 @@ def verify(directory: Path, manifest: dict, prefixes: tuple[str, ...]) -> None:
     """Check every file of the parts in ``prefixes`` against the manifest, shared among ranks;
     raise on every rank, naming every bad file, if any is missing, truncated or corrupted."""
     rank, world = _rank_world()
-    files = sorted(f for f in manifest["files"] if f.startswith(prefixes))
+    sizes = {f: e["size"] for f, e in manifest["files"].items() if f.startswith(prefixes)}
+    mine = commit.share(sizes, rank, world)
     problems = run_phase("load (verify)", lambda: [
-        msg for f in files[rank::world] if (msg := commit.verify_file(directory, f, manifest["files"][f]))])
+        msg for f in mine if (msg := commit.verify_file(directory, f, manifest["files"][f]))])
     single_error("load (verify): files do not match the manifest", [m for p in problems for m in p])
 
 

@@ -148,7 +148,7 @@ class PendingResume:
     def on_model(self, model) -> None:
         """Called when a ``DistributedModel`` exists."""
         _LAST_REPORTS.clear()
-        _LAST_REPORTS["model"] = self.load_model(model)
+        _LAST_REPORTS["model"] = _logged("model", self.load_model(model))
         self.model = model
         if self.load_optimizer is None:
             runtime.current().pending_resume = None
@@ -157,8 +157,16 @@ class PendingResume:
         """Called when a ``DistributedOptimizer`` exists (after the model)."""
         if self.model is None or self.load_optimizer is None:
             return
-        _LAST_REPORTS["optimizer"] = self.load_optimizer(self.model, optimizer)
+        _LAST_REPORTS["optimizer"] = _logged("optimizer", self.load_optimizer(self.model, optimizer))
         runtime.current().pending_resume = None
+
+
+def _logged(part: str, report: LoadReport) -> LoadReport:
+    """A non-strict load's skipped entries, logged once (rank 0) so they are not missed."""
+    problems = report.problems(part)
+    if problems and runtime.rank() == 0:
+        logger.warning("resume_from_checkpoint(strict=False) skipped:\n  - %s", "\n  - ".join(problems))
+    return report
 
 
 def last_load_report() -> dict[str, LoadReport]:

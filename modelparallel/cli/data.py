@@ -143,6 +143,12 @@ class WindowSampler:
             raise ValueError(f"{len(self.tokens)} training tokens is too few for --seq-len {self.seq_len}")
         self._gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.dp_rank)
 
+    def skip(self, batches: int) -> None:
+        """Draw and discard ``batches`` batches, so a resumed run sees the data an uninterrupted
+        run would have seen next."""
+        for _ in range(batches):
+            torch.randint(0, len(self.tokens) - self.seq_len, (self.batch_size,), generator=self._gen)
+
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), each [batch_size, seq_len]; targets are inputs shifted by one."""
         starts = torch.randint(0, len(self.tokens) - self.seq_len, (self.batch_size,), generator=self._gen)

@@ -37,14 +37,16 @@ def smooth(values: list[float], weight: float = 0.9) -> list[float]:
     return out
 
 
-def plot_loss(out_dir: Path, train_loss: list[float], val: list[tuple[int, float]], title: str) -> Path:
-    """Write ``loss.png``: raw and smoothed training loss per step, validation loss as points."""
+def plot_loss(out_dir: Path, train_loss: list[float], val: list[tuple[int, float]], title: str,
+              first_step: int = 0) -> Path:
+    """Write ``loss.png``: raw and smoothed training loss per step (from ``first_step`` on, for a
+    resumed run), validation loss as points."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = list(range(1, len(train_loss) + 1))
+    steps = list(range(first_step + 1, first_step + len(train_loss) + 1))
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     ax.plot(steps, train_loss, color="tab:blue", alpha=0.3, linewidth=0.8, label="train (batch)")
     ax.plot(steps, smooth(train_loss), color="tab:blue", linewidth=1.8, label="train (smoothed)")

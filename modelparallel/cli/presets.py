@@ -117,3 +117,20 @@ def build_model(model: str, seq_len: int, seed: int):
     if model in PRESETS:
         return GPT2LMHeadModel(preset_config(model, seq_len))
     return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+
+
+def build_distributed(model: str, seq_len: int, seed: int):
+    """The ``DistributedModel`` to train. A preset is built whole from ``seed`` on every rank; a
+    model directory is built on the meta device and read shard-on-read, so no rank ever holds
+    the full pretrained model."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import modelparallel as smp
+
+    if model in PRESETS:
+        return smp.DistributedModel(build_model(model, seq_len, seed))
+    with torch.device("meta"):
+        dist_model = smp.DistributedModel(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model)))
+    smp.load_hf_checkpoint(dist_model, model)
+    return dist_model

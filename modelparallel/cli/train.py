@@ -46,6 +46,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup", type=int, default=None, help="linear warm-up steps (default: 5%% of --steps)")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--seed", type=int, default=1234, help="model init, data order and sampling seed")
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--save-every", type=int, default=0, help="save a partial checkpoint every N steps "
+                   "under OUT/checkpoints (default: never)")
+    g.add_argument("--keep", type=int, default=None, help="keep only the N newest partial checkpoints")
+    g.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/newest if present")
     g = p.add_argument_group("evaluation and output")
     g.add_argument("--eval-every", type=int, default=None,
                    help="validate every N steps (default: 4 times per run; 0 = only at the end)")

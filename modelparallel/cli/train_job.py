@@ -1,7 +1,7 @@
 """The body of ``modelparallel train`` on one rank: data, model, loop, validation, sample, artifacts.
 
-Every function here is called on every rank in the same order, because the model's forward
-pass, ``generate`` and ``state_dict`` run collectives; only printing and file writing are rank 0's.
+Every function here is called on every rank in the same order, because the forward pass and
+``generate`` run collectives; only printing and file writing are rank 0's.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import modelparallel as smp
 
 from . import launch, plot
 from .data import WindowSampler, eval_batches, read_corpus, select_files, split_holdout
-from .presets import build_model, load_tokenizer
+from .presets import build_distributed, load_tokenizer
 
 
 def load_data(args: argparse.Namespace, tokenizer) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -76,9 +76,10 @@ def train_loop(model, opt, sampler, val_tokens, args) -> dict:
 
     hist = {"loss": [], "lr": [], "step_time_s": [], "tokens_per_s": [], "val": []}
     tokens_per_step = args.batch_size * args.seq_len * smp.dp_size()
-    bar = tqdm(total=args.steps, desc="train", disable=smp.rank() != 0, dynamic_ncols=True)
+    bar = tqdm(total=args.steps, initial=args.start_step, desc="train", disable=smp.rank() != 0,
+               dynamic_ncols=True)
     model.train()
-    for step in range(args.steps):
+    for step in range(args.start_step, args.steps):
         start = time.perf_counter()
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
@@ -99,8 +100,26 @@ def train_loop(model, opt, sampler, val_tokens, args) -> dict:
         bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_step * len(recent) / sum(recent):,.0f}",
                         refresh=False)
         bar.update()
+        if args.save_every and (step + 1) % args.save_every == 0:
+            smp.save_checkpoint(args.out / "checkpoints", tag=f"step{step + 1}", user_content={"step": step + 1},
+                                num_kept_partial_checkpoints=args.keep)
     bar.close()
     return hist
+
+
+def resume(args, sampler) -> int:
+    """With ``--resume`` and a saved checkpoint: load it (model, optimizer, loss scale) and skip
+    the batches already trained on; returns the step to continue from (0 for a fresh run)."""
+    directory = args.out / "checkpoints"
+    if not args.resume or not (directory / "newest").exists():
+        return 0
+    step = smp.resume_from_checkpoint(directory)["step"]
+    if step >= args.steps:
+        raise ValueError(f"{directory} is at step {step}, already --steps {args.steps}: nothing to resume")
+    sampler.skip(step)
+    if smp.rank() == 0:
+        print(f"resumed from {directory} at step {step}", flush=True)
+    return step
 
 
 def generate_sample(model, tokenizer, args) -> str:
@@ -130,7 +149,8 @@ def _summary(args, hist, info, val_loss, sample, wall, train_time, n_params, opt
         "threads_per_rank": torch.get_num_threads(), "optimizer": type(opt).__name__,
         "parameters": n_params, "corpus": info, **hist, "val": [list(v) for v in hist["val"]],
         "initial_train_loss": hist["loss"][0], "final_train_loss": sum(last) / len(last),
-        "final_val_loss": val_loss, "mean_tokens_per_s": args.steps * args.batch_size * args.seq_len
+        "final_val_loss": val_loss, "first_step": args.start_step,
+        "mean_tokens_per_s": len(hist["step_time_s"]) * args.batch_size * args.seq_len
         * smp.dp_size() / sum(hist["step_time_s"]), "train_time_s": train_time, "wall_time_s": wall,
         "sample": sample,
         "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
@@ -141,7 +161,8 @@ def _report(args, m: dict) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     plot.write_metrics(args.out, m)
     plot.plot_loss(args.out, m["loss"], m["val"] + [[args.steps, m["final_val_loss"]]],
-                   f"{args.model}: tp {m['tp']} x dp {m['dp']}, {m['parameters'] / 1e6:.2f}M params")
+                   f"{args.model}: tp {m['tp']} x dp {m['dp']}, {m['parameters'] / 1e6:.2f}M params",
+                   first_step=m["first_step"])
     print(f"\ntrain loss {m['initial_train_loss']:.3f} -> {m['final_train_loss']:.3f} (mean of last steps), "
           f"validation loss {m['final_val_loss']:.3f}\n{m['mean_tokens_per_s']:,.0f} tokens/s, "
           f"training {m['train_time_s']:.0f} s, total {m['wall_time_s']:.0f} s")
@@ -155,10 +176,11 @@ def run_job(args: argparse.Namespace) -> int:
     smp.init({"tensor_parallel_degree": args.tp, "random_seed": args.seed})
     tokenizer = load_tokenizer(args.model)
     train_tokens, val_tokens, info = load_data(args, tokenizer)
-    model = smp.DistributedModel(build_model(args.model, args.seq_len, args.seed))
+    model = build_distributed(args.model, args.seq_len, args.seed)
     n_params = sum(p.numel() for p in model.parameters())  # DTensor numel is the global size
     opt = make_optimizer(model, args)
     sampler = WindowSampler(train_tokens, args.seq_len, args.batch_size, args.seed, smp.dp_rank())
+    args.start_step = resume(args, sampler)
     t_train = time.perf_counter()
     hist = train_loop(model, opt, sampler, val_tokens, args)
     train_time = time.perf_counter() - t_train

@@ -17,6 +17,7 @@ from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Lla
 import harness
 import modelparallel as smp
 from modelparallel.checkpoint import full
+from modelparallel.nn.huggingface.gpt2 import translate_hf_state_dict_to_smdistributed_gpt2
 
 
 def cfg():
@@ -64,14 +65,14 @@ def test_sharded_export_writes_an_index_that_from_pretrained_follows(tmp_path):
     check_from_pretrained(tmp_path / "final", want)
 
 
-def resume_full(path: str, tp: int, want: dict, defer: bool):
+def resume_full(path: str, tp: int, want: dict, defer: bool, translate_function=None):
     smp.init({"tensor_parallel_degree": tp, "random_seed": 7})
     if defer:
         content = smp.resume_from_checkpoint(path, partial=False)
         model = smp.DistributedModel(GPT2LMHeadModel(cfg()))
     else:
         model = smp.DistributedModel(GPT2LMHeadModel(cfg()))
-        content = smp.resume_from_checkpoint(path, "final", partial=False)
+        content = smp.resume_from_checkpoint(path, "final", partial=False, translate_function=translate_function)
     got = model.state_dict()
     for key, value in want.items():
         assert torch.equal(got[key].reshape(value.shape), value), key
@@ -81,6 +82,7 @@ def resume_full(path: str, tp: int, want: dict, defer: bool):
 def test_full_checkpoint_resumes_at_another_degree(tmp_path):
     want = harness.run(2, export, str(tmp_path / "hf"), 60_000, True)[0]
     assert harness.run(4, resume_full, str(tmp_path / "hf"), 4, want, True)[0] == {"epoch": 3}
+    harness.run(2, resume_full, str(tmp_path / "hf"), 2, want, False, translate_hf_state_dict_to_smdistributed_gpt2)
     harness.run(2, export, str(tmp_path / "plain"), 2**30, False)
     assert os.path.exists(tmp_path / "plain" / "final" / "full_state_dict.safetensors")
     harness.run(1, resume_full, str(tmp_path / "plain"), 1, want, False)

@@ -121,6 +121,25 @@ def test_saved_at_tp2_dp2_loads_at_tp4(tmp_path):
     harness.run(4, load_elsewhere, 4, str(tmp_path), expected, False)
 
 
+def save_fsdp_tp(path: str):
+    """TP=2 x FSDP2 over dp=2: parameters and optimizer state are 2-D DTensors."""
+    smp.init({"tensor_parallel_degree": 2, "sharded_data_parallel_degree": 2, "random_seed": 0})
+    model = smp.DistributedModel(GPT2LMHeadModel(cfg()))
+    optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
+    train(model, optimizer, range(2))
+    smp.save_checkpoint(path, "fsdp_export", partial=False)
+    smp.save_checkpoint(path, "fsdp", user_content="fsdp")  # saved last: the one newest names
+    return gathered_state(model, optimizer)
+
+
+def test_fsdp_by_tp_checkpoint_loads_at_plain_tp4_and_exports(tmp_path):
+    expected = harness.run(4, save_fsdp_tp, str(tmp_path))[0]
+    assert harness.run(4, load_elsewhere, 4, str(tmp_path), expected, False)[0] == "fsdp"
+    exported = GPT2LMHeadModel.from_pretrained(tmp_path / "fsdp_export").state_dict()
+    for key, value in exported.items():
+        assert torch.equal(value.reshape(expected[f"model/{key}"].shape), expected[f"model/{key}"]), key
+
+
 def resumed_losses(tp: int, path: str, total: int, cut: int):
     """Losses of steps [cut, total) after a save at ``cut`` and a resume into a fresh job."""
     model, optimizer = build(tp, seed=0)

@@ -82,10 +82,10 @@ def _gather_to_rank0(t: torch.Tensor, writer_rank: int) -> torch.Tensor | None:
     me, local = dist.get_rank(), t.to_local()
     if writer_rank not in group_ranks:
         return None
-    if isinstance(placement, Replicate):
+    if all(isinstance(p, Replicate) for p in t.placements):
         return local if me == writer_rank else None
     if not isinstance(placement, Shard) or len(t.placements) != 1:
-        full = t.full_tensor()  # anything else: every rank of the group gathers
+        full = t.full_tensor()  # anything else (e.g. FSDP x TP): every rank of the mesh gathers
         return full if me == writer_rank else None
     if me != writer_rank:
         dist.send(local.contiguous(), dst=writer_rank, group=mesh.get_group())

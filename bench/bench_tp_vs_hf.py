@@ -123,18 +123,20 @@ def worker(args) -> None:
     sync = dist.barrier if dist.is_initialized() else (lambda: None)
     times = timed_steps(model, args.warmup, args.steps, sync)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    print("RESULT " + json.dumps(dict(rank=rank, method=args.method, arch=args.arch, step_s=statistics.median(times),
-                                      times=times, load_peak_mb=loaded, peak_mb=rss_mb("VmHWM") - base)), flush=True)
+    row = dict(rank=rank, method=args.method, arch=args.arch, step_s=statistics.median(times), times=times,
+               load_peak_mb=loaded, peak_mb=rss_mb("VmHWM") - base)
+    Path(args.result_dir, f"rank{rank}.json").write_text(json.dumps(row))  # one file per rank: no interleaving
 
 
 def launch(method: str, arch: str, nproc: int, args, ckpt: str = "") -> list[dict]:
+    result_dir = tempfile.mkdtemp(prefix="bench-tp-")
     cmd = [sys.executable, __file__, "--worker", "--method", method, "--arch", arch, "--ckpt", ckpt,
-           "--steps", str(args.steps), "--warmup", str(args.warmup)]
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--result-dir", result_dir]
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] + cmd[1:]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    rows = [json.loads(line[7:]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    rows = [json.loads(f.read_text()) for f in Path(result_dir).glob("rank*.json")]
     if out.returncode or len(rows) != nproc:
         raise RuntimeError(f"{method}/{arch} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
     print(f"  {method:9s} {arch:8s} step {statistics.median(r['step_s'] for r in rows):.3f} s, "
@@ -169,6 +171,7 @@ def main() -> None:
     ap.add_argument("--method", default="", help=argparse.SUPPRESS)
     ap.add_argument("--arch", default="llama", help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--result-dir", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(args)

@@ -50,9 +50,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         softmax, local_t, hit, valid = ctx.saved_tensors
-        grad = softmax * valid.unsqueeze(-1)
-        grad.scatter_add_(-1, local_t.unsqueeze(-1), -hit.to(grad.dtype).unsqueeze(-1))
-        return grad * grad_loss.unsqueeze(-1), None, None, None, None
+        scale = (grad_loss * valid).unsqueeze(-1)  # d loss_i / d logit_ij = g_i (softmax_ij - [j = t_i])
+        grad = softmax * scale  # one pass over the [N, V_local] tensor
+        grad.scatter_add_(-1, local_t.unsqueeze(-1), -(hit * scale.squeeze(-1)).unsqueeze(-1))
+        return grad, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: DTensor, target: torch.Tensor, ignore_index: int = -100,

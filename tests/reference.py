@@ -47,3 +47,30 @@ def assert_grads_match(ref, dist_model, rtol=1e-4, atol=1e-5):
         assert p.grad is not None, f"{name}: no gradient"
         torch.testing.assert_close(as_hf(p.grad, expected), expected, rtol=rtol, atol=atol,
                                    msg=lambda m, n=name: f"grad {n}: {m}")
+
+
+def assert_same_training(ref, dist_model, batches, lr=1e-3, rtol=1e-4, what=""):
+    """AdamW on the reference and on the distributed model, batch by batch (each batch a dict of
+    forward kwargs with labels): every step's loss agrees within ``rtol`` (relative)."""
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=lr)
+    opt = torch.optim.AdamW(dist_model.parameters(), lr=lr)
+    for step, kwargs in enumerate(batches):
+        loss_ref = ref(**kwargs).loss
+        loss_ref.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        loss = dist_model(**kwargs).loss
+        dist_model.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        rel = abs(loss.item() - loss_ref.item()) / abs(loss_ref.item())
+        assert rel < rtol, f"{what}step {step}: loss {loss.item()} vs HF {loss_ref.item()} (rel {rel:.2e})"
+
+
+def comm_counts_by_kind(mode) -> dict[str, int]:
+    """``CommDebugMode`` counts merged by collective kind (``all_reduce``, ``allreduce``...)."""
+    counts: dict[str, int] = {}
+    for op, n in mode.get_comm_counts().items():
+        kind = str(op).split(".")[-1].rstrip("_'>) ")
+        counts[kind] = counts.get(kind, 0) + n
+    return counts

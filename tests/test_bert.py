@@ -21,7 +21,7 @@ import harness
 import modelparallel as smp
 from modelparallel.models import spec_for
 from modelparallel.tp.walker import collect
-from reference import assert_close, assert_grads_match, build_pair
+from reference import assert_close, assert_grads_match, assert_same_training, build_pair, comm_counts_by_kind
 
 # Real vocabularies: 30522 rows are uneven at TP=4, 50265 at TP=2 and 4. Padding rows 0 and 1.
 ARCHS = {
@@ -124,29 +124,11 @@ def check_training_steps(arch, tp, steps=10):
     """Ten AdamW steps of masked-LM training follow HF's losses."""
     config = tiny(arch)
     ref, model = build_pair(ARCHS[arch][1][1], config, tp)
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batches = []
     for step in range(steps):
         ids, mask, types = batch(config, seed=100 + step)
-        kw = dict(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=mlm_labels(ids, mask))
-        loss_ref = ref(**kw).loss
-        loss_ref.backward()
-        opt_ref.step()
-        opt_ref.zero_grad()
-        loss = model(**kw).loss
-        model.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        rel = abs(loss.item() - loss_ref.item()) / abs(loss_ref.item())
-        assert rel < 1e-4, f"step {step}: loss {loss.item()} vs HF {loss_ref.item()} (rel {rel:.2e})"
-
-
-def _by_kind(mode):
-    counts = {}
-    for op, n in mode.get_comm_counts().items():
-        kind = str(op).split(".")[-1].rstrip("_'>) ")
-        counts[kind] = counts.get(kind, 0) + n
-    return counts
+        batches.append(dict(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=mlm_labels(ids, mask)))
+    assert_same_training(ref, model, batches)
 
 
 def collective_counts(arch, layers):
@@ -159,7 +141,7 @@ def collective_counts(arch, layers):
         loss = model(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=mlm_labels(ids, mask)).loss
     with CommDebugMode() as bwd:
         model.backward(loss)
-    return _by_kind(fwd), _by_kind(bwd)
+    return comm_counts_by_kind(fwd), comm_counts_by_kind(bwd)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])

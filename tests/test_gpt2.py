@@ -13,7 +13,8 @@ from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadMo
 
 import harness
 import modelparallel as smp
-from reference import assert_close, assert_grads_match, build_pair, gathered
+from reference import (assert_close, assert_grads_match, assert_same_training, build_pair,
+                       comm_counts_by_kind, gathered)
 
 REAL_VOCAB = 50257  # not divisible by 2 or 4: shards are uneven, shapes must stay HF's
 
@@ -51,20 +52,8 @@ def check_lm_numerics(tp):
 
 def check_training_steps(tp, steps=10):
     ref, model = build_pair(GPT2LMHeadModel, tiny(vocab=1000), tp)
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for step in range(steps):
-        ids, _ = _batch(1000, seed=100 + step)
-        loss_ref = ref(ids, labels=ids).loss
-        loss_ref.backward()
-        opt_ref.step()
-        opt_ref.zero_grad()
-        loss = model(ids, labels=ids).loss
-        model.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        rel = abs(loss.item() - loss_ref.item()) / abs(loss_ref.item())
-        assert rel < 1e-4, f"step {step}: loss {loss.item()} vs HF {loss_ref.item()} (rel {rel:.2e})"
+    batches = [_batch(1000, seed=100 + step)[0] for step in range(steps)]
+    assert_same_training(ref, model, [dict(input_ids=ids, labels=ids) for ids in batches])
 
 
 def check_generate(tp):
@@ -109,13 +98,7 @@ def collective_counts(layers):
         loss = model(ids, labels=ids).loss
     with CommDebugMode() as bwd:
         loss.backward()
-    def by_kind(mode):
-        counts = {}
-        for op, n in mode.get_comm_counts().items():
-            kind = str(op).split(".")[-1].rstrip("_'>) ")
-            counts[kind] = counts.get(kind, 0) + n
-        return counts
-    return by_kind(fwd), by_kind(bwd)
+    return comm_counts_by_kind(fwd), comm_counts_by_kind(bwd)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])

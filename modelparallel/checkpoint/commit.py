@@ -212,6 +212,17 @@ def clean_leftovers(path: str | Path) -> list[str]:
     return removed
 
 
+def new_staging(path: str | Path, name: str) -> Path:
+    """A fresh hidden staging directory for checkpoint ``name`` in ``path`` (created if needed),
+    after removing what interrupted saves left there."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    clean_leftovers(path)
+    staging = path / hidden_name("staging", new_nonce(), name)
+    staging.mkdir()
+    return staging
+
+
 def write_newest(path: str | Path, name: str) -> None:
     """Point ``path/newest`` at checkpoint directory ``name`` (written last, atomically)."""
     write_file_atomic(Path(path) / NEWEST, (name + "\n").encode())

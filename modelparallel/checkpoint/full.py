@@ -143,11 +143,7 @@ def save(path: Path, tag: str, model, user_content: Any, translate_if_full: bool
         found["shards"] = _plan(state, translate, prefix, max_shard_bytes or MAX_SHARD_BYTES)
         if rank != 0:
             return None
-        path.mkdir(parents=True, exist_ok=True)
-        commit.clean_leftovers(path)
-        staging = path / commit.hidden_name("staging", commit.new_nonce(), tag)
-        staging.mkdir()
-        return staging.name
+        return commit.new_staging(path, tag).name
 
     staging = path / run_phase("full save (prepare)", prepare)[0]
     try:

@@ -60,11 +60,7 @@ def save(path: Path, tag: str, model, optimizer, user_content: Any, keep: int | 
             states[OPTIMIZER] = parts.optimizer_state(model.module, optimizer)
         if rank != 0:
             return None
-        path.mkdir(parents=True, exist_ok=True)
-        commit.clean_leftovers(path)
-        staging = path / commit.hidden_name("staging", commit.new_nonce(), name)
-        staging.mkdir()
-        return staging.name
+        return commit.new_staging(path, name).name
 
     staging = path / run_phase("save (prepare)", prepare)[0]
     try:

@@ -26,6 +26,7 @@ from .parts import LoadReport
 
 FORMAT = "modelparallel-partial"
 MODEL, OPTIMIZER = "model", "optimizer"
+CONTIGUOUS = "contiguous"  # manifest "tensor_layout": tensors stored contiguous (fastread's direct path)
 
 
 def _rank_world() -> tuple[int, int]:
@@ -66,7 +67,7 @@ def save(path: Path, tag: str, model, optimizer, user_content: Any, keep: int | 
     try:
         run_phase("save (write)", lambda: _write(states, staging, user_content, rank))
         sums = run_phase("save (checksum)", lambda: _checksums(staging, rank, world))
-        manifest = {"format": FORMAT, "version": 1, "tag": tag, "parts": sorted(states) + ["user_content"],
+        manifest = {"format": FORMAT, "version": 1, "tag": tag, "tensor_layout": CONTIGUOUS, "parts": sorted(states) + ["user_content"],
                     "files": {k: v for s in sums for k, v in s.items()}, **describe(model, optimizer)}
         run_phase("save (commit)", lambda: _commit(path, staging, name, manifest, keep) if rank == 0 else None)
     except Exception:
@@ -109,7 +110,7 @@ def verify(directory: Path, manifest: dict, prefixes: tuple[str, ...]) -> None:
     single_error("load (verify): files do not match the manifest", [m for p in problems for m in p])
 
 
-def load_part(directory: Path, part: str, state: dict[str, Any], strict: bool) -> LoadReport:
+def load_part(directory: Path, manifest: dict, part: str, state: dict[str, Any], strict: bool) -> LoadReport:
     """Compare ``state`` with the saved part, raise (strict) or skip what does not fit, then read."""
     def check():
         report = parts.compare(state, directory / part)
@@ -119,13 +120,15 @@ def load_part(directory: Path, part: str, state: dict[str, Any], strict: bool) -
         return report
 
     report = run_phase(f"load ({part}: keys)", check)[_rank_world()[0]]
-    run_phase(f"load ({part}: read)", lambda: parts.read_part(state, directory / part, parts.loadable(state, report)))
+    contiguous = manifest.get("tensor_layout") == CONTIGUOUS
+    run_phase(f"load ({part}: read)",
+              lambda: parts.read_part(state, directory / part, parts.loadable(state, report), contiguous))
     return report
 
 
 def load_model(directory: Path, manifest: dict, model, strict: bool) -> LoadReport:
     check_architecture(manifest, model)
-    return load_part(directory, MODEL, parts.model_state(model.module), strict)
+    return load_part(directory, manifest, MODEL, parts.model_state(model.module), strict)
 
 
 def load_optimizer(directory: Path, manifest: dict, model, optimizer, strict: bool) -> LoadReport:
@@ -134,7 +137,7 @@ def load_optimizer(directory: Path, manifest: dict, model, optimizer, strict: bo
                          "resume with load_optimizer=False")
     state: dict[str, Any] = {}
     run_phase("load (optimizer: init)", lambda: state.update(parts.optimizer_state(model.module, optimizer)))
-    report = load_part(directory, OPTIMIZER, state, strict)
+    report = load_part(directory, manifest, OPTIMIZER, state, strict)
     run_phase("load (optimizer: apply)", lambda: parts.apply_optimizer_state(model.module, optimizer, state))
     return report
 

@@ -26,6 +26,8 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
+from .fastread import ContiguousSavePlanner, FastReader
+
 USER_CONTENT = "user_content.pt"
 
 
@@ -115,17 +117,19 @@ def loadable(state: dict[str, Any], report: LoadReport) -> set[str]:
 
 
 def write_part(state: dict[str, Any], directory: Path) -> None:
-    """One DCP save (a collective). DCP's own fsync is off: the checksum phase fsyncs every file
-    while it computes the CRC, before anything is committed (``commit.file_checksum``)."""
-    dcp.save(state, storage_writer=FileSystemWriter(directory, sync_files=False))
+    """One DCP save (a collective), every tensor stored contiguous so that same-layout loads read
+    in place (``fastread``). DCP's own fsync is off: the checksum phase fsyncs every file while
+    it computes the CRC, before anything is committed (``commit.file_checksum``)."""
+    dcp.save(state, storage_writer=FileSystemWriter(directory, sync_files=False), planner=ContiguousSavePlanner())
 
 
-def read_part(state: dict[str, Any], directory: Path, keys: set[str]) -> None:
+def read_part(state: dict[str, Any], directory: Path, keys: set[str], contiguous: bool = False) -> None:
     """One DCP load of the flattened ``keys`` into ``state`` (a collective): tensors in place,
-    other values (hyperparameters, loss scale) put back into the nesting."""
+    other values (hyperparameters, loss scale) put back into the nesting. ``contiguous``: the
+    part was written by ``write_part`` with ``ContiguousSavePlanner`` (the direct read applies)."""
     flat, paths = flatten_state_dict(state)
     subset = {k: flat[k] for k in keys}
-    dcp.load(subset, storage_reader=FileSystemReader(directory))
+    dcp.load(subset, storage_reader=FastReader(directory, contiguous))
     for key, value in subset.items():
         if not isinstance(value, torch.Tensor):
             set_element(state, paths[key], value)

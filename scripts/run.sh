@@ -12,7 +12,7 @@ stamp="$VENV/.modelparallel-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt "$stamp" ]; then
   # torch first, exactly pinned, so no resolver ever reaches for a CUDA build
   "$VENV/bin/pip" install -q --disable-pip-version-check -c constraints.txt "torch==2.13.0"
-  "$VENV/bin/pip" install -q --disable-pip-version-check -c constraints.txt -e ".[test]"
+  "$VENV/bin/pip" install -q --disable-pip-version-check -c constraints.txt -e ".[test,fastcrc]"
   touch "$stamp"
 fi
 cmd=${1:-test}; shift || true

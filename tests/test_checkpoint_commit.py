@@ -89,3 +89,12 @@ def test_save_checkpoint_applies_retention_and_updates_newest(tmp_path, capsys):
     victim.write_bytes(victim.read_bytes()[:-1])
     assert main(["inspect", str(tmp_path)]) == 1
     assert "step3_partial/model/.metadata: size" in capsys.readouterr().out
+
+
+def test_checksum_is_zlib_crc32_whichever_library_computes_it():
+    """Manifests must verify in any environment: the (optional) SIMD CRC gives zlib's values."""
+    import zlib
+
+    data = bytes(range(256)) * 4099 + b"tail"
+    assert commit.crc32(data) == zlib.crc32(data)
+    assert commit.crc32(data[1000:], commit.crc32(data[:1000])) == zlib.crc32(data)

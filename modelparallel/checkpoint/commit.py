@@ -25,8 +25,12 @@ import os
 import shutil
 import threading
 import uuid
-import zlib
 from pathlib import Path
+
+try:  # zlib's CRC-32 with SIMD, same values, about 3x faster (pip install modelparallel[fastcrc])
+    from zlib_ng.zlib_ng import crc32
+except ImportError:  # pragma: no cover - depends on the environment
+    from zlib import crc32
 
 HIDDEN = ".mp-"
 MANIFEST = "checkpoint_manifest.json"
@@ -71,7 +75,7 @@ def write_file_atomic(path: str | Path, data: bytes) -> None:
 
 def file_checksum(path: str | Path, fsync: bool = False) -> dict:
     """``{"size", "crc32"}`` of a file. With ``fsync`` the file is also flushed to disk, in a
-    thread while the CRC is computed: the disk write-back and the CPU work overlap (zlib releases
+    thread while the CRC is computed: the disk write-back and the CPU work overlap (the CRC releases
     the GIL), so checksumming a just-written checkpoint costs about what its fsync costs alone."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
@@ -79,7 +83,7 @@ def file_checksum(path: str | Path, fsync: bool = False) -> dict:
         crc = 0
         if size:
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:  # no copies: ~2x read()
-                crc = zlib.crc32(view)
+                crc = crc32(view)
         if sync is not None:
             sync.join()
     return {"size": size, "crc32": f"{crc:08x}"}

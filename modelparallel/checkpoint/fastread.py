@@ -8,8 +8,8 @@ already the tensor's row-major bytes, so they can be read directly into the dest
 ``preadv``: no allocation, one copy instead of two. That saving pays for checksum verification
 and more (see ``bench/bench_checkpoint.py``).
 
-The bytes are found through the chunk's own zip directory (``torch.save`` writes a zip whose
-tensor record is stored uncompressed), with the standard ``zipfile`` module. Only checkpoints
+The bytes are found through the zip directory at the end of the chunk (``torch.save`` writes a
+zip whose tensor record is stored uncompressed), read with two small ``pread``s. Only checkpoints
 written with ``ContiguousSavePlanner`` take this path: it guarantees every tensor was stored
 contiguous from offset 0, which the zip directory alone cannot tell. Anything else (resharding,
 a dtype change, a non-contiguous or non-CPU destination, non-tensor entries) goes through
@@ -23,7 +23,6 @@ import os
 import re
 import struct
 import sys
-import zipfile
 from concurrent.futures import Future
 
 import torch
@@ -32,7 +31,13 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 _STORAGE_RECORD = re.compile(r"(^|/)data/\d+$")
-_LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, 22 bytes we skip, name and extra lengths
+# zip structures, fields we do not use skipped: local file header (signature, name and extra
+# lengths), central directory entry (signature, method, sizes, name/extra/comment lengths, local
+# header offset) and end of central directory (signature, entries, directory size and offset)
+_LOCAL_HEADER = struct.Struct("<4s22xHH")
+_CENTRAL = struct.Struct("<4s6xH8xIIHHH8xI")
+_END = struct.Struct("<4s6xHII2x")
+_TAIL = 1 << 14  # torch.save's central directory and end records are well under 2 KiB
 _BLOCK = 1 << 26  # one preadv is capped by Linux at ~2 GiB; 64 MiB keeps each call well under
 
 
@@ -45,55 +50,54 @@ class ContiguousSavePlanner(DefaultSavePlanner):
         return data.contiguous() if isinstance(data, torch.Tensor) else data
 
 
-class _Window:
-    """A read-only file-like view of ``length`` bytes at ``start`` of a descriptor (what
-    ``zipfile`` needs to read one chunk's directory)."""
-
-    def __init__(self, fd: int, start: int, length: int):
-        self.fd, self.start, self.length, self.pos = fd, start, length, 0
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.length}[whence]
-        if base + offset < 0:
-            raise OSError(f"seek before the start of a {self.length}-byte chunk")
-        self.pos = base + offset
-        return self.pos
-
-    def read(self, n: int = -1) -> bytes:
-        n = self.length - self.pos if n is None or n < 0 else min(n, max(self.length - self.pos, 0))
-        data = os.pread(self.fd, n, self.start + self.pos)
-        self.pos += len(data)
-        return data
+def _records(fd: int, start: int, length: int) -> dict[str, tuple[int, int, int]] | None:
+    """``name -> (method, size, local header offset)`` from the zip central directory at the end
+    of the chunk, or None if it is not a plain (non-zip64) zip ending there."""
+    tail = os.pread(fd, min(length, _TAIL), start + length - min(length, _TAIL))
+    end = tail.rfind(b"PK\x05\x06")
+    if end < 0 or end + _END.size > len(tail):
+        return None
+    _, count, cd_size, cd_offset = _END.unpack_from(tail, end)
+    first = len(tail) - (length - cd_offset)
+    if cd_offset == 0xFFFFFFFF or not 0 <= first <= end or first + cd_size > end:
+        return None
+    out, pos = {}, first
+    for _ in range(count):
+        signature, method, csize, usize, name_len, extra_len, comment_len, local = _CENTRAL.unpack_from(tail, pos)
+        if signature != b"PK\x01\x02" or csize != usize or 0xFFFFFFFF in (csize, local):
+            return None
+        name = tail[pos + _CENTRAL.size:pos + _CENTRAL.size + name_len].decode("utf-8", "replace")
+        out[name] = (method, usize, local)
+        pos += _CENTRAL.size + name_len + extra_len + comment_len
+    return out
 
 
 def _data_range(fd: int, start: int, length: int, nbytes: int) -> int | None:
     """Absolute offset of the tensor bytes inside the ``torch.save`` zip at ``start``, or None
-    if the chunk is not one stored, little-endian record of exactly ``nbytes`` bytes."""
-    try:
-        with zipfile.ZipFile(_Window(fd, start, length)) as archive:
-            infos = archive.infolist()
-            records = [i for i in infos if _STORAGE_RECORD.search(i.filename)]
-            order = [i for i in infos if i.filename.endswith("/byteorder")]
-            if order and archive.read(order[0]).strip() != sys.byteorder.encode():
-                return None
-    except (zipfile.BadZipFile, OSError, ValueError):
+    if the chunk is not what the direct path expects: little-endian, one stored record
+    ``data/N`` of exactly ``nbytes`` bytes. Anything unusual (zip64, compression, a big-endian
+    writer) returns None and DCP's reader takes the chunk."""
+    records = _records(fd, start, length)
+    if records is None:
         return None
-    if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED or records[0].file_size != nbytes:
+    storage = [r for name, r in records.items() if _STORAGE_RECORD.search(name)]
+    order = [r for name, r in records.items() if name.endswith("/byteorder")]
+    if len(storage) != 1 or len(order) != 1 or storage[0][:2] != (0, nbytes) or sys.byteorder != "little":
         return None
-    info = records[0]
-    header = os.pread(fd, _LOCAL_HEADER.size, start + info.header_offset)
+    data = [_payload(fd, start, r) for r in (order[0], storage[0])]
+    if None in data or os.pread(fd, order[0][1], data[0]).strip() != b"little" or data[1] + nbytes > start + length:
+        return None
+    return data[1]
+
+
+def _payload(fd: int, start: int, record: tuple[int, int, int]) -> int | None:
+    """Absolute offset of a record's bytes: after its local header, whose name and extra field
+    lengths may differ from the central directory's."""
+    header = os.pread(fd, _LOCAL_HEADER.size, start + record[2])
     if len(header) != _LOCAL_HEADER.size:
         return None
     signature, name_len, extra_len = _LOCAL_HEADER.unpack(header)
-    if signature != b"PK\x03\x04":
-        return None
-    return start + info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+    return start + record[2] + _LOCAL_HEADER.size + name_len + extra_len if signature == b"PK\x03\x04" else None
 
 
 def _read_into(fd: int, offset: int, target: torch.Tensor, path: str) -> None:

@@ -15,11 +15,12 @@ from __future__ import annotations
 import json
 import os
 import struct
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from .commit import crc32
 
 DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -86,7 +87,7 @@ class ShardWriter:
             raise ValueError(f"{key}: written out of plan order")
         data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data
         f.write(data)
-        self._crc[index] = zlib.crc32(data, self._crc[index])
+        self._crc[index] = crc32(data, self._crc[index])
         self._written.add(key)
 
     def _file(self, index: int):
@@ -96,7 +97,7 @@ class ShardWriter:
         f = open(self.directory / self.shards[index].name, "wb")
         header = _header(self.shards[index], self.metadata)
         f.write(header)
-        self._crc[index] = zlib.crc32(header)
+        self._crc[index] = crc32(header)
         self._data_start = len(header)
         self._open = (index, f)
         return f

@@ -98,3 +98,14 @@ def test_checksum_is_zlib_crc32_whichever_library_computes_it():
     data = bytes(range(256)) * 4099 + b"tail"
     assert commit.crc32(data) == zlib.crc32(data)
     assert commit.crc32(data[1000:], commit.crc32(data[:1000])) == zlib.crc32(data)
+
+
+def test_every_file_is_verified_by_exactly_one_rank_and_dcp_files_by_their_writer():
+    sizes = {"model/__0_0.distcp": 500, "model/__1_0.distcp": 480, "optimizer/__0_0.distcp": 900,
+             "optimizer/__1_0.distcp": 910, "model/.metadata": 40, "optimizer/.metadata": 60,
+             "user_content.pt": 700, "model/__5_0.distcp": 10}  # written by a rank this job lacks
+    shares = [commit.share(sizes, r, 2) for r in range(2)]
+    assert sorted(shares[0] + shares[1]) == sorted(sizes), "a partition of the files"
+    for r in range(2):
+        assert {f"model/__{r}_0.distcp", f"optimizer/__{r}_0.distcp"} <= set(shares[r])
+    assert commit.share(sizes, 0, 1) == sorted(sizes)

@@ -22,6 +22,7 @@ import ctypes
 import json
 import mmap
 import os
+import re
 import shutil
 import threading
 import uuid
@@ -33,6 +34,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     from zlib import crc32
 
 HIDDEN = ".mp-"
+_DCP_DATA = re.compile(r"(?:^|/)__(\d+)_\d+\.distcp$")
 MANIFEST = "checkpoint_manifest.json"
 NEWEST = "newest"
 
@@ -117,15 +119,21 @@ def data_files(root: str | Path) -> list[str]:
 
 
 def share(sizes: dict[str, int], rank: int, world: int) -> list[str]:
-    """This rank's share of the files when ``world`` ranks split the reading: largest first, each
-    to the least-loaded rank, so every rank reads about the same number of bytes."""
-    loads, mine = [0] * world, []
-    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
-        r = loads.index(min(loads))
-        loads[r] += sizes[name]
-        if r == rank:
-            mine.append(name)
-    return mine
+    """This rank's share of the files when ``world`` ranks split the reading. A DCP data file
+    (``__{r}_{n}.distcp``) goes to the rank that wrote it, which is also the rank that loads it
+    when the layout is unchanged: on several nodes each one hashes (and fsyncs) what is in its
+    own page cache. The rest go largest first to the least-loaded rank, so ranks read about the
+    same number of bytes."""
+    loads, owner = [0] * world, {}
+    for name, size in sizes.items():
+        m = _DCP_DATA.search(name)
+        if m and int(m.group(1)) < world:
+            owner[name] = int(m.group(1))
+            loads[owner[name]] += size
+    for name in sorted(set(sizes) - set(owner), key=lambda n: (-sizes[n], n)):
+        owner[name] = loads.index(min(loads))
+        loads[owner[name]] += sizes[name]
+    return sorted(n for n, r in owner.items() if r == rank)
 
 
 def verify_file(root: str | Path, rel: str, expected: dict) -> str | None:

@@ -10,6 +10,7 @@ cached head count missing from ``per_rank_attrs``. Every architecture -> tp/styl
 
 import pytest
 import torch
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from transformers import (GPTJConfig, GPTJForCausalLM, GPTNeoConfig, GPTNeoForCausalLM, LlamaConfig,
                           LlamaForCausalLM)
@@ -83,6 +84,11 @@ def _check_forward_backward(arch, tp):
     want.loss.backward()
     model.backward(got.loss)
     assert_grads_match(ref, model)
+    if tp > 1:  # the embedding's gradient is this rank's rows only (not a full-size Partial)
+        grad = model.module.get_input_embeddings().weight.grad
+        rows = torch.empty(VOCAB).chunk(tp)[smp.tp_rank()].numel()
+        assert tuple(grad.placements) == (Shard(0),) and grad.to_local().shape == (rows, 64), \
+            f"{arch}: embedding gradient {grad.placements}, local {tuple(grad.to_local().shape)}"
     tied = ARCHS[arch][2]
     assert (ref.lm_head.weight is ref.get_input_embeddings().weight) == tied, f"{arch}: HF's tie is not {tied}"
     head, emb = model.module.lm_head.weight, model.module.get_input_embeddings().weight

@@ -1,8 +1,9 @@
 """Parallel styles by name: PyTorch's DTensor styles, extended to HF's ``Conv1D`` and fused weights.
 
 A plan names a style per module ("colwise", "rowwise", ...); ``build_style`` turns the name and
-the module's type into a ``ParallelStyle``. ``nn.Linear`` and ``nn.Embedding`` use PyTorch's own
-``ColwiseParallel`` / ``RowwiseParallel``. HF's ``Conv1D`` stores its weight as [in, out] (the
+the module's type into a ``ParallelStyle``. ``nn.Linear`` uses PyTorch's own ``ColwiseParallel`` /
+``RowwiseParallel``; vocabulary embeddings use ``embedding.VocabParallelEmbedding`` (its weight
+gradient stays a shard). HF's ``Conv1D`` stores its weight as [in, out] (the
 transpose of ``nn.Linear``'s [out, in]), which PyTorch's styles refuse, so it gets two small
 subclasses that shard the other dimension. Fused (packed) projections get ``PackedColwise``.
 
@@ -23,6 +24,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from transformers.pytorch_utils import Conv1D
+
+from .embedding import VocabParallelEmbedding
 
 STYLE_NAMES = ("colwise", "rowwise", "packed_colwise", "vocab_embedding", "vocab_colwise")
 """colwise / rowwise: Megatron's column- and row-parallel linear layers. packed_colwise: a fused
@@ -187,7 +190,7 @@ def _new_style(name: str, conv: bool, chunks: int) -> ParallelStyle:
     if name == "packed_colwise":
         return PackedColwise(chunks)
     if name == "vocab_embedding":
-        return RowwiseParallel(input_layouts=Replicate())
+        return VocabParallelEmbedding()
     if name == "vocab_colwise":
         return ColwiseParallel(use_local_output=False)
     raise ValueError(f"unknown parallel style {name!r}; known styles: {', '.join(STYLE_NAMES)}")

@@ -1,16 +1,20 @@
-"""Start N ranks of a subcommand with torchrun, unless a launcher already started this process.
+"""Start the ranks of a subcommand with torchrun's machinery, unless a launcher already started us.
 
 A user who types ``modelparallel train --tp 2`` should not need to know torchrun; a user who runs
 it under their own ``torchrun`` (or a cluster's launcher) must not get ranks that launch ranks.
 The launcher's environment (RANK, WORLD_SIZE) tells the two apart.
+
+The launch runs torchrun's own code (``torch.distributed.run``) in this process rather than a
+``torchrun`` child: this process is then the agent, so it sees a failure or a Ctrl-C as an
+exception and can report it in a few lines (``outcome``) instead of torchrun's report.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-import subprocess
-import sys
 import time
+from dataclasses import dataclass
 
 START_TIME_ENV = "MODELPARALLEL_CLI_START"
 """Wall-clock start of the command, passed to the ranks so reported times include the launch."""
@@ -35,7 +39,8 @@ def _process_start() -> float:
 
 
 def start_time() -> float:
-    """When the user's command started (the launching process's start), else this process's."""
+    """When the user's command started (set by the launching process or a wrapper script that
+    ``exec``s us after other work), else this process's start."""
     try:
         return float(os.environ[START_TIME_ENV])
     except (KeyError, ValueError):
@@ -49,33 +54,49 @@ def threads_per_rank(nproc: int) -> int:
 
 
 def rank_env(nproc: int) -> dict[str, str]:
-    """The environment of each rank: the user's, plus a thread count that fits the machine
-    (unless the user chose one) and the start time."""
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env.setdefault(START_TIME_ENV, repr(start_time()))
-    return env
+    """What the ranks need in their environment beyond the user's: a thread count that fits the
+    machine (unless the user chose one) and the start time."""
+    return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads_per_rank(nproc))),
+            "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "false"),
+            START_TIME_ENV: os.environ.get(START_TIME_ENV, repr(start_time()))}
 
 
-def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
-    """``python -m torch.distributed.run ... -m modelparallel.cli -- <argv>`` for ``nproc`` local ranks.
+@dataclass
+class Nodes:
+    """Where the ranks run: ``nproc`` per machine on ``nnodes`` machines. With several machines,
+    every one runs the same command with its own ``node_rank``; ``rdzv_endpoint`` (host:port of
+    the node-rank-0 machine) is where they meet."""
+
+    nproc: int
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+
+
+def torchrun_args(nodes: Nodes, argv: list[str]) -> list[str]:
+    """torchrun's arguments for ``python -m modelparallel.cli <argv>`` on this machine.
 
     The ``--`` matters: torchrun's argparse scans every later argument for its own option
     prefixes, so a bare ``--nproc 4`` would fail as ambiguous with ``--nproc-per-node``. ``main``
     drops the ``--`` again if torchrun passes it through.
     """
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
-            "-m", "modelparallel.cli", "--", *argv]
+    where = ["--standalone"] if nodes.nnodes == 1 and not nodes.rdzv_endpoint else \
+        ["--nnodes", str(nodes.nnodes), "--node-rank", str(nodes.node_rank),
+         "--rdzv-endpoint", nodes.rdzv_endpoint or "localhost:29500"]
+    return ["--nproc-per-node", str(nodes.nproc), *where, "-m", "modelparallel.cli", "--", *argv]
 
 
-def relaunch(nproc: int, argv: list[str]) -> int:
-    """Run the command again as ``nproc`` ranks and return torchrun's exit code.
+def torchrun(nodes: Nodes, argv: list[str], extra_env: dict[str, str]) -> BaseException | None:
+    """Run the ranks of this machine to the end; returns None on success, else the exception
+    torchrun's agent raised (``ChildFailedError``, ``SignalException`` on Ctrl-C / SIGTERM, a
+    rendezvous error...). The agent's own log lines are silenced: the caller reports."""
+    from torch.distributed.run import parse_args, run
 
-    Ctrl-C reaches torchrun too (same process group), which stops the ranks; we then only wait.
-    """
-    proc = subprocess.Popen(torchrun_command(nproc, argv), env=rank_env(nproc))
+    os.environ.update(rank_env(nodes.nproc), **extra_env)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    logging.getLogger("torch.distributed.run").setLevel(logging.CRITICAL)
     try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        return proc.wait()
+        run(parse_args(torchrun_args(nodes, argv)))
+    except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - reported by the caller
+        return exc
+    return None

@@ -56,6 +56,29 @@ def load_config(model: str, seq_len: int):
     return AutoConfig.from_pretrained(model)
 
 
+def causal_lm_problems(model: str, config) -> list[str]:
+    """Refuse a model directory that is not a causal language model (an encoder such as BERT):
+    ``AutoModelForCausalLM`` would build some LM head for it anyway and the load would then fail
+    on every rank over weights the directory never had.
+
+    The config's ``architectures`` (what the directory was saved from) decides; a config without
+    it is judged by its ``model_type``."""
+    if model in PRESETS:
+        return []
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
+
+    causal = {name for v in CAUSAL.values() for name in ((v,) if isinstance(v, str) else v)}
+    archs = list(getattr(config, "architectures", None) or [])
+    if archs and not any(a in causal for a in archs):
+        return [f"--model {model}: this is not a causal LM: its config.json names architecture "
+                f"{', '.join(archs)} (model_type {config.model_type!r}); train needs a causal language model "
+                "saved from a class such as GPT2LMHeadModel or LlamaForCausalLM"]
+    if not archs and config.model_type not in CAUSAL:
+        return [f"--model {model}: this is not a causal LM: model_type {config.model_type!r} has no causal "
+                "language model class in transformers"]
+    return []
+
+
 def max_positions(config) -> int | None:
     """The longest sequence the model can embed, whatever its config calls it."""
     for key in ("n_positions", "max_position_embeddings"):

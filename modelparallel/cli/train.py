@@ -13,9 +13,9 @@ import os
 import sys
 from pathlib import Path
 
-from . import launch
+from . import launch, outcome, resume
 from .data import default_data_path, find_text_files
-from .presets import DEFAULT_PRESET, PRESETS, load_config, load_tokenizer, size_problems
+from .presets import DEFAULT_PRESET, PRESETS, causal_lm_problems, load_config, load_tokenizer, size_problems
 
 HELP = "train / fine-tune a causal LM with tensor parallelism (default: tiny GPT-2 on the stdlib, TP=2, CPU)"
 
@@ -37,7 +37,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (default: %(default)s)")
     g.add_argument("--nproc", type=int, default=None,
-                   help="ranks to launch; a multiple of --tp, the rest is data parallel (default: --tp)")
+                   help="ranks to launch on this machine; --nproc x --nnodes must be a multiple of --tp, "
+                        "the rest is data parallel (default: --tp / --nnodes)")
+    g = p.add_argument_group("several machines (passed to torchrun; run the same command on each)")
+    g.add_argument("--nnodes", type=int, default=1, help="number of machines (default: %(default)s)")
+    g.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nnodes-1")
+    g.add_argument("--rdzv-endpoint", metavar="HOST:PORT", default=None,
+                   help="where the machines meet: a free port on the node-rank-0 machine")
     g = p.add_argument_group("optimization")
     g.add_argument("--steps", type=int, default=600, help="optimizer steps (default: %(default)s)")
     g.add_argument("--batch-size", type=int, default=16, help="sequences per data-parallel rank and step")
@@ -50,7 +56,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save-every", type=int, default=0, help="save a partial checkpoint every N steps "
                    "under OUT/checkpoints (default: never)")
     g.add_argument("--keep", type=int, default=None, help="keep only the N newest partial checkpoints")
-    g.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/newest if present")
+    g.add_argument("--resume", nargs="?", const="newest", choices=("newest", "auto"), default=None,
+                   metavar="auto", help="--resume: continue from the newest checkpoint in OUT/checkpoints "
+                   "(an error if there is none); --resume auto: continue if there is one, else start fresh")
+    g.add_argument("--resume-from", metavar="TAG", default=None,
+                   help="continue from checkpoint TAG (e.g. step400) instead of the newest")
     g = p.add_argument_group("evaluation and output")
     g.add_argument("--eval-every", type=int, default=None,
                    help="validate every N steps (default: 4 times per run; 0 = only at the end)")
@@ -67,7 +77,8 @@ def _range_problems(args: argparse.Namespace) -> list[str]:
               ("--batch-size", args.batch_size, 1), ("--seq-len", args.seq_len, 2),
               ("--eval-windows", args.eval_windows, 1), ("--sample-tokens", args.sample_tokens, 0),
               ("--max-files", args.max_files or 1, 1), ("--eval-every", args.eval_every or 0, 0),
-              ("--max-bytes", args.max_bytes, 0), ("--warmup", args.warmup or 0, 0)]
+              ("--max-bytes", args.max_bytes, 0), ("--warmup", args.warmup or 0, 0),
+              ("--save-every", args.save_every, 0), ("--keep", args.keep or 1, 1), ("--nnodes", args.nnodes, 1)]
     problems = [f"{name} must be >= {low}, got {value}" for name, value, low in checks if value < low]
     if args.lr <= 0:
         problems.append(f"--lr must be positive, got {args.lr}")
@@ -77,34 +88,55 @@ def _range_problems(args: argparse.Namespace) -> list[str]:
         problems.append("--prompt must not be empty when --sample-tokens > 0")
     if args.temperature < 0:
         problems.append(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0 <= args.node_rank < max(args.nnodes, 1):
+        problems.append(f"--node-rank must be in 0..{args.nnodes - 1} (--nnodes {args.nnodes}), got {args.node_rank}")
+    if args.nnodes > 1 and not args.rdzv_endpoint:
+        problems.append(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (a free port on the node-rank-0 machine)")
+    if args.rdzv_endpoint and not args.rdzv_endpoint.rpartition(":")[2].isdigit():
+        problems.append(f"--rdzv-endpoint must be HOST:PORT, got {args.rdzv_endpoint!r}")
     return problems
 
 
 def _world_problems(args: argparse.Namespace) -> list[str]:
     """The launch shape: ``--tp`` must divide the number of ranks, whoever launches them."""
-    world = int(os.environ["WORLD_SIZE"]) if launch.under_launcher() else args.nproc
-    where = "the launcher's WORLD_SIZE" if launch.under_launcher() else "--nproc"
+    world = int(os.environ["WORLD_SIZE"]) if launch.under_launcher() else args.nproc * args.nnodes
+    where = "the launcher's WORLD_SIZE" if launch.under_launcher() else \
+        "--nproc" if args.nnodes == 1 else f"--nproc x --nnodes = {args.nproc} x {args.nnodes} ="
     if args.tp >= 1 and world >= 1 and world % args.tp:
         return [f"--tp {args.tp} does not divide {where} {world}"]
     return []
 
 
+def _model_problems(args: argparse.Namespace) -> list[str]:
+    """The model must be a causal LM that the run's shape fits, with a tokenizer."""
+    try:
+        config = load_config(args.model, args.seq_len)
+        problems = causal_lm_problems(args.model, config)
+        if problems:
+            return problems
+        load_tokenizer(args.model)
+        return size_problems(config, args.seq_len, args.tp)
+    except (OSError, ValueError) as exc:
+        return [str(exc)]
+
+
 def check_args(args: argparse.Namespace) -> list[str]:
     """Every problem with the arguments, found before any rank starts (so it is reported once,
-    not as one traceback per rank). Fills in defaults that depend on other arguments."""
+    not as one traceback per rank). Fills in defaults that depend on other arguments, and
+    ``args.resume_tag``: the checkpoint to continue from (None: from step 0)."""
     if args.nproc is None:
-        args.nproc = args.tp
+        args.nproc = max(1, args.tp // max(args.nnodes, 1))
     problems = _range_problems(args) + _world_problems(args)
     try:
         args.data_files = find_text_files(args.data) if args.data else \
             find_text_files([default_data_path()], suffixes=(".py",))
     except (FileNotFoundError, ValueError) as exc:
         problems.append(str(exc))
-    try:
-        problems += size_problems(load_config(args.model, args.seq_len), args.seq_len, args.tp)
-        load_tokenizer(args.model)
-    except (OSError, ValueError) as exc:
-        problems.append(str(exc))
+    problems += _model_problems(args)
+    # the launcher reads the chosen checkpoint's files once; the ranks' load verifies them again
+    args.resume_tag, resume_problems = resume.choose(args.out, args.resume, args.resume_from, args.steps,
+                                                     verify=not launch.under_launcher())
+    problems += resume_problems
     if args.warmup is None:
         args.warmup = max(1, args.steps // 20)
     if args.eval_every is None:
@@ -113,15 +145,16 @@ def check_args(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """Check the arguments, then launch the ranks or, as a rank (or a world of one), train."""
+    """Check the arguments, then launch the ranks or, as a rank, train."""
     problems = check_args(args)
-    if problems:
-        parser.error("\n  ".join(["invalid arguments:", *problems]))
-    if not launch.under_launcher() and args.nproc > 1:
-        args.out.mkdir(parents=True, exist_ok=True)
-        print(f"modelparallel train: launching {args.nproc} ranks (tp {args.tp}, dp {args.nproc // args.tp}, "
-              f"{launch.rank_env(args.nproc)['OMP_NUM_THREADS']} thread(s) each)", file=sys.stderr, flush=True)
-        return launch.relaunch(args.nproc, args.argv)
+    if problems:  # argparse's error format without its 15-line usage, which would bury the problems
+        print("\n  ".join([f"{parser.prog}: error: invalid arguments (see {parser.prog} --help):", *problems]),
+              file=sys.stderr)
+        raise SystemExit(2)
+    if not launch.under_launcher():
+        from .train_launch import launch_ranks
+
+        return launch_ranks(args)
     from .train_job import run_job
 
-    return run_job(args)
+    return outcome.run_rank(lambda: run_job(args))

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import modelparallel as smp
 
-from . import launch, plot
+from . import launch, outcome, plot, resume
 from .data import WindowSampler, eval_batches, read_corpus, select_files, split_holdout
 from .presets import build_distributed, load_tokenizer
 
@@ -70,14 +70,22 @@ def evaluate(model, val_tokens: torch.Tensor, args) -> float:
     return (total[0] / total[1]).item()
 
 
-def train_loop(model, opt, sampler, val_tokens, args) -> dict:
-    """Run ``--steps`` steps; returns the per-step history. Progress bar on rank 0 only."""
+HISTORY_KEYS = ("loss", "lr", "step_time_s", "tokens_per_s", "val")
+"""Per-step records kept in every checkpoint's user content (plain numbers and lists), so the
+metrics and the plot of a resumed run cover the whole run, not just the steps since the resume."""
+
+
+def train_loop(model, opt, sampler, val_tokens, args, hist: dict) -> dict:
+    """Run steps ``args.start_step .. --steps``, appending to ``hist``; returns this session's
+    step count and summed step time. Progress bar on rank 0 only; its tokens/s is the session's
+    tokens over the session's step time (forward, backward, optimizer), as in the summary."""
     from tqdm.auto import tqdm
 
-    hist = {"loss": [], "lr": [], "step_time_s": [], "tokens_per_s": [], "val": []}
     tokens_per_step = args.batch_size * args.seq_len * smp.dp_size()
+    session = {"steps": 0, "step_time_s": 0.0}
     bar = tqdm(total=args.steps, initial=args.start_step, desc="train", disable=smp.rank() != 0,
                dynamic_ncols=True)
+    outcome.PROGRESS.stage, outcome.PROGRESS.step = "training", args.start_step
     model.train()
     for step in range(args.start_step, args.steps):
         start = time.perf_counter()
@@ -90,36 +98,55 @@ def train_loop(model, opt, sampler, val_tokens, args) -> dict:
         opt.zero_grad()
         (loss_value,) = dp_mean([loss.item()])
         elapsed = time.perf_counter() - start
+        outcome.PROGRESS.step = step + 1
+        session["steps"] += 1
+        session["step_time_s"] += elapsed
         hist["loss"].append(loss_value)
         hist["lr"].append(opt.param_groups[0]["lr"])
         hist["step_time_s"].append(elapsed)
         hist["tokens_per_s"].append(tokens_per_step / elapsed)
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
-            hist["val"].append((step + 1, evaluate(model, val_tokens, args)))
-        recent = hist["step_time_s"][-10:]  # a single step's rate jitters too much to read
-        bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_step * len(recent) / sum(recent):,.0f}",
-                        refresh=False)
+            hist["val"].append([step + 1, evaluate(model, val_tokens, args)])
+        bar.set_postfix(loss=f"{loss_value:.3f}",
+                        tok_s=f"{tokens_per_step * session['steps'] / session['step_time_s']:,.0f}", refresh=False)
         bar.update()
         if args.save_every and (step + 1) % args.save_every == 0:
-            smp.save_checkpoint(args.out / "checkpoints", tag=f"step{step + 1}", user_content={"step": step + 1},
-                                num_kept_partial_checkpoints=args.keep)
+            save(args, step + 1, hist, bar)
     bar.close()
-    return hist
+    return session
 
 
-def resume(args, sampler) -> int:
-    """With ``--resume`` and a saved checkpoint: load it (model, optimizer, loss scale) and skip
-    the batches already trained on; returns the step to continue from (0 for a fresh run)."""
-    directory = args.out / "checkpoints"
-    if not args.resume or not (directory / "newest").exists():
-        return 0
-    step = smp.resume_from_checkpoint(directory)["step"]
-    if step >= args.steps:
-        raise ValueError(f"{directory} is at step {step}, already --steps {args.steps}: nothing to resume")
-    sampler.skip(step)
+def save(args, step: int, hist: dict, bar) -> None:
+    """A partial checkpoint of step ``step`` with the history so far; one line on rank 0."""
+    start = time.perf_counter()
+    directory = resume.checkpoint_dir(args.out)
+    smp.save_checkpoint(directory, tag=resume.step_tag(step), user_content={"step": step, "history": hist},
+                        num_kept_partial_checkpoints=args.keep)
     if smp.rank() == 0:
-        print(f"resumed from {directory} at step {step}", flush=True)
-    return step
+        bar.write(f"step {step}: saved checkpoint {directory / (resume.step_tag(step) + resume.PARTIAL)} "
+                  f"({time.perf_counter() - start:.1f} s)")
+
+
+def resume_run(args, sampler) -> tuple[int, dict]:
+    """(step to continue from, history so far). Loads ``args.resume_tag`` (model, optimizer,
+    loss scale) if the launcher chose one, and skips the batches already trained on."""
+    empty = {k: [] for k in HISTORY_KEYS}
+    if args.resume_tag is None:
+        return 0, empty
+    outcome.PROGRESS.stage = "resume"
+    directory = resume.checkpoint_dir(args.out)
+    content = smp.resume_from_checkpoint(directory, tag=args.resume_tag)
+    step = int(content["step"])
+    if step >= args.steps:
+        raise ValueError(f"{directory}/{args.resume_tag} is at step {step}, already --steps {args.steps}: "
+                         "nothing to resume")
+    sampler.skip(step)
+    saved = content.get("history") or {}
+    hist = {k: list(saved.get(k, [])) for k in HISTORY_KEYS}
+    hist["val"] = [list(v) for v in hist["val"]]
+    if smp.rank() == 0:
+        print(f"resumed from {directory / (args.resume_tag + resume.PARTIAL)} at step {step}", flush=True)
+    return step, hist
 
 
 def generate_sample(model, tokenizer, args) -> str:
@@ -140,19 +167,22 @@ def generate_sample(model, tokenizer, args) -> str:
     return tokenizer.decode(out[0].tolist())
 
 
-def _summary(args, hist, info, val_loss, sample, wall, train_time, n_params, opt) -> dict:
+def _summary(args, hist, info, val_loss, sample, times: dict, session: dict, n_params, opt) -> dict:
     last = hist["loss"][-min(10, len(hist["loss"])):]
+    tokens_per_step = args.batch_size * args.seq_len * smp.dp_size()
     return {
         "config": {k: (str(v) if k in ("out",) else v) for k, v in vars(args).items()
                    if not k.startswith("_") and k not in ("argv", "data_files")},
         "world_size": smp.size(), "tp": smp.tp_size(), "dp": smp.dp_size(),
         "threads_per_rank": torch.get_num_threads(), "optimizer": type(opt).__name__,
-        "parameters": n_params, "corpus": info, **hist, "val": [list(v) for v in hist["val"]],
+        "parameters": n_params, "corpus": info, **hist,
+        # the history starts later than step 0 only if resumed from a checkpoint that did not keep it
+        "history_first_step": args.start_step - (len(hist["loss"]) - session["steps"]),
         "initial_train_loss": hist["loss"][0], "final_train_loss": sum(last) / len(last),
         "final_val_loss": val_loss, "first_step": args.start_step,
-        "mean_tokens_per_s": len(hist["step_time_s"]) * args.batch_size * args.seq_len
-        * smp.dp_size() / sum(hist["step_time_s"]), "train_time_s": train_time, "wall_time_s": wall,
-        "sample": sample,
+        # this session's tokens over its summed step time: the progress bar's last tokens/s
+        "mean_tokens_per_s": tokens_per_step * session["steps"] / session["step_time_s"],
+        **times, "sample": sample,
         "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
     }
 
@@ -162,10 +192,12 @@ def _report(args, m: dict) -> None:
     plot.write_metrics(args.out, m)
     plot.plot_loss(args.out, m["loss"], m["val"] + [[args.steps, m["final_val_loss"]]],
                    f"{args.model}: tp {m['tp']} x dp {m['dp']}, {m['parameters'] / 1e6:.2f}M params",
-                   first_step=m["first_step"])
+                   first_step=m["history_first_step"])
+    resumed = f"; resumed at step {m['first_step']}" if m["first_step"] else ""
     print(f"\ntrain loss {m['initial_train_loss']:.3f} -> {m['final_train_loss']:.3f} (mean of last steps), "
-          f"validation loss {m['final_val_loss']:.3f}\n{m['mean_tokens_per_s']:,.0f} tokens/s, "
-          f"training {m['train_time_s']:.0f} s, total {m['wall_time_s']:.0f} s")
+          f"validation loss {m['final_val_loss']:.3f}\n{m['mean_tokens_per_s']:,.0f} tokens/s (step time only, "
+          f"as in the progress bar{resumed})\nset-up {m['setup_time_s']:.0f} s (launch, imports, data, model), "
+          f"training {m['train_time_s']:.0f} s (with validation and checkpoints), total {m['wall_time_s']:.0f} s")
     if m["sample"]:
         print(f"sample from {args.prompt!r}:\n{'-' * 60}\n{m['sample']}\n{'-' * 60}")
     print(f"wrote {args.out / 'metrics.json'} and {args.out / 'loss.png'}", flush=True)
@@ -180,16 +212,17 @@ def run_job(args: argparse.Namespace) -> int:
     n_params = sum(p.numel() for p in model.parameters())  # DTensor numel is the global size
     opt = make_optimizer(model, args)
     sampler = WindowSampler(train_tokens, args.seq_len, args.batch_size, args.seed, smp.dp_rank())
-    args.start_step = resume(args, sampler)
+    args.start_step, hist = resume_run(args, sampler)
+    setup = time.time() - launch.start_time()
     t_train = time.perf_counter()
-    hist = train_loop(model, opt, sampler, val_tokens, args)
+    session = train_loop(model, opt, sampler, val_tokens, args, hist)
     train_time = time.perf_counter() - t_train
+    outcome.PROGRESS.stage = "final validation and sample"
     val_loss = evaluate(model, val_tokens, args)
     sample = generate_sample(model, tokenizer, args)
     if smp.rank() == 0:
-        m = _summary(args, hist, info, val_loss, sample, time.time() - launch.start_time(), train_time,
-                     n_params, opt)
-        _report(args, m)
+        times = {"setup_time_s": setup, "train_time_s": train_time, "wall_time_s": time.time() - launch.start_time()}
+        _report(args, _summary(args, hist, info, val_loss, sample, times, session, n_params, opt))
     dist.barrier()
     dist.destroy_process_group()
     return 0

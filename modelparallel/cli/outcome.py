@@ -1,0 +1,134 @@
+"""How a launched run ends, told once: each rank records its end in a status directory, the
+launcher reads those records and prints one short block.
+
+A rank that raises would otherwise print its traceback, and its peers (whose collectives then
+fail) print theirs, and the launcher adds its own report: dozens of lines in which the cause is
+hard to find. Instead, a rank started by our launcher writes its traceback to a file and a
+one-line record (error type, message, time) to the status directory, and exits quietly. The
+launcher picks the earliest error (the cause; later ones are peers losing their connection),
+writes every traceback to one log file and prints the cause and that file's path.
+
+Ctrl-C reaches every rank as SIGINT (from the terminal, or forwarded by the launcher): a rank
+notes the step it was on and exits without saving anything, so the checkpoints on disk are
+exactly the ones committed before; the launcher says where a rerun resumes from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+STATUS_ENV = "MODELPARALLEL_CLI_STATUS"
+"""The directory where ranks started by our launcher record how they ended."""
+
+INTERRUPTED_EXIT = 130  # the shell's code for a process ended by SIGINT
+
+
+@dataclass
+class Progress:
+    """What a rank is doing, for the record written if it is interrupted or fails."""
+
+    step: int | None = None  # steps completed; None before training starts
+    interrupted: bool = False
+    stage: str = "set-up"
+
+
+PROGRESS = Progress()
+
+
+def _on_sigint(signum, frame) -> None:
+    """First SIGINT: remember it and unwind; later ones (the terminal's and the launcher's copy
+    of the same Ctrl-C) are ignored so the unwinding is not interrupted in turn."""
+    PROGRESS.interrupted = True
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+def _record(status_dir: Path, rank: int, record: dict) -> None:
+    path = status_dir / f"rank{rank}.json"
+    path.with_suffix(".tmp").write_text(json.dumps(record))
+    os.replace(path.with_suffix(".tmp"), path)
+
+
+def run_rank(job: Callable[[], int]) -> int:
+    """Run ``job`` on this rank. Under our launcher, its end is recorded (not printed) and the
+    process exits at once: a failing rank's peers are stuck in collectives, and a normal
+    interpreter exit would wait for them. Under any other launcher, ``job`` runs as is."""
+    status = os.environ.get(STATUS_ENV)
+    if not status:
+        return job()
+    rank = int(os.environ.get("RANK", "0"))
+    signal.signal(signal.SIGINT, _on_sigint)
+    try:
+        return job()
+    except BaseException as exc:  # noqa: BLE001 - every end is reported by the launcher
+        interrupted = PROGRESS.interrupted or isinstance(exc, KeyboardInterrupt)
+        record = {"rank": rank, "time": time.time(), "step": PROGRESS.step, "stage": PROGRESS.stage,
+                  "interrupted": interrupted, "type": type(exc).__name__, "message": str(exc).strip(),
+                  "traceback": "".join(traceback.format_exception(exc))}
+        _record(Path(status), rank, record)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(INTERRUPTED_EXIT if interrupted else 1)
+
+
+@dataclass
+class Ending:
+    """What the launcher learned about a run that did not finish."""
+
+    records: list[dict] = field(default_factory=list)
+    interrupted: bool = False
+
+    @classmethod
+    def read(cls, status_dir: Path, interrupted: bool) -> "Ending":
+        records = []
+        for f in sorted(status_dir.glob("rank*.json")):
+            try:
+                records.append(json.loads(f.read_text()))
+            except (OSError, ValueError):
+                continue
+        records.sort(key=lambda r: r["time"])
+        return cls(records, interrupted or any(r["interrupted"] for r in records))
+
+    def errors(self) -> list[dict]:
+        return [r for r in self.records if not r["interrupted"]]
+
+    def step(self) -> int | None:
+        """Steps completed when the run stopped: the furthest any rank got."""
+        steps = [r["step"] for r in self.records if r["step"] is not None]
+        return max(steps) if steps else None
+
+
+def write_log(log_path: Path, records: list[dict]) -> Path:
+    """Every recorded traceback, earliest first, in one file."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w", encoding="utf-8") as f:
+        for r in records:
+            when = time.strftime("%H:%M:%S", time.localtime(r["time"])) + f".{int(r['time'] * 1000) % 1000:03d}"
+            f.write(f"=== rank {r['rank']} at {when} ({r['stage']}, step {r['step']}):\n{r['traceback']}\n")
+    return log_path
+
+
+def failure_block(first: dict, log_path: Path | None, n_failed: int, hint: str = "") -> str:
+    """The few lines printed for a failed run: who failed first, with what, and where the rest is."""
+    message = first["message"]
+    lines = message.splitlines()
+    if len(lines) > 12:
+        message = "\n".join(lines[:12] + [f"... ({len(lines) - 12} more lines in the log)"])
+    where = f"rank {first['rank']}" + (f" at step {first['step']}" if first["step"] is not None else
+                                       f" during {first['stage']}")
+    out = [f"modelparallel train failed: {where}", f"  {first['type']}: {message}".replace("\n", "\n  ")]
+    if n_failed > 1:
+        out.append(f"  ({n_failed - 1} other rank(s) failed after it)")
+    if hint:
+        out.append(f"  {hint}")
+    if log_path is not None:
+        out.append(f"  full tracebacks: {log_path}")
+    return "\n".join(out)

@@ -1,0 +1,100 @@
+"""``modelparallel train`` outside any launcher: start this machine's ranks, then say how it ended.
+
+Success prints nothing more (rank 0 printed the summary). A failure prints the first failing
+rank's error and the log file with every traceback; Ctrl-C prints the step reached and the
+checkpoint a rerun with ``--resume`` continues from. Exit status: 0, 1 (failure), 130 (Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+from . import launch, outcome, resume
+
+
+def _say(text: str) -> None:
+    # starts on a new line: the progress bar may have been left mid-line
+    print(f"\n{text}", file=sys.stderr, flush=True)
+
+
+def launch_ranks(args: argparse.Namespace) -> int:
+    """Run the ranks of this machine and report their end; returns the exit status."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    nodes = launch.Nodes(args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint)
+    world = args.nproc * args.nnodes
+    where = "" if args.nnodes == 1 else f" on this machine (node {args.node_rank} of {args.nnodes}, {world} in all)"
+    start = "step 0" if args.resume_tag is None else f"checkpoint {args.resume_tag}"
+    print(f"modelparallel train: launching {args.nproc} ranks{where} (tp {args.tp}, dp {world // args.tp}, "
+          f"{launch.rank_env(args.nproc)['OMP_NUM_THREADS']} thread(s) each), from {start}",
+          file=sys.stderr, flush=True)
+    status = Path(tempfile.mkdtemp(prefix="modelparallel-train-"))
+    try:
+        exc = launch.torchrun(nodes, args.argv, {outcome.STATUS_ENV: str(status)})
+        return 0 if exc is None else _report(args, exc, status)
+    finally:
+        shutil.rmtree(status, ignore_errors=True)
+
+
+def _newest_step(args: argparse.Namespace) -> str:
+    from ..checkpoint import commit
+
+    ckpt_dir = resume.checkpoint_dir(args.out)
+    newest = commit.read_newest(ckpt_dir) if ckpt_dir.is_dir() else None
+    if newest is None:
+        return ("no checkpoint saved yet (--save-every N saves one every N steps); a rerun starts from step 0")
+    tag = newest.removesuffix(resume.PARTIAL)
+    step = resume.tag_step(tag)
+    return f"newest checkpoint step {step if step is not None else tag}; rerun with --resume"
+
+
+def _signal_of(exc: BaseException) -> signal.Signals | None:
+    if isinstance(exc, KeyboardInterrupt):
+        return signal.SIGINT
+    return getattr(exc, "sigval", None)
+
+
+def _report(args: argparse.Namespace, exc: BaseException, status: Path) -> int:
+    sig = _signal_of(exc)
+    ending = outcome.Ending.read(status, interrupted=sig == signal.SIGINT)
+    if ending.interrupted or sig is not None:
+        step = ending.step()
+        what = "interrupted" if sig in (None, signal.SIGINT) else f"stopped by {sig.name}"
+        at = f" at step {step}" if step is not None else " before the first step"
+        _say(f"{what}{at}; {_newest_step(args)}")
+        return outcome.INTERRUPTED_EXIT
+    errors = ending.errors()
+    if not errors:
+        errors = [_from_torchrun(exc)]
+        log = None
+    else:
+        log = outcome.write_log(args.out / "failure.log", errors)
+    _say(outcome.failure_block(errors[0], log, len(errors), _hint(args, errors[0])))
+    return 1
+
+
+def _from_torchrun(exc: BaseException) -> dict:
+    """A record for a rank that died without writing one (killed, crashed in C, failed to start),
+    or for a launch that failed before any rank ran (e.g. the machines never met)."""
+    first = getattr(exc, "get_first_failure", None)
+    if first is None:
+        return {"rank": "launcher", "step": None, "stage": "launch", "type": type(exc).__name__,
+                "message": str(exc).strip() or repr(exc)}
+    rank, failure = first()
+    signame = failure.signal_name() if failure.exitcode < 0 else ""
+    message = (f"exited with {signame}" if signame else f"exited with code {failure.exitcode}") + \
+        " without reporting an error (killed, out of memory, or crashed outside Python); its output is above"
+    return {"rank": rank, "step": None, "stage": "its run", "type": "ProcessExit", "message": message}
+
+
+def _hint(args: argparse.Namespace, first: dict) -> str:
+    """For a failed resume: the checkpoints a rerun could use instead."""
+    if args.resume_tag is None or ("Checkpoint" not in first["type"] and first["step"] is not None):
+        return ""
+    others = resume.intact_tags(resume.checkpoint_dir(args.out), skip=args.resume_tag)
+    return (f"intact checkpoints: {', '.join(others)} (rerun with --resume-from {others[0]})" if others
+            else "")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ from modelparallel.cli import main
 from modelparallel.cli.data import (
     ByteTokenizer, WindowSampler, eval_batches, find_text_files, read_corpus, select_files, split_holdout,
 )
-from modelparallel.cli.launch import torchrun_command
+from modelparallel.cli.launch import Nodes, torchrun_args
 
 
 def test_train_command_two_ranks(tmp_path):
@@ -106,8 +105,11 @@ def test_bad_arguments_fail_before_launch(capsys, tmp_path):
 
 
 def test_launcher_separates_its_arguments():
-    cmd = torchrun_command(2, ["train", "--nproc", "2"])
-    assert cmd[cmd.index("modelparallel.cli") + 1] == "--"
+    cmd = torchrun_args(Nodes(2), ["train", "--nproc", "2"])
+    assert cmd[cmd.index("modelparallel.cli") + 1] == "--" and "--standalone" in cmd
+    cmd = torchrun_args(Nodes(2, nnodes=2, node_rank=1, rdzv_endpoint="127.0.0.1:29400"), ["train"])
+    assert cmd[:cmd.index("-m")] == ["--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "1",
+                                     "--rdzv-endpoint", "127.0.0.1:29400", "--local-addr", "127.0.0.1"]
 
 
 def test_model_directory_tokenizer_choice(tmp_path):
@@ -122,47 +124,3 @@ def test_model_directory_tokenizer_choice(tmp_path):
     GPT2LMHeadModel(GPT2Config(vocab_size=300, n_embd=16, n_layer=1, n_head=2)).save_pretrained(tmp_path / "other")
     with pytest.raises(ValueError, match="no usable tokenizer"):
         load_tokenizer(str(tmp_path / "other"))
-
-
-def _train(out, *extra):
-    cmd = [sys.executable, "-m", "modelparallel.cli", "train", "--model", "gpt2-micro", "--tp", "2", "--nproc", "2",
-           "--steps", "4", "--seq-len", "32", "--batch-size", "2", "--max-files", "5", "--eval-windows", "2",
-           "--sample-tokens", "0", "--out", str(out), *extra]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads((out / "metrics.json").read_text()), proc.stdout
-
-
-def test_resumed_training_repeats_the_uninterrupted_losses(tmp_path):
-    """--save-every / --resume: a run resumed from its step-2 checkpoint trains steps 3 and 4 on the
-    same batches with the same weights and optimizer state, so its losses equal the uninterrupted
-    run's exactly."""
-    from modelparallel.checkpoint.commit import write_newest
-
-    full, _ = _train(tmp_path / "a", "--save-every", "2")
-    assert sorted(p.name for p in (tmp_path / "a" / "checkpoints").glob("step*")) == ["step2_partial",
-                                                                                     "step4_partial"]
-    shutil.copytree(tmp_path / "a" / "checkpoints" / "step2_partial", tmp_path / "b" / "checkpoints" / "step2_partial")
-    write_newest(tmp_path / "b" / "checkpoints", "step2_partial")
-    resumed, stdout = _train(tmp_path / "b", "--resume")
-    assert "resumed from" in stdout and resumed["first_step"] == 2
-    assert resumed["loss"] == full["loss"][2:]
-
-
-def test_train_fine_tunes_a_model_directory_read_shard_on_read(tmp_path):
-    """--model DIR builds the model on the meta device and reads its weights shard by shard: a
-    saved model whose LM head always predicts token 0 starts with a huge loss, a model that was
-    not loaded (fresh init) would start near ln(vocab)."""
-    from transformers import GPT2LMHeadModel
-
-    from modelparallel.cli.presets import preset_config
-
-    model = GPT2LMHeadModel(preset_config("gpt2-micro", 32))
-    with torch.no_grad():
-        model.transformer.wte.weight[0].fill_(3.0)
-        model.transformer.ln_f.weight.fill_(5.0)
-        model.transformer.ln_f.bias.fill_(5.0)
-    model.save_pretrained(tmp_path / "pretrained")
-    m, _ = _train(tmp_path / "run", "--steps", "2", "--model", str(tmp_path / "pretrained"))
-    assert m["loss"][0] > 3 * math.log(ByteTokenizer.vocab_size), m["loss"]

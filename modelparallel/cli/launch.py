@@ -61,6 +61,9 @@ def rank_env(nproc: int) -> dict[str, str]:
             START_TIME_ENV: os.environ.get(START_TIME_ENV, repr(start_time()))}
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
 @dataclass
 class Nodes:
     """Where the ranks run: ``nproc`` per machine on ``nnodes`` machines. With several machines,
@@ -80,9 +83,14 @@ def torchrun_args(nodes: Nodes, argv: list[str]) -> list[str]:
     prefixes, so a bare ``--nproc 4`` would fail as ambiguous with ``--nproc-per-node``. ``main``
     drops the ``--`` again if torchrun passes it through.
     """
-    where = ["--standalone"] if nodes.nnodes == 1 and not nodes.rdzv_endpoint else \
-        ["--nnodes", str(nodes.nnodes), "--node-rank", str(nodes.node_rank),
-         "--rdzv-endpoint", nodes.rdzv_endpoint or "localhost:29500"]
+    if nodes.nnodes == 1 and not nodes.rdzv_endpoint:
+        where = ["--standalone"]
+    else:
+        endpoint = nodes.rdzv_endpoint or "localhost:29500"
+        where = ["--nnodes", str(nodes.nnodes), "--node-rank", str(nodes.node_rank), "--rdzv-endpoint", endpoint]
+        host = endpoint.rpartition(":")[0].strip("[]")
+        if host in LOOPBACK:  # "machines" on one host: keep the ranks' meeting point on loopback too
+            where += ["--local-addr", host]
     return ["--nproc-per-node", str(nodes.nproc), *where, "-m", "modelparallel.cli", "--", *argv]
 
 
@@ -93,8 +101,9 @@ def torchrun(nodes: Nodes, argv: list[str], extra_env: dict[str, str]) -> BaseEx
     from torch.distributed.run import parse_args, run
 
     os.environ.update(rank_env(nodes.nproc), **extra_env)
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    logging.getLogger("torch.distributed.run").setLevel(logging.CRITICAL)
+    for name in list(logging.root.manager.loggerDict):  # each sets its own level, so set each
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         run(parse_args(torchrun_args(nodes, argv)))
     except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - reported by the caller

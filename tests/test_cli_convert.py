@@ -3,6 +3,8 @@
 A failure means modelparallel/cli/convert.py writes something HF or DistributedModel cannot read.
 """
 
+import os
+import stat
 import subprocess
 import sys
 
@@ -18,6 +20,14 @@ def test_convert_round_trip_loads_without_warnings(tmp_path, capsys):
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=101, n_positions=16)).eval()
     model.save_pretrained(tmp_path / "hf")
+    umask = os.umask(0o027)  # not the usual 022, so a fixed mode cannot pass by chance
+    try:
+        _convert_both_ways(tmp_path, model)
+    finally:
+        os.umask(umask)
+
+
+def _convert_both_ways(tmp_path, model, umask=0o027):
     cmd = [sys.executable, "-m", "modelparallel.cli", "convert", str(tmp_path / "hf"), str(tmp_path / "dist"),
            "--to", "distributed"]
     subprocess.run(cmd, check=True, capture_output=True)
@@ -31,5 +41,7 @@ def test_convert_round_trip_loads_without_warnings(tmp_path, capsys):
     ids = torch.arange(10).reshape(1, 10)
     torch.testing.assert_close(back.eval()(ids).logits, model(ids).logits, rtol=0, atol=0)
     assert back.lm_head.weight.data_ptr() == back.transformer.wte.weight.data_ptr()
+    for f in ("dist/model.safetensors", "back/model.safetensors", "back/config.json"):
+        assert stat.S_IMODE((tmp_path / f).stat().st_mode) == 0o666 & ~umask, f  # the user's umask
     with pytest.raises(FileExistsError, match="already holds"):
         convert(tmp_path / "dist", tmp_path / "back", "hf")

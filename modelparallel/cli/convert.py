@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 HELP = "convert a Hugging Face model directory to the distributed format, or back"
@@ -69,7 +70,16 @@ def convert(source: Path, dest: Path, to: str) -> Path:
     (dest / "config.json").write_text(json.dumps(config, indent=2))
     out = dest / "model.safetensors"
     save_file(_without_aliases(converted), out, metadata={"format": "pt", "modelparallel_format": to})
+    _apply_umask(out)
     return out
+
+
+def _apply_umask(path: Path) -> None:
+    """safetensors creates its file with mode 0600 whatever the umask; give it the mode any
+    other new file of the user's gets (0666 less the umask), as ``config.json`` has."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -17,7 +17,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt
 fi
 cmd=${1:-test}; shift || true
 case "$cmd" in
-  train) exec "$VENV/bin/modelparallel" train "$@" ;;
+  # the run's reported times start here, not at this script's start (before the install above)
+  train) MODELPARALLEL_CLI_START=$(date +%s.%N) exec "$VENV/bin/modelparallel" train "$@" ;;
   test)  exec "$VENV/bin/python" -m pytest -q "$@" ;;
   *) echo "usage: bash scripts/run.sh {train|test} [args]" >&2; exit 2 ;;
 esac

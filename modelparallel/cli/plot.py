@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 
 def write_metrics(out_dir: Path, metrics: dict) -> Path:
     """Write ``metrics.json``; non-finite floats become null so the file is strict JSON."""
     path = out_dir / "metrics.json"
-    path.write_text(json.dumps(_finite(metrics), indent=2) + "\n", encoding="utf-8")
+    tmp = path.with_name(".metrics.json.tmp")  # a Ctrl-C mid-write leaves the previous file whole
+    tmp.write_text(json.dumps(_finite(metrics), indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
     return path
 
 
@@ -57,6 +60,8 @@ def plot_loss(out_dir: Path, train_loss: list[float], val: list[tuple[int, float
     ax.legend()
     fig.tight_layout()
     path = out_dir / "loss.png"
-    fig.savefig(path)
+    tmp = path.with_name(".loss.png.tmp")
+    fig.savefig(tmp, format="png")
     plt.close(fig)
+    os.replace(tmp, path)
     return path

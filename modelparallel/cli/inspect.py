@@ -3,8 +3,8 @@
 Lists every complete checkpoint (partial and full) with the layout it was saved with, the model,
 its size and the result of checking every file against the manifest's CRC32 checksums; marks
 the one ``newest`` names; reports leftovers of interrupted saves and directories that are not
-checkpoints. Exit status 1 if a checksum fails or ``newest`` names a missing checkpoint. Reads
-files only: it starts no ranks and loads no tensor (torch is imported with the package).
+checkpoints. Exit status 1 if a checksum fails or ``newest`` names nothing. Reads files only: no
+ranks, no torch.
 """
 
 from __future__ import annotations

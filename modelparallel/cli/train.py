@@ -3,7 +3,11 @@
 With no arguments it trains a tiny GPT-2 from scratch on the Python standard library's own
 source at tensor-parallel degree 2, on CPU, in a few minutes: a smoke test of the whole stack
 (sharding, vocab-parallel loss, optimizer, generate) that needs no GPU, download or data.
-Outside torchrun it starts ``--nproc`` ranks itself; under torchrun it is one of the ranks.
+Outside torchrun it starts ``--nproc`` ranks itself (on several machines: the same command on
+each with ``--nnodes``, ``--node-rank``, ``--rdzv-endpoint``) and reports how they ended: a failure
+as the first failing rank's error and the file holding every traceback (exit status 1), Ctrl-C as
+the step reached and the checkpoint a rerun with ``--resume`` continues from (exit status 130).
+Problems found before launch exit with status 2. Under torchrun it is one of the ranks.
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sample-tokens", type=int, default=200, help="tokens to generate (0 = no sample)")
     g.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (0 = greedy)")
     g.add_argument("--out", type=Path, default=Path("runs/train"),
-                   help="output directory for metrics.json and loss.png (default: %(default)s)")
+                   help="output directory: metrics.json, loss.png, checkpoints/, failure.log (default: %(default)s)")
 
 
 def _range_problems(args: argparse.Namespace) -> list[str]:

@@ -41,4 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         argv = argv[1:]
     args = build_parser().parse_args(argv)
     args.argv = argv  # kept so a launcher can start the same command on every rank
-    return args._run(args, args._parser)
+    try:
+        return args._run(args, args._parser)
+    except KeyboardInterrupt:  # before any rank started (launched ranks report their own end)
+        print(f"\nmodelparallel {args.command}: interrupted", file=sys.stderr)
+        return 130

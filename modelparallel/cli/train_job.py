@@ -49,11 +49,11 @@ def lr_at(step: int, args) -> float:
 
 def dp_mean(values: list[float]) -> list[float]:
     """The mean over data-parallel groups (TP ranks of one group already agree)."""
-    if smp.dp_size() == 1:
+    if smp.rdp_size() == 1:
         return values
     t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, group=smp.get_dp_process_group())
-    return (t / smp.dp_size()).tolist()
+    dist.all_reduce(t, group=smp.get_rdp_process_group())
+    return (t / smp.rdp_size()).tolist()
 
 
 @torch.no_grad()
@@ -62,10 +62,10 @@ def evaluate(model, val_tokens: torch.Tensor, args) -> float:
     model.eval()
     total = torch.zeros(2, dtype=torch.float64)
     for x, y in eval_batches(val_tokens, args.seq_len, args.batch_size, args.eval_windows,
-                             smp.dp_rank(), smp.dp_size()):
+                             smp.rdp_rank(), smp.rdp_size()):
         total += torch.tensor([model(x, labels=x, shift_labels=y).loss.item() * y.numel(), y.numel()])
-    if smp.dp_size() > 1:
-        dist.all_reduce(total, group=smp.get_dp_process_group())
+    if smp.rdp_size() > 1:
+        dist.all_reduce(total, group=smp.get_rdp_process_group())
     model.train()
     return (total[0] / total[1]).item()
 
@@ -81,7 +81,7 @@ def train_loop(model, opt, sampler, val_tokens, args, hist: dict) -> dict:
     tokens over the session's step time (forward, backward, optimizer), as in the summary."""
     from tqdm.auto import tqdm
 
-    tokens_per_step = args.batch_size * args.seq_len * smp.dp_size()
+    tokens_per_step = args.batch_size * args.seq_len * smp.rdp_size()
     session = {"steps": 0, "step_time_s": 0.0}
     bar = tqdm(total=args.steps, initial=args.start_step, desc="train", disable=smp.rank() != 0,
                dynamic_ncols=True)
@@ -169,11 +169,11 @@ def generate_sample(model, tokenizer, args) -> str:
 
 def _summary(args, hist, info, val_loss, sample, times: dict, session: dict, n_params, opt) -> dict:
     last = hist["loss"][-min(10, len(hist["loss"])):]
-    tokens_per_step = args.batch_size * args.seq_len * smp.dp_size()
+    tokens_per_step = args.batch_size * args.seq_len * smp.rdp_size()
     return {
         "config": {k: (str(v) if k in ("out",) else v) for k, v in vars(args).items()
                    if not k.startswith("_") and k not in ("argv", "data_files")},
-        "world_size": smp.size(), "tp": smp.tp_size(), "dp": smp.dp_size(),
+        "world_size": smp.size(), "tp": smp.tp_size(), "dp": smp.rdp_size(),
         "threads_per_rank": torch.get_num_threads(), "optimizer": type(opt).__name__,
         "parameters": n_params, "corpus": info, **hist,
         # the history starts later than step 0 only if resumed from a checkpoint that did not keep it
@@ -211,7 +211,7 @@ def run_job(args: argparse.Namespace) -> int:
     model = build_distributed(args.model, args.seq_len, args.seed)
     n_params = sum(p.numel() for p in model.parameters())  # DTensor numel is the global size
     opt = make_optimizer(model, args)
-    sampler = WindowSampler(train_tokens, args.seq_len, args.batch_size, args.seed, smp.dp_rank())
+    sampler = WindowSampler(train_tokens, args.seq_len, args.batch_size, args.seed, smp.rdp_rank())
     args.start_step, hist = resume_run(args, sampler)
     setup = time.time() - launch.start_time()
     t_train = time.perf_counter()

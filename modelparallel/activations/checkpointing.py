@@ -1,0 +1,153 @@
+"""Activation checkpointing on PyTorch's non-reentrant ``torch.utils.checkpoint``.
+
+A checkpointed region keeps only its inputs for backward and recomputes everything inside when
+backward reaches it. Three entry points share one runner:
+
+- ``set_activation_checkpointing(module, ...)`` marks a module instance: its forward is replaced
+  on the instance (parameter names, state dicts and hooks stay as they are), so it works before
+  or after ``DistributedModel`` wraps the model and composes with tensor-parallel styles, which
+  run as hooks around the forward.
+- ``checkpoint(module, *args)`` checkpoints one call.
+- ``checkpoint_sequential(sequential, input, strategy)`` checkpoints an ``nn.Sequential`` call
+  in segments.
+
+Segments of a container follow a strategy: ``"each"`` (one region per layer), ``"contiguous"``
+(consecutive layers on the same pipeline stage in one region; with a single stage, the whole
+container) or ``"group_N"`` (N consecutive layers per region, the last one possibly shorter).
+When the job enables activation offloading, each region's saved inputs go to host memory
+(``offload.py``).
+"""
+
+from __future__ import annotations
+
+import re
+import types
+from contextlib import nullcontext
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from .. import runtime
+from .offload import offloader_for
+
+STRATEGIES = ("each", "contiguous", "group_N")
+_GROUP = re.compile(r"group_(\d+)")
+
+
+def segments(num_layers: int, strategy: str, what: str = "module") -> list[range]:
+    """Split ``num_layers`` consecutive layers into checkpoint regions.
+
+    Args:
+        num_layers: layers in the container.
+        strategy: ``"each"``, ``"contiguous"`` or ``"group_N"`` with N >= 1.
+        what: the container's name, for the error message.
+
+    Returns:
+        Ranges of layer indices, in order, covering every layer once.
+
+    Raises:
+        ValueError: for an unknown strategy or a ``group_N`` whose N is not a positive integer.
+    """
+    if strategy == "each":
+        size = 1
+    elif strategy == "contiguous":  # one pipeline stage holds every layer
+        size = max(num_layers, 1)
+    else:
+        match = _GROUP.fullmatch(strategy) if isinstance(strategy, str) else None
+        if match is None:
+            raise ValueError(f"activation checkpointing strategy {strategy!r} for {what} is unknown; "
+                             f"use 'each', 'contiguous' or 'group_N' with N a positive integer (e.g. 'group_2')")
+        size = int(match.group(1))
+        if size < 1:
+            raise ValueError(f"activation checkpointing strategy {strategy!r} for {what}: N must be >= 1")
+    return [range(i, min(i + size, num_layers)) for i in range(0, num_layers, size)]
+
+
+def _config():
+    return runtime.current().config if runtime.is_initialized() else None
+
+
+def run_checkpointed(fn, args: tuple, kwargs: dict, preserve_rng_state: bool = True):
+    """``fn(*args, **kwargs)`` as one checkpointed region (offloaded when the job says so).
+
+    Without gradients there is nothing to save, so ``fn`` simply runs.
+    """
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    offloader = offloader_for(_config())
+    with offloader.region() if offloader is not None else nullcontext():
+        return torch_checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
+
+
+def _run_layers(layers: list[nn.Module]):
+    def run(x):
+        for layer in layers:
+            x = layer(x)
+        return x
+    return run
+
+
+def run_sequential(layers: list[nn.Module], inp, strategy: str, preserve_rng_state: bool, what: str):
+    """Feed ``inp`` through ``layers`` in order, one checkpointed region per segment."""
+    x = inp
+    for seg in segments(len(layers), strategy, what):
+        x = run_checkpointed(_run_layers([layers[i] for i in seg]), (x,), {}, preserve_rng_state)
+    return x
+
+
+def _checkpointed_forward(self: nn.Module, *args, **kwargs):
+    """The replacement forward, bound to the instance: the original one, as checkpointed region(s)."""
+    cfg = self._mp_activation_checkpointing
+    if isinstance(self, nn.Sequential) and not kwargs and len(args) == 1:
+        return run_sequential(list(self), args[0], cfg["strategy"], cfg["preserve_rng_state"], type(self).__name__)
+    return run_checkpointed(self._mp_original_forward, args, kwargs, cfg["preserve_rng_state"])
+
+
+def set_activation_checkpointing(module: nn.Module, preserve_rng_state: bool = True,
+                                 pack_args_as_tuple: bool = False, strategy: str = "each") -> None:
+    """Checkpoint ``module``'s activations from now on (SageMaker's ``smp.set_activation_checkpointing``).
+
+    Args:
+        module: an ``nn.Module`` instance. An ``nn.Sequential`` is split into regions by
+            ``strategy``; an ``nn.ModuleList`` (whose parent calls the layers one by one) gets
+            each layer checkpointed; any other module is one region. Calling it again on the same
+            module replaces the settings.
+        preserve_rng_state: replay the forward's random state during recomputation, so dropout
+            masks are the same as without checkpointing.
+        pack_args_as_tuple: accepted for compatibility; a layer taking a tuple needs nothing
+            special here (the non-reentrant checkpoint handles nested inputs).
+        strategy: ``"each"``, ``"contiguous"`` or ``"group_N"``; only for containers.
+
+    Raises:
+        TypeError: if ``module`` is not an ``nn.Module``.
+        ValueError: for an unknown strategy, or ``strategy``/``pack_args_as_tuple`` given for a
+            module that is not a container.
+        NotImplementedError: for ``"contiguous"``/``"group_N"`` on an ``nn.ModuleList``.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"set_activation_checkpointing needs an nn.Module instance, got {type(module).__name__}")
+    name = type(module).__name__
+    is_list = isinstance(module, nn.ModuleList)
+    if not isinstance(module, (nn.Sequential, nn.ModuleList)) and (strategy != "each" or pack_args_as_tuple):
+        raise ValueError(f"strategy={strategy!r} and pack_args_as_tuple={pack_args_as_tuple!r} apply to an "
+                         f"nn.Sequential or nn.ModuleList only; {name} is checkpointed as one region")
+    segments(len(module) if isinstance(module, (nn.Sequential, nn.ModuleList)) else 1, strategy, name)
+    if is_list:
+        if strategy != "each":
+            raise NotImplementedError(
+                f"strategy {strategy!r} on an nn.ModuleList: its parent calls the layers one at a time, so "
+                f"layers cannot be grouped into one region; use strategy='each', or an nn.Sequential")
+        for layer in module:
+            set_activation_checkpointing(layer, preserve_rng_state=preserve_rng_state)
+        return
+    module._mp_activation_checkpointing = {"strategy": strategy, "preserve_rng_state": preserve_rng_state}
+    if "_mp_original_forward" not in module.__dict__:
+        module._mp_original_forward = module.forward
+        # bound methods, so a deep copy of the module calls its own forward, not the original's
+        module.forward = types.MethodType(_checkpointed_forward, module)
+
+
+def is_activation_checkpointed(module: nn.Module) -> bool:
+    """Whether ``set_activation_checkpointing`` was applied to this module instance."""
+    return "_mp_activation_checkpointing" in module.__dict__

@@ -43,7 +43,7 @@ def _recompute_order(model: nn.Sequential) -> list[int]:
     """Indices of the layers run during backward (the recomputation), in order."""
     calls, phase = [], {"backward": False}
     for i, layer in enumerate(model):
-        layer[0].register_forward_hook(lambda *_, i=i: calls.append(i) if phase["backward"] else None)
+        layer[0].register_forward_pre_hook(lambda *_, i=i: calls.append(i) if phase["backward"] else None)
     torch.manual_seed(3)
     loss = model(torch.randn(4, 16, requires_grad=True)).sum()
     phase["backward"] = True

@@ -77,16 +77,12 @@ class ActivationOffloader:
         finally:
             self._current_region = outer
 
-    def _offloadable(self, t: torch.Tensor) -> bool:
-        return (type(t) is torch.Tensor and t.untyped_storage().nbytes() >= MIN_OFFLOAD_BYTES
-                and (self.force_copy or t.device != self.storage_device))
-
     def _pack(self, t: torch.Tensor):
-        if isinstance(t, torch.nn.Parameter) or not self._offloadable(t):
-            return t
+        if type(t) is not torch.Tensor or t.numel() * t.element_size() < MIN_OFFLOAD_BYTES:
+            return t  # parameters, DTensors and tiny tensors stay where they are
         region = self._current_region
         if t.device == self.storage_device:
-            stored = t.detach().clone()
+            stored = t.detach().clone() if self.force_copy else t  # already there: nothing to move
         else:
             stored = torch.empty(t.shape, dtype=t.dtype, layout=t.layout, pin_memory=t.device.type == "cuda",
                                  device=self.storage_device).copy_(t, non_blocking=True)

@@ -116,6 +116,12 @@ class ActivationOffloader:
             if saved is not None:
                 self._load(saved)
 
+    def stored_bytes(self) -> int:
+        """Bytes of offloaded tensors still waiting for backward (host memory on an accelerator)."""
+        with self._lock:
+            live = [ref() for refs in self._live.values() for ref in refs]
+        return sum(s.stored.numel() * s.stored.element_size() for s in live if s is not None)
+
     def _record(self, what: str, region: int) -> None:
         if self.events is not None:
             self.events.append((what, region))

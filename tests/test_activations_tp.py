@@ -77,8 +77,8 @@ def check_dropout_replayed(tp):
         grads.append({n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
                       for n, p in model.module.named_parameters()})
     for name, g in grads[0].items():
-        # same kernels on the same inputs and masks: fp32 defaults (a few ulps) suffice
-        torch.testing.assert_close(grads[1][name], g, msg=lambda m, n=name: f"grad {n}: {m}")
+        # same kernels on the same inputs and masks; other masks would be off by O(1)
+        assert_close(grads[1][name], g, what=f"grad {name}")
 
 
 class AllReduceCount(TorchDispatchMode):
@@ -142,7 +142,7 @@ def check_patches_on_tensor_parallel_layers(tp):
     x_ref, x_par = x.clone().requires_grad_(), x.clone().requires_grad_()
     ref(x_ref).square().sum().backward()
     checkpoint(par[6], checkpoint_sequential(par[:6], x_par, strategy="group_2")).square().sum().backward()
-    # recomputed regions run the same kernels; the tolerance is the TP reference's (sharded sums)
+    # sharded sums against the unsharded model: the suite's reordered-rounding rule
     assert_close(x_par.grad, x_ref.grad, what="input grad")
     for (name, p), q in zip(par.named_parameters(), ref.parameters()):
         assert_close(p.grad, q.grad, what=f"grad {name}")

@@ -161,3 +161,24 @@ def test_bad_modules_named():
         smp.set_activation_checkpointing(nn.ModuleList([nn.Linear(2, 2)]), strategy="group_2")
     with pytest.raises(TypeError, match="nn.Module"):
         smp.set_activation_checkpointing(torch.tanh)
+
+
+def test_key_value_cache_left_out_of_checkpointed_layers():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    want = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=100, n_positions=16,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    got = copy.deepcopy(want)
+    smp.set_activation_checkpointing(got.transformer.h)
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(1))
+    out_want, out_got = want(ids, labels=ids, use_cache=True), got(ids, labels=ids, use_cache=True)
+    assert_close(out_got.loss, out_want.loss, what="loss")
+    out_want.loss.backward()
+    out_got.loss.backward()
+    _assert_same_grads(got, want)
+    assert out_got.past_key_values.get_seq_length() == 0  # never filled, so never filled twice
+    with torch.no_grad():
+        prefix = want(ids, use_cache=True).past_key_values
+    with pytest.raises(NotImplementedError, match="GPT2Block.*past_key_values"):
+        got(ids, past_key_values=prefix)

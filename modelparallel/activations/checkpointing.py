@@ -20,6 +20,7 @@ When the job enables activation offloading, each region's saved inputs go to hos
 
 from __future__ import annotations
 
+import logging
 import re
 import types
 from contextlib import nullcontext
@@ -31,7 +32,10 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from .. import runtime
 from .offload import offloader_for
 
+logger = logging.getLogger("modelparallel")
+
 STRATEGIES = ("each", "contiguous", "group_N")
+_WARNED: list[bool] = []
 _GROUP = re.compile(r"group_(\d+)")
 
 
@@ -68,6 +72,39 @@ def _config():
     return runtime.current().config if runtime.is_initialized() else None
 
 
+def _is_cache(value) -> bool:
+    return hasattr(value, "get_seq_length") and hasattr(value, "update")  # a transformers key/value cache
+
+
+def _without_cache(fn, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with any key/value cache replaced by ``None`` (and ``use_cache`` off).
+
+    A layer appends its keys and values to the cache it is given; recomputing it in backward
+    would append them a second time. An empty cache changes nothing in the layer's output, so
+    the layer runs without one (as Hugging Face's own gradient checkpointing does).
+
+    Raises:
+        NotImplementedError: if the cache already holds tokens the layer would attend to.
+    """
+    caches = [v for v in (*args, *kwargs.values()) if _is_cache(v)]
+    if not caches and not kwargs.get("use_cache"):
+        return args, kwargs
+    if any(c.get_seq_length() > 0 for c in caches):
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        raise NotImplementedError(
+            f"activation checkpointing of {name} with a filled key/value cache (past_key_values): its "
+            f"recomputation would extend the cache twice; run without a cache or under torch.no_grad()")
+    if not _WARNED:
+        _WARNED.append(True)
+        logger.info("activation-checkpointed layers run without their key/value cache (recomputation would "
+                    "fill it twice); the model returns an empty cache")
+    args = tuple(None if _is_cache(v) else v for v in args)
+    kwargs = {k: None if _is_cache(v) else v for k, v in kwargs.items()}
+    if "use_cache" in kwargs:
+        kwargs["use_cache"] = False
+    return args, kwargs
+
+
 def run_checkpointed(fn, args: tuple, kwargs: dict, preserve_rng_state: bool = True):
     """``fn(*args, **kwargs)`` as one checkpointed region (offloaded when the job says so).
 
@@ -75,6 +112,7 @@ def run_checkpointed(fn, args: tuple, kwargs: dict, preserve_rng_state: bool = T
     """
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
+    args, kwargs = _without_cache(fn, args, kwargs)
     offloader = offloader_for(_config())
     with offloader.region() if offloader is not None else nullcontext():
         return torch_checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)

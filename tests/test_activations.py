@@ -182,3 +182,31 @@ def test_key_value_cache_left_out_of_checkpointed_layers():
         prefix = want(ids, use_cache=True).past_key_values
     with pytest.raises(NotImplementedError, match="GPT2Block.*past_key_values"):
         got(ids, past_key_values=prefix)
+
+
+class _TupleLayer(nn.Module):
+    """Takes and returns ``(hidden, mask)``, as SageMaker's distributed transformer layers do."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, inp):
+        hidden, mask = inp
+        return torch.tanh(self.linear(hidden)) * mask, mask
+
+
+def test_tuple_inputs_with_pack_args_as_tuple():
+    torch.manual_seed(0)
+    want = nn.Sequential(*[_TupleLayer() for _ in range(4)])
+    got = copy.deepcopy(want)
+    smp.set_activation_checkpointing(got, pack_args_as_tuple=True, strategy="group_2")
+    grads = []
+    for model in (want, got):
+        torch.manual_seed(3)
+        hidden, mask = torch.randn(4, 16, requires_grad=True), torch.rand(4, 16, requires_grad=True)
+        model((hidden, mask))[0].square().sum().backward()
+        grads.append((hidden.grad, mask.grad))
+    _assert_same_grads(got, want)
+    for g_got, g_want, name in zip(grads[1], grads[0], ("hidden", "mask")):
+        assert_close(g_got, g_want, what=f"{name} grad")

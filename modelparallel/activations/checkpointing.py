@@ -118,8 +118,9 @@ def run_checkpointed(fn, args: tuple, kwargs: dict, preserve_rng_state: bool = T
         return torch_checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
 
 
-def _run_layers(layers: list[nn.Module]):
-    def run(x):
+def _run_layers(layers: list[nn.Module], packed: bool):
+    def run(*xs):
+        x = tuple(xs) if packed else xs[0]
         for layer in layers:
             x = layer(x)
         return x
@@ -127,10 +128,16 @@ def _run_layers(layers: list[nn.Module]):
 
 
 def run_sequential(layers: list[nn.Module], inp, strategy: str, preserve_rng_state: bool, what: str):
-    """Feed ``inp`` through ``layers`` in order, one checkpointed region per segment."""
+    """Feed ``inp`` through ``layers`` in order, one checkpointed region per segment.
+
+    A tuple flowing between layers is unpacked into the region's arguments, so each of its
+    tensors is saved (and offloaded) as a region input in its own right.
+    """
     x = inp
     for seg in segments(len(layers), strategy, what):
-        x = run_checkpointed(_run_layers([layers[i] for i in seg]), (x,), {}, preserve_rng_state)
+        packed = isinstance(x, tuple)
+        run = _run_layers([layers[i] for i in seg], packed)
+        x = run_checkpointed(run, x if packed else (x,), {}, preserve_rng_state)
     return x
 
 
@@ -153,8 +160,8 @@ def set_activation_checkpointing(module: nn.Module, preserve_rng_state: bool = T
             module replaces the settings.
         preserve_rng_state: replay the forward's random state during recomputation, so dropout
             masks are the same as without checkpointing.
-        pack_args_as_tuple: accepted for compatibility; a layer taking a tuple needs nothing
-            special here (the non-reentrant checkpoint handles nested inputs).
+        pack_args_as_tuple: accepted for compatibility; a tuple passed between a container's
+            layers is always unpacked into the region's inputs.
         strategy: ``"each"``, ``"contiguous"`` or ``"group_N"``; only for containers.
 
     Raises:

@@ -88,6 +88,8 @@ class ActivationOffloader:
                                  device=self.storage_device).copy_(t, non_blocking=True)
         saved = _Saved(region, stored, t.device)
         with self._lock:
+            if region not in self._live:
+                self._prune()  # graphs dropped without a backward leave only dead references
             self._live.setdefault(region, []).append(weakref.ref(saved))
         self._record("offload", region)
         return saved
@@ -108,13 +110,17 @@ class ActivationOffloader:
     def _prefetch_before(self, region: int) -> None:
         """Start loading the ``horizon`` live regions saved just before ``region``."""
         with self._lock:
-            for r in [r for r in self._live if not any(ref() is not None for ref in self._live[r])]:
-                del self._live[r]
+            self._prune()
             earlier = sorted((r for r in self._live if r < region), reverse=True)[: self.horizon]
             todo = [ref() for r in earlier for ref in self._live[r]]
         for saved in todo:
             if saved is not None:
                 self._load(saved)
+
+    def _prune(self) -> None:
+        """Forget regions whose saved tensors autograd has released (call with the lock held)."""
+        for r in [r for r, refs in self._live.items() if all(ref() is None for ref in refs)]:
+            del self._live[r]
 
     def stored_bytes(self) -> int:
         """Bytes of offloaded tensors still waiting for backward (host memory on an accelerator)."""

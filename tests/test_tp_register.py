@@ -278,3 +278,19 @@ def test_delayed_init_gives_the_same_model_at_every_degree():
         torch.testing.assert_close(two[key], one[key], rtol=0, atol=0, msg=key)
     w = one["transformer.seq_layers.0.attention.query.weight"]
     assert abs(w.std().item() - 0.02) < 0.004  # N(0, 0.02) over 1024 draws
+
+
+def check_distribute_embedding_option(value):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    smp.init({"tensor_parallel_degree": 2})
+    cfg = GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=50, n_positions=16)
+    with smp.tensor_parallelism(distribute_embedding=value):
+        model = GPT2LMHeadModel(cfg)
+    smp.DistributedModel(model)
+    return isinstance(model.transformer.wte.weight, DTensor), isinstance(model.transformer.h[0].mlp.c_fc.weight, DTensor)
+
+
+def test_distribute_embedding_option_is_honoured():
+    assert harness.run(2, check_distribute_embedding_option, True)[0] == (True, True)
+    assert harness.run(2, check_distribute_embedding_option, False)[0] == (False, True)

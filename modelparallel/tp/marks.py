@@ -135,6 +135,15 @@ def is_enabled(model: nn.Module, path: str) -> bool:
     return True if mark is None else mark.enabled
 
 
+def option(model: nn.Module, name: str, default: Any = None) -> Any:
+    """A ``model_creation`` option given explicitly to a block or call that marked ``model``."""
+    for m in model.modules():
+        found = dict(getattr(m.__dict__.get("_mp_tp"), "options", ()))
+        if name in found:
+            return found[name]
+    return default
+
+
 def is_strict(model: nn.Module) -> bool:
     """True when any mark in ``model`` asked for strict mode."""
     return any(getattr(m.__dict__.get("_mp_tp"), "strict", False) for m in model.modules())

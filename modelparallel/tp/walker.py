@@ -19,9 +19,10 @@ from transformers.pytorch_utils import Conv1D
 
 from . import marks
 from .loss import install_vocab_parallel_loss
-from .substitute import substitute
-from .plan import ArchSpec, ModulePlan, block_prefix, first_match, glob_match, join, to_glob
+from .plan import (VOCAB_STYLES, ArchSpec, ModulePlan, block_prefix, first_match, glob_match, join, to_glob,
+                   without_styles)
 from .styles import ALLOWS_UNEVEN, SUPPORTED_TYPES, build_style, sharded_size
+from .substitute import substitute
 
 logger = logging.getLogger("modelparallel")
 
@@ -223,6 +224,8 @@ def parallelize(model: nn.Module, tp_mesh: DeviceMesh, spec: ArchSpec | None) ->
         ValueError: naming every problem, before any tensor is touched.
     """
     tp = tp_mesh.size()
+    if spec is not None and marks.option(model, "distribute_embedding") is False:
+        spec = without_styles(spec, VOCAB_STYLES)  # asked for explicitly: vocabulary layers whole
     substitute(model, lambda module: collect(module, None, tp).problems,
                whole_model=spec is not None and marks.is_enabled(model, ""))
     work = collect(model, spec, tp)

@@ -159,3 +159,36 @@ def test_lm_head_causal_and_masked():
     assert "word_embedding.weight" in sharded
     harness.run(2, check_lm_head, 2, False)
     harness.run(4, check_lm_head, 4, True)
+
+
+def test_options_reach_every_submodule_and_bad_values_are_refused():
+    """Single process: constructor options land where the reference puts them."""
+    import pytest
+    from torch import nn
+
+    head = smp.nn.DistributedTransformerLMHead(num_layers=2, num_attention_heads=4, attention_head_size=8,
+                                               hidden_size=32, intermediate_size=64, vocab_size=50, num_positions=8,
+                                               attention_dropout_prob=0.2, hidden_dropout_prob=0.3,
+                                               layernorm_epsilon=1e-3, activation="relu", pre_layernorm=True,
+                                               post_layernorm=True, add_lm_head=False)
+    layer = head.transformer.seq_layers[1]
+    assert layer.attention.dropout1.p == 0.2 and layer.attention.dropout2.p == 0.3 and layer.output.dropout.p == 0.3
+    assert head.dropout.p == 0.3 and layer.output.activation == "relu"
+    assert layer.attention.pre_layernorm.eps == layer.output.layernorm.eps == 1e-3
+    assert not hasattr(head, "lm_head") and not hasattr(head, "token_type_embedding")
+    ids = torch.randint(0, 50, (2, 8))
+    head.eval()
+    out = head((ids, None, None, None, None))
+    assert out.shape == (2, 8, 32), "without add_lm_head the transformer's output is returned"
+    torch.testing.assert_close(head((ids, None, None, None, None)), out, rtol=0, atol=0)
+    head.train()
+    assert not torch.equal(head((ids, None, None, None, None)), out), "dropout is active in training"
+    assert isinstance(smp.nn.FusedLayerNorm(8, eps=1e-3), nn.LayerNorm)
+    with pytest.raises(ValueError, match="at least one of pre_layernorm and post_layernorm"):
+        smp.nn.DistributedTransformerLayer(pre_layernorm=False, post_layernorm=False)
+    with pytest.raises(ValueError, match="activation must be 'gelu' or 'relu'"):
+        smp.nn.DistributedTransformerOutputLayer(activation="tanh")
+    with pytest.raises(NotImplementedError, match="_skip_allgather=True"):
+        smp.nn.DistributedEmbedding(10, 4, _skip_allgather=True)
+    with pytest.raises(ValueError, match="sequence length 9 exceeds causal_mask_size 8"):
+        smp.nn.DistributedAttentionLayer(4, 8, 32, causal_mask_size=8)((torch.randn(1, 9, 32), None))

@@ -2,8 +2,9 @@
 ``tp_register_with_module``.
 
 Marks live on the modules themselves (``_mp_tp``) and registrations on the user's module class
-(``_mp_tp_registration``), so the library keeps no global state for them. A module's mark is its
-own or that of its nearest marked ancestor; an unmarked model is distributed whole.
+(``_mp_tp_registration``), so the library keeps no global state for them beyond the stack of open
+``tensor_parallelism`` blocks. A module's mark is its own or that of its nearest marked ancestor;
+an unmarked model is distributed whole.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ _CREATION_DEFAULTS = dict(dtype=None, distribute_embedding=False, use_alibi=Fals
 _HONOURED = ("distribute_embedding",)
 
 
-def _split_options(owner: str, kwargs: dict) -> Mark:
+def _split_options(owner: str, kwargs: dict) -> tuple[tuple, tuple]:
     """Sort keyword options into overrides (distributed-module constructor arguments) and
     creation options; refuse what cannot be honoured, naming it."""
     from ..nn.distributed.options import constructor_args

@@ -150,9 +150,9 @@ class Substitution:
             self.kept.append(f"{path} ({type(module).__name__}): {' / '.join(problems)}")
             return True
         if dist_cls.__name__ == "DistributedEmbedding":
-            from ..nn.distributed.base import not_implemented
-
-            not_implemented(path, max_norm=module.max_norm is not None, sparse=module.sparse)
+            if module.max_norm is not None or module.sparse:
+                self.kept.append(f"{path} (Embedding): max_norm / sparse embeddings are not distributed")
+                return True
             module.initializer_range = 0.02
         module.__class__ = dist_cls
         return True

@@ -5,10 +5,10 @@ A failure means a distributed module computes another function than the referenc
 gradients, one optimizer step), its state dict does not load into the reference layout and back,
 an option is not honoured, or a size the degree does not divide is not refused by name.
 
-Tolerances: float32 throughout; the distributed modules sum matmul partials over ranks in another
-order than one process does, so results differ by a few float32 ulps of each reduction (length
-<= 64 here, a handful of layers): rtol 1e-5 / atol 1e-5 for outputs, 1e-4 relative for gradients
-(which go through one more reduction per layer).
+Tolerances: float32 throughout, from ``reference.tolerance`` (reordered sums differ by rounding
+only). Gradients are judged on the scale of the model's largest gradient: some are zero in exact
+arithmetic (the key bias under softmax), so what both sides hold there is rounding noise of the
+size of the other gradients, not of their own.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 import harness
 import modelparallel as smp
+from reference import assert_close, tolerance
 from appendix_reference import RefAttention, RefLayer, RefLMHead, RefOutput, RefTransformer
 
 SIZES = dict(num_attention_heads=4, attention_head_size=8, hidden_size=32, intermediate_size=64,
@@ -38,24 +39,26 @@ def _pair(build_dist, build_ref, tp, seed=0):
     return smp.DistributedModel(module), ref
 
 
-def _compare_training(model, ref, run, rtol=1e-5, atol=1e-5):
+def _compare_training(model, ref, run):
     """Forward, backward and one SGD step agree with the reference; the full state dict after
     the step loads back into the reference layout. (SGD, not Adam: Adam's first step moves every
     weight by about lr * sign(grad), which turns float32 noise in near-zero gradients into
     lr-sized differences.)"""
     out, want = run(model), run(ref)
-    torch.testing.assert_close(out, want, rtol=rtol, atol=atol)
+    assert_close(out, want, what="output")
     out.sum().backward()
     want.sum().backward()
     ref_params = dict(ref.named_parameters())
+    grad_tol = max(tolerance(p.grad) for p in ref.parameters())
     for name, p in model.module.named_parameters():
-        torch.testing.assert_close(_full(p.grad), ref_params[name].grad, rtol=1e-4, atol=atol, msg=name)
+        torch.testing.assert_close(_full(p.grad), ref_params[name].grad, rtol=0, atol=grad_tol, msg=name)
     for params in (model.parameters(), ref.parameters()):
         opt = torch.optim.SGD(params, lr=0.1)
         opt.step()
     full = model.state_dict()
     for name, want_t in ref.state_dict().items():
-        torch.testing.assert_close(full[name], want_t, rtol=1e-4, atol=1e-5, msg=name)
+        atol = tolerance(want_t) + 0.1 * grad_tol  # the weights' own rounding, plus lr x the gradients'
+        torch.testing.assert_close(full[name], want_t, rtol=0, atol=atol, msg=name)
     ref.load_state_dict(full)
     return [n for n, p in model.module.named_parameters() if isinstance(p, DTensor)]
 
@@ -118,7 +121,7 @@ def check_lm_head(tp, causal):
     ids, types = torch.randint(0, 50, (2, 8), generator=g), torch.randint(0, 2, (2, 8), generator=g)
     mask = (torch.rand(2, 8, generator=g) < 0.2).long()
     logits = model((ids, mask, types, None, None))
-    torch.testing.assert_close(logits, ref(ids, mask, types, None), rtol=1e-5, atol=1e-5)
+    assert_close(logits, ref(ids, mask, types, None), what="logits")
     sharded = _compare_training(model, ref, lambda m: m((ids, mask, types, None, ids)) if m is model
                                 else m(ids, mask, types, ids))
     assert model.module.lm_head.weight is model.module.word_embedding.weight, "LM head stays tied"

@@ -3,7 +3,9 @@
 Nothing is touched until the whole plan has been checked: rules that match nothing, module types
 a style cannot shard, sizes not divisible by the degree, linear layers inside a planned block that
 no rule covers, and tied weights split between sharded and replicated holders all raise one
-``ValueError`` naming every module path and number at fault.
+``ValueError`` naming every module path and number at fault. First, ``substitute`` puts
+distributed modules in place of registered and marked ones (their plans are then collected like
+any other); a distributed module's plan is collected from the module itself (``tp_plan``).
 """
 
 from __future__ import annotations

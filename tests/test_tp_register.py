@@ -298,3 +298,22 @@ def check_distribute_embedding_option(value):
 def test_distribute_embedding_option_is_honoured():
     assert harness.run(2, check_distribute_embedding_option, True)[0] == (True, True)
     assert harness.run(2, check_distribute_embedding_option, False)[0] == (False, True)
+
+
+def check_block_overrides_direct_module():
+    """A distributed module built at the top of a block takes the block's overrides."""
+    smp.init({"tensor_parallel_degree": 2})
+    kw = dict(hidden_size=8, intermediate_size=16, hidden_dropout_prob=0.0)
+    torch.manual_seed(0)
+    with smp.tensor_parallelism(activation="relu"):
+        module = smp.nn.DistributedTransformerOutputLayer(**kw)
+    ref = copy.deepcopy(module)
+    ref.activation = "relu"
+    model = smp.DistributedModel(module)
+    x = torch.randn(2, 3, 8)
+    assert_close(model(x), ref(x))
+    return model.module.activation
+
+
+def test_block_overrides_reach_a_directly_built_module():
+    assert harness.run(2, check_block_overrides_direct_module)[0] == "relu"

@@ -32,6 +32,12 @@ def _disabled_inside(module: nn.Module) -> bool:
     return any(getattr(m.__dict__.get("_mp_tp"), "enabled", True) is False for m in list(module.modules())[1:])
 
 
+def _creation_mark(module: nn.Module):
+    """The mark of the block a module was built in: a module built at the top of a block is
+    nobody's child there, so only its submodules carry the block's mark."""
+    return next((m.__dict__["_mp_tp"] for m in module.modules() if "_mp_tp" in m.__dict__), None)
+
+
 def _held_elsewhere(model: nn.Module, module: nn.Module) -> bool:
     ids = {id(p) for p in module.parameters(recurse=False)}
     return any(id(p) in ids for m in model.modules() if m is not module for p in m.parameters(recurse=False))
@@ -66,6 +72,8 @@ class Substitution:
         """Distribute ``module`` if it is supported; True when its subtree is taken care of."""
         dist_base, dist_linear, dist_embedding = self.kinds
         reg = type(module).__dict__.get("_mp_tp_registration")
+        if mark is None and (reg is not None or isinstance(module, dist_base)):
+            mark = _creation_mark(module)
         if isinstance(module, dist_base):
             if mark is not None and mark.overrides and not _disabled_inside(module):
                 self._replace(path, module, type(module), None, mark)
@@ -142,14 +150,15 @@ class Substitution:
         if _held_elsewhere(self.model, module):
             self.kept.append(f"{path} ({type(module).__name__}): its weight is shared with another module")
             return True
+        linear = isinstance(module, nn.Linear)
         with torch.device("meta"):
-            probe = (dist_cls(module.in_features, module.out_features) if dist_cls.__name__ == "DistributedLinear"
+            probe = (dist_cls(module.in_features, module.out_features) if linear
                      else dist_cls(module.num_embeddings, module.embedding_dim))
         problems = self.probe(probe)
         if problems:
             self.kept.append(f"{path} ({type(module).__name__}): {' / '.join(problems)}")
             return True
-        if dist_cls.__name__ == "DistributedEmbedding":
+        if not linear:
             if module.max_norm is not None or module.sparse:
                 self.kept.append(f"{path} (Embedding): max_norm / sparse embeddings are not distributed")
                 return True

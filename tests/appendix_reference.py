@@ -46,7 +46,8 @@ class RefAttention(nn.Module):
             hidden, mask = inp
         norm = self.pre_layernorm(hidden) if self.use_pre else hidden
         src = cross if self.cross else norm
-        q, k, v = self.transpose(self.query(norm)), self.transpose(self.key(src), key=True), self.transpose(self.value(src))
+        q = self.transpose(self.query(norm))
+        k, v = self.transpose(self.key(src), key=True), self.transpose(self.value(src))
         scores = torch.matmul(q, k) / math.sqrt(self.size)
         if not self.cross and self.causal is not None:
             s = scores.shape[-1]

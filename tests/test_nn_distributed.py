@@ -129,7 +129,8 @@ def check_lm_head(tp, causal):
 
 
 def test_attention_layer_options_on_2_ranks():
-    for cross, causal, pre, post in [(False, True, False, True), (True, False, True, False), (False, False, True, True)]:
+    options = [(False, True, False, True), (True, False, True, False), (False, False, True, True)]
+    for cross, causal, pre, post in options:
         sharded = harness.run(2, check_attention, 2, cross, causal, pre, post)[0]
         assert {"query.weight", "key.weight", "value.weight", "dense.weight"} <= set(sharded)
 

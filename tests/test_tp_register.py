@@ -119,7 +119,8 @@ def check_with_module_and_overrides(tp):
         def __init__(self, config):
             super().__init__(config.to_dict())
 
-    smp.tp_register_with_module(Block, smp.nn.DistributedTransformerLayer, init_hook=lambda config: ((), config.to_dict()),
+    smp.tp_register_with_module(Block, smp.nn.DistributedTransformerLayer,
+                                init_hook=lambda config: ((), config.to_dict()),
                                 forward_hook=lambda hidden_states, attention_mask=None: (((hidden_states, None),), {}),
                                 return_hook=lambda out: out[0])
     torch.manual_seed(0)
@@ -246,7 +247,8 @@ def test_bad_registrations_refused_by_name():
 
     with pytest.raises(TypeError, match="Linear.*not an smp.nn.DistributedModule"):
         smp.tp_register_with_module(Mine, nn.Linear)
-    with pytest.raises(TypeError, match=r"init_hook signature \(config\) must match Mine.__init__ \(config, scale=1.0\)"):
+    want = r"init_hook signature \(config\) must match Mine.__init__ \(config, scale=1.0\)"
+    with pytest.raises(TypeError, match=want):
         smp.tp_register_with_module(Mine, smp.nn.DistributedTransformerLayer, init_hook=lambda config: ((), {}))
     with pytest.raises(TypeError, match="forward_hook signature"):
         smp.tp_register(smp.nn.DistributedTransformerLayer, forward_hook=lambda x, mask: ((x,), {}))(Mine)
@@ -292,7 +294,8 @@ def check_distribute_embedding_option(value):
     with smp.tensor_parallelism(distribute_embedding=value):
         model = GPT2LMHeadModel(cfg)
     smp.DistributedModel(model)
-    return isinstance(model.transformer.wte.weight, DTensor), isinstance(model.transformer.h[0].mlp.c_fc.weight, DTensor)
+    wte, c_fc = model.transformer.wte.weight, model.transformer.h[0].mlp.c_fc.weight
+    return isinstance(wte, DTensor), isinstance(c_fc, DTensor)
 
 
 def test_distribute_embedding_option_is_honoured():

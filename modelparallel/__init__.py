@@ -7,6 +7,7 @@ rank API (``smp.rank()``, ``smp.tp_rank()``, ``smp.dp_size()``...).
 
 from .checkpoint import CheckpointError, last_load_report, load, resume_from_checkpoint, save, save_checkpoint
 from . import delayed_param
+from .clip import clip_grad_norm_
 from .config import Config
 from .creation import delay_param_initialization, model_creation
 from .loading import load_hf_checkpoint
@@ -35,5 +36,5 @@ __all__ = [
     "tp_register_with_module", "tp_size",
     "last_load_report", "resume_from_checkpoint", "save_checkpoint",
     "MetaTensorError", "delay_param_initialization", "delayed_param", "load_hf_checkpoint", "model_creation",
-    "transform", "dp_mesh", "tp_mesh",
+    "transform", "dp_mesh", "tp_mesh", "clip_grad_norm_",
 ]

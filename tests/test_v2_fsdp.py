@@ -23,6 +23,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import harness
 import modelparallel as smp
+from modelparallel.dp import allreduce_gradients
 from reference import gathered
 
 STEPS = 10
@@ -43,25 +44,29 @@ def batches(vocab=101, steps=STEPS):
     return [torch.randint(1, vocab, (4, 10), generator=g) for _ in range(steps)]
 
 
-def train_and_compare(ref, model, parameters=None, steps=STEPS, clip=None):
+def train_and_compare(ref, model, parameters=None, steps=STEPS, clip=None, after_backward=None):
     """Losses of ``model`` (half batch per data-parallel replica, FSDP averaging gradients over
     "dp") against ``ref`` (full batch, one process), step by step."""
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     opt = torch.optim.AdamW(parameters if parameters is not None else model.parameters(), lr=1e-3)
     dp, n = smp.dp_rank(), smp.dp_size()
     per = 4 // n
-    norms = []
     for step, ids in enumerate(batches(steps=steps)):
         want = ref(ids, labels=ids).loss
         want.backward()
         if clip is not None:
-            norms.append((torch.nn.utils.clip_grad_norm_(ref.parameters(), clip).item(),
-                          smp.clip_grad_norm_(model.parameters(), clip).item()))
+            norm_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
         opt_ref.step()
         opt_ref.zero_grad()
         mine = ids[dp * per:(dp + 1) * per]
         loss = model(mine, labels=mine).loss
         loss.backward()
+        if after_backward is not None:
+            after_backward()
+        if clip is not None:
+            norm = smp.clip_grad_norm_(model.parameters(), clip)
+            # a sum of ~10^4 squares in fp32 in another order: eps 1.2e-7 x sqrt(10^4) ~ 1e-5
+            torch.testing.assert_close(norm, norm_ref, rtol=1e-5, atol=0, msg=lambda m, s=step: f"step {s}: {m}")
         opt.step()
         opt.zero_grad()
         mean = gathered(loss.detach()).clone()
@@ -69,7 +74,6 @@ def train_and_compare(ref, model, parameters=None, steps=STEPS, clip=None):
         mean /= n
         rel = abs(mean.item() - want.item()) / abs(want.item())
         assert rel < LOSS_RTOL, f"step {step}: loss {mean.item()} vs single process {want.item()} (rel {rel:.1e})"
-    return norms
 
 
 def transformed(tp, seed=0):
@@ -107,16 +111,48 @@ def test_fsdp1_with_process_group_at_tp1():
     harness.run(2, fsdp1_process_group, 1)
 
 
-def fsdp2_on_transform(tp):
+def fsdp2_on_transform(tp, clip=None):
     ref, model = transformed(tp)
     for layer in model.model.layers:
         fully_shard(layer, mesh=smp.dp_mesh())
     fully_shard(model, mesh=smp.dp_mesh())
     w = model.model.layers[0].mlp.gate_proj.weight
     assert isinstance(w, DTensor) and w.to_local().numel() == w.numel() // (tp * smp.dp_size())
-    train_and_compare(ref, model)
+    train_and_compare(ref, model, clip=clip)
 
 
 @pytest.mark.parametrize("tp,world", [(2, 4), (1, 2)])
 def test_fsdp2_over_transform_trains_like_one_process(tp, world):
     harness.run(world, fsdp2_on_transform, tp)
+
+
+def test_clip_grad_norm_over_tp_fsdp_and_replicated_equals_one_process():
+    """TP=2 x DP=2 with FSDP2: TP-sharded weights on ("dp", "tp"), norms on "dp" only; a small
+    max_norm so clipping really scales every step."""
+    harness.run(4, fsdp2_on_transform, 2, clip=0.5)
+
+
+def tp_only_clip():
+    """TP without FSDP: TP-sharded DTensors on "tp", norms as plain tensors on every rank,
+    gradients averaged over "dp" by the library's data-parallel all-reduce."""
+    ref, model = transformed(2)
+    assert any(not isinstance(p, DTensor) for p in model.parameters())
+    average = functools.partial(allreduce_gradients, list(model.parameters()), smp.get_dp_process_group(), smp.dp_size())
+    train_and_compare(ref, model, clip=0.5, after_backward=average)
+
+
+def test_clip_grad_norm_tp_sharded_and_plain_replicated():
+    harness.run(4, tp_only_clip)
+
+
+def fsdp1_clip_refused():
+    ref, model = transformed(1)
+    model = FSDP(model, device_id=torch.device("cpu"), device_mesh=smp.dp_mesh(), use_orig_params=True)
+    ids = batches()[0]
+    model(ids, labels=ids).loss.backward()
+    with pytest.raises(NotImplementedError, match="flattened by FSDP1"):
+        smp.clip_grad_norm_(model.parameters(), 1.0)
+
+
+def test_clip_grad_norm_refuses_fsdp1_flat_shards():
+    harness.run(2, fsdp1_clip_refused)

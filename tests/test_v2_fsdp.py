@@ -49,7 +49,7 @@ def train_and_compare(ref, model, parameters=None, steps=STEPS, clip=None, after
     "dp") against ``ref`` (full batch, one process), step by step."""
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     opt = torch.optim.AdamW(parameters if parameters is not None else model.parameters(), lr=1e-3)
-    dp, n = smp.dp_rank(), smp.dp_size()
+    dp, n = smp.rdp_rank(), smp.rdp_size()
     per = 4 // n
     for step, ids in enumerate(batches(steps=steps)):
         want = ref(ids, labels=ids).loss
@@ -70,7 +70,7 @@ def train_and_compare(ref, model, parameters=None, steps=STEPS, clip=None, after
         opt.step()
         opt.zero_grad()
         mean = gathered(loss.detach()).clone()
-        dist.all_reduce(mean, group=smp.get_dp_process_group())
+        dist.all_reduce(mean, group=smp.get_rdp_process_group())
         mean /= n
         rel = abs(mean.item() - want.item()) / abs(want.item())
         assert rel < LOSS_RTOL, f"step {step}: loss {mean.item()} vs single process {want.item()} (rel {rel:.1e})"
@@ -102,7 +102,7 @@ def test_fsdp1_over_transform_trains_like_one_process(tp, world, use_orig_params
 
 def fsdp1_process_group(tp):
     ref, model = transformed(tp)
-    model = FSDP(model, device_id=torch.device("cpu"), process_group=smp.get_dp_process_group(),
+    model = FSDP(model, device_id=torch.device("cpu"), process_group=smp.get_rdp_process_group(),
                  use_orig_params=True)
     train_and_compare(ref, model)
 
@@ -117,7 +117,7 @@ def fsdp2_on_transform(tp, clip=None):
         fully_shard(layer, mesh=smp.dp_mesh())
     fully_shard(model, mesh=smp.dp_mesh())
     w = model.model.layers[0].mlp.gate_proj.weight
-    assert isinstance(w, DTensor) and w.to_local().numel() == w.numel() // (tp * smp.dp_size())
+    assert isinstance(w, DTensor) and w.to_local().numel() == w.numel() // (tp * smp.rdp_size())
     train_and_compare(ref, model, clip=clip)
 
 
@@ -137,7 +137,7 @@ def tp_only_clip():
     gradients averaged over "dp" by the library's data-parallel all-reduce."""
     ref, model = transformed(2)
     assert any(not isinstance(p, DTensor) for p in model.parameters())
-    average = functools.partial(allreduce_gradients, list(model.parameters()), smp.get_dp_process_group(), smp.dp_size())
+    average = functools.partial(allreduce_gradients, list(model.parameters()), smp.get_rdp_process_group(), smp.rdp_size())
     train_and_compare(ref, model, clip=0.5, after_backward=average)
 
 

@@ -17,9 +17,10 @@ from .optimizer import DistributedOptimizer
 from .runtime import (
     DP_GROUP, MP_GROUP, RDP_GROUP, TP_GROUP, WORLD, barrier, broadcast, dp_rank, dp_size,
     get_dp_process_group, get_mp_process_group, get_rdp_process_group, get_tp_process_group,
-    get_world_process_group, init, dp_mesh, tp_mesh, is_initialized, local_rank, local_size, mp_rank, mp_size,
+    get_world_process_group, init, is_initialized, local_rank, local_size, mp_rank, mp_size,
     pp_rank, pp_size, rank, rdp_rank, rdp_size, size, tp_rank, tp_size,
 )
+from .runtime import dp_mesh, tp_mesh
 from .tp.marks import set_tensor_parallelism, tensor_parallelism, tp_register_with_module
 from .tp.plan import ArchSpec, ModulePlan
 from .transform import transform

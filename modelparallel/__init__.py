@@ -6,7 +6,8 @@ rank API (``smp.rank()``, ``smp.tp_rank()``, ``smp.dp_size()``...).
 """
 
 from .checkpoint import CheckpointError, last_load_report, load, resume_from_checkpoint, save, save_checkpoint
-from . import delayed_param
+from . import delayed_param, patches
+from .activations import set_activation_checkpointing
 from .clip import clip_grad_norm_
 from .config import Config
 from .creation import delay_param_initialization, model_creation
@@ -21,7 +22,8 @@ from .runtime import (
     pp_rank, pp_size, rank, rdp_rank, rdp_size, size, tp_rank, tp_size,
 )
 from .runtime import dp_mesh, tp_mesh
-from .tp.marks import set_tensor_parallelism, tensor_parallelism, tp_register_with_module
+from . import nn
+from .tp.marks import set_tensor_parallelism, tensor_parallelism, tp_register, tp_register_with_module
 from .tp.plan import ArchSpec, ModulePlan
 from .transform import transform
 
@@ -34,8 +36,9 @@ __all__ = [
     "get_rdp_process_group", "get_tp_process_group", "get_world_process_group", "init",
     "is_initialized", "local_rank", "local_size", "mp_rank", "mp_size", "pp_rank", "pp_size", "rank",
     "rdp_rank", "rdp_size", "set_tensor_parallelism", "size", "tensor_parallelism", "tp_rank",
-    "tp_register_with_module", "tp_size",
+    "tp_register", "tp_register_with_module", "tp_size", "nn",
     "last_load_report", "resume_from_checkpoint", "save_checkpoint",
     "MetaTensorError", "delay_param_initialization", "delayed_param", "load_hf_checkpoint", "model_creation",
     "transform", "dp_mesh", "tp_mesh", "clip_grad_norm_",
+    "patches", "set_activation_checkpointing",
 ]

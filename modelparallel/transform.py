@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from . import meta, runtime
 from .models import spec_for
-from .tp import walker
+from .tp import marks, walker
 
 logger = logging.getLogger("modelparallel")
 
@@ -108,6 +108,12 @@ def sync_from_rank0(module: nn.Module, full: dict[str, torch.Tensor], root) -> N
             dist.broadcast(t, src=0)
 
 
+def _registered_or_marked(model: nn.Module) -> bool:
+    """Whether any module asks for tensor parallelism itself (a registration, or built inside
+    ``smp.tensor_parallelism()``): those go through the walker even at degree 1."""
+    return any(marks.registration_of(m) is not None or "_mp_tp" in m.__dict__ for m in model.modules())
+
+
 SYNCED_FROM_RANK0 = "_mp_synced_from_rank0"
 """Attribute set on a model whose every tensor ``transform(load_state_dict_from_rank0=True)``
 filled from rank 0: ``DelayedParamIniter`` of it then has nothing left to initialize."""
@@ -117,9 +123,10 @@ def transform(model: nn.Module, device=None, dtype: torch.dtype | None = None, c
               load_state_dict_from_rank0: bool = False, cp_comm_type: str = "p2p") -> nn.Module:
     """Shard a supported HF model over the tensor-parallel mesh in place and return it.
 
-    At tensor-parallel degree 1 nothing is sharded: parameters stay plain tensors (a DTensor on
-    a mesh of one rank would only get in the way of FSDP's flattening), and only the device,
-    dtype and rank-0 sync apply.
+    At tensor-parallel degree 1 a plain HF model is not sharded: parameters stay plain tensors (a
+    DTensor on a mesh of one rank would only get in the way of FSDP's flattening), and only the
+    device, dtype and rank-0 sync apply (modules registered or built inside
+    ``smp.tensor_parallelism()`` still go through the walker).
 
     Args:
         model: the model; with ``load_state_dict_from_rank0`` a real model on rank 0 and the same
@@ -158,7 +165,7 @@ def transform(model: nn.Module, device=None, dtype: torch.dtype | None = None, c
         if dist.get_rank() != 0:
             full = {}
     move(model, device, dtype)
-    if rt.tp_mesh.size() > 1:
+    if rt.tp_mesh.size() > 1 or _registered_or_marked(model):
         walker.parallelize(model, rt.tp_mesh, spec_for(model))
     if load_state_dict_from_rank0:
         meta.materialize(model, device)

@@ -74,11 +74,12 @@ def agree(phase: str, error: BaseException | None, payload: Any = None) -> list[
     """
     root = cause(error) if error is not None else None
     mine = None if root is None else (type(root).__name__, _message(root))
-    outcomes = [(mine, payload)]
+    here = origin(error, dist.get_rank() if dist.is_initialized() else 0) if error is not None else None
+    outcomes = [(mine, payload, here)]
     if _world() > 1:
         outcomes = [None] * _world()
-        dist.all_gather_object(outcomes, (mine, payload), group=object_group())
-    failed = [(r, e) for r, (e, _) in enumerate(outcomes) if e is not None]
+        dist.all_gather_object(outcomes, (mine, payload, here), group=object_group())
+    failed = [(r, e) for r, (e, _, _) in enumerate(outcomes) if e is not None]
     if failed:
         by_error: dict[tuple[str, str], list[int]] = {}
         for r, e in failed:
@@ -87,11 +88,12 @@ def agree(phase: str, error: BaseException | None, payload: Any = None) -> list[
                  for (name, msg), rs in by_error.items()]
         cls = _error_class({name for _, (name, _) in failed})
         first_rank, (name, msg) = failed[0]
+        first_rank = outcomes[first_rank][2]  # where DCP says the error happened
         lead = msg.splitlines()[0] if msg.strip() else name
         raise cls(f"{lead} (rank {first_rank}, during checkpoint {phase})\n"
                   f"checkpoint {phase} failed on rank(s) {[r for r, _ in failed]}:\n  "
                   + "\n  ".join(lines)) from error
-    return [p for _, p in outcomes]
+    return [p for _, p, _ in outcomes]
 
 
 def cause(error: BaseException) -> BaseException:
@@ -102,6 +104,13 @@ def cause(error: BaseException) -> BaseException:
         inner = next(iter(error.failures.values()))
         error = inner[0] if isinstance(inner, tuple) else inner
     return error
+
+
+def origin(error: BaseException, rank: int) -> int:
+    """The rank an error started on: DCP's exception records it; others started here."""
+    if isinstance(error, CheckpointException) and error.failures:
+        return int(next(iter(error.failures)))
+    return rank
 
 
 def _message(error: BaseException) -> str:

@@ -166,11 +166,11 @@ def load_model(directory: Path, manifest: dict, model, report: LoadReport) -> Lo
 
 
 def check_optimizer_names(directory: Path, manifest: dict, model, strict: bool) -> None:
-    """Before any weight is loaded: the optimizer part exists and names this model's parameters
-    at their shapes (what can be checked before the optimizer exists)."""
+    """Before any weight is loaded, with no optimizer yet: the optimizer part names this model's
+    parameters at their shapes. (A checkpoint without an optimizer part is refused when an
+    optimizer is created: a job may never create one.)"""
     if OPTIMIZER not in manifest["parts"]:
-        raise ValueError(f"{directory} holds no optimizer state (saved without an optimizer); "
-                         "resume with load_optimizer=False")
+        return
     problems = optim_part.check_names_against_model(model.module, directory / OPTIMIZER) if strict else []
     if problems:
         raise ValueError("checkpoint does not fit (strict=True):\n  - " + "\n  - ".join(problems))
@@ -179,6 +179,12 @@ def check_optimizer_names(directory: Path, manifest: dict, model, strict: bool) 
 def plan_optimizer(directory: Path, manifest: dict, model, optimizer, strict: bool):
     """The optimizer part's targets and report (its small ``param_groups`` entries are read
     now), or raise on every rank if it does not fit (a collective; no optimizer state changes)."""
+    def present():
+        if OPTIMIZER not in manifest["parts"]:
+            raise ValueError(f"{directory} holds no optimizer state (saved without an optimizer); "
+                             "resume with load_optimizer=False")
+
+    run_phase("load (optimizer: present)", present)
     contiguous = manifest.get("tensor_layout") == CONTIGUOUS
     part = directory / OPTIMIZER
     found: dict[str, Any] = {}  # tensors stay local: a phase's result is sent to every rank

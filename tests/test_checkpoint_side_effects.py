@@ -3,7 +3,8 @@
 A run that saves a partial checkpoint at steps 0 (optimizer never stepped), 1 and 5 must equal,
 bit for bit, a run that never saves: every loss, every weight, every optimizer tensor, in fp32
 and in fp16 (where a hidden optimizer step with AdamW's eps underflowing turned weights into
-NaN). A run resumed into a fresh model and optimizer must continue exactly like the
+NaN; the fp16 runs here use an eps fp16 can represent, so the reference itself stays finite).
+A run resumed into a fresh model and optimizer must continue exactly like the
 uninterrupted one, including from a checkpoint of an optimizer that never stepped. A failure
 means checkpoint/optim_part.py initialized or changed the live optimizer (torch's
 ``get_optimizer_state_dict`` runs a step to create empty states) or loaded another state.
@@ -25,7 +26,8 @@ def build(seed: int, half: bool):
     cfg = GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=64, n_positions=8, resid_pdrop=0.0,
                      embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     model = smp.DistributedModel(GPT2LMHeadModel(cfg))
-    optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-8))
+    # pure fp16 AdamW needs an eps fp16 can hold (1e-8 flushes to 0: 0/0 where a gradient is 0)
+    optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3 if half else 1e-8))
     return model, optimizer
 
 

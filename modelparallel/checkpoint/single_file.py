@@ -51,10 +51,12 @@ def prepare(path: Path, tag: str, strict: bool, translate_function: Callable | N
 
 def _sources(whole: dict[str, Any], model) -> tuple[dict[str, tuple[str, str, tuple]], Callable | None]:
     """distributed key -> (stored key, stored key, global shape), and the HF translation used
-    (None when the file already holds the model's own keys)."""
-    own = set(parts.model_state(model.module)) | set(parts.tied_keys(model.module))
+    (None when the file already holds the model's own keys at the model's shapes)."""
+    state = parts.model_state(model.module)
+    shapes = {k: tuple(t.shape) for k, t in state.items()}
+    shapes.update({alias: shapes[kept] for alias, kept in parts.tied_keys(model.module).items()})
     from_hf = translation(getattr(getattr(model.module, "config", None), "model_type", None), False)
-    if from_hf is None or set(whole) <= own:
+    if from_hf is None or all(shapes.get(k) == tuple(t.shape) for k, t in whole.items()):
         return {k: (k, k, tuple(t.shape)) for k, t in whole.items()}, None
     out = {}
     for key, t in whole.items():

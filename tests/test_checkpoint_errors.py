@@ -176,6 +176,8 @@ def test_failure_on_one_rank_raises_on_all_and_keeps_the_previous_checkpoint(tmp
     results = harness.run(2, fail_on_rank1, str(tmp_path), where)
     for msg, elapsed, _ in results:
         assert "No space left on device (simulated)" in msg and "failed on rank(s)" in msg, msg
+        first = msg.splitlines()[0]  # the cause first: what, and on which rank
+        assert "No space left on device (simulated)" in first and "(rank 1, during checkpoint save" in first, first
         assert elapsed < 30, f"took {elapsed:.1f}s"
     assert results[0][2] == ["a_partial", "newest"], "failed save removed its staging; leftovers cleaned"
 

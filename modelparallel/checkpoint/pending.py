@@ -41,15 +41,6 @@ class PendingResume:
     load_optimizer: Callable[[Any, Any, Any], LoadReport] | None = None
     model: Any = None
 
-    def arm(self) -> None:
-        """Apply now to what exists, or wait for it to be created."""
-        rt = runtime.current()
-        rt.pending_resume = self
-        models = [m for m in rt.models]
-        if models:
-            optimizer = rt.optimizers[-1] if rt.optimizers and self.load_optimizer is not None else None
-            self.on_model(models[-1], optimizer)
-
     def on_model(self, model, optimizer=None) -> None:
         """Called when a ``DistributedModel`` exists (with the optimizer too, if it exists)."""
         with _disarm_on_error():

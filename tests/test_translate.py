@@ -11,6 +11,7 @@ import transformers as T
 
 import harness
 import modelparallel as smp
+from reference import assert_close
 from modelparallel.nn.huggingface import bert, gpt2, gptj, gptneo, llama, roberta
 
 ARCHS = {
@@ -57,11 +58,11 @@ def check_translation(arch, tp, exported_elsewhere=None):
     model = smp.DistributedModel(_hf(arch, seed=1)).eval()
     source = exported_elsewhere if exported_elsewhere is not None else reference.state_dict()
     model.load_state_dict(from_hf(source))
-    torch.testing.assert_close(model(IDS).logits, want, rtol=1e-5, atol=1e-5)
+    assert_close(model(IDS).logits, want)
     exported = to_hf(model.state_dict())
     fresh = _hf(arch, seed=2)
     fresh.load_state_dict(exported, strict=True)
-    torch.testing.assert_close(fresh(IDS).logits, want, rtol=1e-5, atol=1e-5)
+    assert_close(fresh(IDS).logits, want)
     inp, out = fresh.get_input_embeddings().weight, fresh.get_output_embeddings().weight
     if getattr(fresh.config, "tie_word_embeddings", False):
         assert inp.data_ptr() == out.data_ptr(), "exported model lost the embedding / LM-head tie"
@@ -100,14 +101,19 @@ def test_unknown_key_named_with_architecture():
         llama.translate_state_dict_to_hf_llama(_hf("gpt2", seed=0).state_dict())
 
 
-def test_legacy_masks_added_only_with_max_seq_len():
-    dist = gpt2.translate_hf_state_dict_to_smdistributed_gpt2(_hf("gpt2", seed=0).state_dict())
+def test_legacy_masks_added_only_on_request():
+    hf = _hf("gpt2", seed=0)
+    dist = gpt2.translate_hf_state_dict_to_smdistributed_gpt2(hf.state_dict())
     assert not any(k.endswith(".attn.bias") for k in gpt2.translate_state_dict_to_hf_gpt2(dist))
-    legacy = gpt2.translate_state_dict_to_hf_gpt2(dist, max_seq_len=16)
+    hf.load_state_dict(gpt2.translate_state_dict_to_hf_gpt2(dist, 16), strict=True)  # transformers 5: no masks
+    with pytest.raises(ValueError, match="legacy_buffers=True needs max_seq_len"):
+        gpt2.translate_state_dict_to_hf_gpt2(dist, legacy_buffers=True)
+    legacy = gpt2.translate_state_dict_to_hf_gpt2(dist, max_seq_len=16, legacy_buffers=True)
     assert torch.equal(legacy["transformer.h.1.attn.bias"], torch.tril(torch.ones(16, 16, dtype=torch.bool))[None, None])
     assert "transformer.h.1.attn.bias" not in gpt2.translate_hf_state_dict_to_smdistributed_gpt2(legacy)
     neo_config = ARCHS["gpt_neo"][0]()
-    neo = gptneo.translate_state_dict_to_hf_gptneo(_hf("gpt_neo", seed=0).state_dict(), 8, config=neo_config)
+    neo = gptneo.translate_state_dict_to_hf_gptneo(_hf("gpt_neo", seed=0).state_dict(), 8, config=neo_config,
+                                              legacy_buffers=True)
     local = neo["transformer.h.1.attn.attention.bias"][0, 0]
     assert local[7, 3] == 0 and local[7, 4] == 1 and local[7, 7] == 1, "local layer keeps only its window of 4"
 

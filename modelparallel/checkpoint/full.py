@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import commit, parts
 from .errors import run_phase
-from .partial import check_architecture, describe, verify
+from .partial import describe, verify
 from .shards import ShardWriter, plan_shards
 
 FORMAT = "modelparallel-full"

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from .parts import LoadReport
@@ -116,8 +116,10 @@ def plan_load(module: nn.Module, optimizer, directory: Path) -> Planned:
         if split is not None:
             _, name, slot = split
             param = params.get(name)
-            if name not in live or not isinstance(md, TensorStorageMetadata):
+            if name not in live:
                 unexpected.add(name)
+            elif not isinstance(md, TensorStorageMetadata):  # a non-tensor slot: read (restricted) as is
+                state.setdefault(name, {})[slot] = None
             elif tuple(md.size) not in ((), tuple(param.shape)):
                 mismatched.append(f"{key}: checkpoint {tuple(md.size)}, model {tuple(param.shape)}")
             else:

@@ -13,8 +13,10 @@ Saving reads the optimizer's ``state`` as it is: an optimizer that has not stepp
 state (nothing is initialized: torch's own helper would run a step with lr=0 to create the
 slots, which changes AdamW's step count and, in half precision, the weights). Loading builds
 the target tensors from the checkpoint's metadata (shape, dtype; placement from the parameter),
-reads into them, and only then replaces the optimizer's state and hyperparameters: a failed
-read leaves the optimizer as it was.
+reads into them, and only then replaces the optimizer's state and hyperparameters. Slots the
+optimizer already holds at the saved shape, dtype and placement are read into in place (the
+usual resume, no new memory), like the model's weights: that read starts only after every file
+was verified and every key, shape and group checked.
 
 To add another per-parameter tensor to this part (e.g. fp32 master weights), put it under a key
 prefix listed in ``PARAM_KEYED`` (``{prefix}{param name}.{slot}``) in ``optimizer_state`` and
@@ -65,9 +67,16 @@ def _split(key: str, params: dict[str, torch.Tensor]) -> tuple[str, str, str] | 
     return None
 
 
-def _target(param: torch.Tensor | None, md: TensorStorageMetadata) -> torch.Tensor:
-    """An empty tensor to read a saved entry into: placed like ``param`` if it has its shape."""
+def _target(param: torch.Tensor | None, md: TensorStorageMetadata, current: Any = None) -> torch.Tensor:
+    """The tensor to read a saved entry into: the optimizer's own ``current`` slot if it already
+    has the saved shape, dtype and placement (the usual resume: no new memory; the read only
+    starts once every check passed), else a new empty one placed like ``param`` if it has its
+    shape."""
     size, dtype = tuple(md.size), md.properties.dtype
+    if isinstance(current, torch.Tensor) and tuple(current.shape) == size and current.dtype == dtype \
+            and isinstance(current, DTensor) == isinstance(param, DTensor) and tuple(current.shape) != () \
+            and (not isinstance(current, DTensor) or current.placements == param.placements):
+        return current
     if isinstance(param, DTensor) and tuple(param.shape) == size:
         local = param.to_local()
         return DTensor.from_local(torch.empty(local.shape, dtype=dtype, device=local.device), param.device_mesh,
@@ -123,7 +132,8 @@ def plan_load(module: nn.Module, optimizer, directory: Path) -> Planned:
             elif tuple(md.size) not in ((), tuple(param.shape)):
                 mismatched.append(f"{key}: checkpoint {tuple(md.size)}, model {tuple(param.shape)}")
             else:
-                state.setdefault(name, {})[slot] = _target(param, md)
+                current = optimizer.optimizer.state.get(param, {}).get(slot)
+                state.setdefault(name, {})[slot] = _target(param, md, current)
         elif key.startswith(GROUPS):
             index, _, field = key[len(GROUPS):].partition(".")
             groups.setdefault(int(index), {})[field] = _placeholder(md)

@@ -99,6 +99,7 @@ class MasterWeights:
         self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []  # (model param, master)
         self._by_param: dict[int, nn.Parameter] = {}
         self._by_master: dict[int, nn.Parameter] = {}
+        self.recreated = False  # masters were recreated from half-precision weights (logged once)
         for group in optimizer.param_groups:
             group["params"] = [self._master_for(p) for p in group["params"]]
 

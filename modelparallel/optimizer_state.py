@@ -22,7 +22,6 @@ from .master_weights import local
 logger = logging.getLogger("modelparallel")
 
 MASTERS = "fp32_from_fp16"
-_warned_recreated = False
 
 
 def state_dict(optimizer, partial: bool) -> dict[str, Any]:
@@ -51,14 +50,17 @@ def load_state_dict(optimizer, sd: Mapping[str, Any]) -> None:
 @torch.no_grad()
 def load_masters(optimizer, masters: Mapping[int, torch.Tensor] | None) -> None:
     """Copy saved masters into the optimizer's; without any, recreate them from the model's
-    current weights (load the model first) and say so once per process."""
+    current weights (load the model first) and say so once per optimizer."""
     mw = optimizer.master_weights
     if not len(mw):
         return
     params = list(optimizer._params())
     if not masters:
         mw.params_to_masters()
-        _warn_recreated()
+        if not mw.recreated:
+            mw.recreated = True
+            logger.warning("the optimizer state has no fp32 master weights (saved in fp32, or by an "
+                           "older version): recreated them from the model's half-precision weights")
         return
     for index, value in masters.items():
         t = params[int(index)]
@@ -80,11 +82,3 @@ def _local_piece(master: torch.Tensor, value: torch.Tensor, index) -> torch.Tens
         raise ValueError(f"saved fp32 master for parameter {index} has shape {tuple(value.shape)}; "
                          f"expected {tuple(master.shape)} (global) or {tuple(want.shape)} (this rank's shard)")
     return value
-
-
-def _warn_recreated() -> None:
-    global _warned_recreated
-    if not _warned_recreated:
-        _warned_recreated = True
-        logger.warning("the optimizer state has no fp32 master weights (saved in fp32, or by an older "
-                       "version): recreated them from the model's half-precision weights")

@@ -120,3 +120,49 @@ def test_fp16_loss_scale_follows_its_rules():
             run = 0 if run == window else run
         prev = scale
     assert scales[-1] > min(scales)  # it grew again after the overflows
+
+
+def _compute_dtypes(model, steps: int, autocast: torch.dtype | None = None):
+    """Train ``steps`` steps; return the losses and the dtype the first block's attention
+    weights and output had during the forward pass."""
+    seen = {}
+    attn = model.module.transformer.h[0].attn
+    attn.register_forward_hook(lambda m, args, out: seen.update(weight=str(m.c_attn.weight.dtype),
+                                                                 out=str(out[0].dtype)))
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    losses = []
+    for step in range(steps):
+        ids = _batch(step)
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            loss = model(input_ids=ids, labels=ids).loss
+        model.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    params = sorted({str(p.dtype) for p in model.parameters()})
+    return losses, seen, params, len(opt.master_weights)
+
+
+def _fsdp_bf16(steps):
+    smp.init({"tensor_parallel_degree": 1, "sharded_data_parallel_degree": 2, "bf16": True})
+    return _compute_dtypes(smp.DistributedModel(_gpt2()), steps)
+
+
+def _tp_autocast(steps):
+    smp.init({"tensor_parallel_degree": 2})
+    return _compute_dtypes(smp.DistributedModel(_gpt2()), steps, autocast=torch.bfloat16)
+
+
+def test_bf16_under_fsdp_keeps_fp32_shards_and_computes_in_bf16():
+    losses, seen, params, masters = harness.run(2, _fsdp_bf16, 30)[0]
+    # FSDP's sharded parameters are the fp32 masters; blocks are gathered in bf16 for compute
+    assert params == ["torch.float32"] and masters == 0
+    assert seen == {"weight": "torch.bfloat16", "out": "torch.bfloat16"}
+    assert all(math.isfinite(x) for x in losses) and sum(losses[-5:]) < 0.6 * sum(losses[:5])
+
+
+def test_bf16_autocast_with_fp32_parameters_at_tp2():
+    losses, seen, params, masters = harness.run(2, _tp_autocast, 30)[0]
+    assert params == ["torch.float32"] and masters == 0
+    assert seen == {"weight": "torch.float32", "out": "torch.bfloat16"}
+    assert all(math.isfinite(x) for x in losses) and sum(losses[-5:]) < 0.6 * sum(losses[:5])

@@ -4,11 +4,16 @@ With fp16 or bf16 parameters, the optimizer must not update them directly: an up
 than half the spacing of neighbouring half-precision numbers (about 1e-3 relative in bf16, 5e-4
 in fp16) rounds away, and Adam's default ``eps`` (1e-8) is 0 in fp16. So each half parameter
 gets an fp32 copy, the *master*, with the same DTensor placements (its shard has the parameter's
-shard's shape, on the same ranks). The wrapped torch optimizer is pointed at the masters, so its
-state (Adam's moments) is created in fp32; each step copies the model's gradients into the
-masters' ``.grad`` in fp32, divided by the loss scale, steps, and copies the masters back into
-the model's parameters (one rounding per step, at the end). This is the scheme of Micikevicius
-et al. 2018, "Mixed Precision Training".
+shard's shape, on the same ranks). Each step copies the model's gradients into the masters'
+``.grad`` in fp32, divided by the loss scale, steps the wrapped torch optimizer on the masters,
+and copies the masters back into the model's parameters (one rounding per step, at the end).
+This is the scheme of Micikevicius et al. 2018, "Mixed Precision Training".
+
+At rest the optimizer's ``param_groups`` and ``state`` stay keyed by the model's parameters, as
+for any torch optimizer (so code that maps optimizer parameters to model names by identity, such
+as checkpointing, needs nothing special), but the state tensors are fp32: the masters are put in
+the parameters' place only for the duration of a step or a state-dict load
+(``masters_in_optimizer``), which is when torch creates or casts state.
 
 Tied parameters appear once in the optimizer, so they get one master.
 """
@@ -85,12 +90,14 @@ def _fp32_copy(p: torch.Tensor) -> nn.Parameter:
 class MasterWeights:
     """The fp32 masters of an optimizer's half-precision parameters.
 
-    ``attach`` points the optimizer at the masters; afterwards ``model_param(master)`` and
-    ``master_of(param)`` translate between the two.
+    ``model_param(master)`` and ``master_of(param)`` translate between the two.
 
     Args:
         optimizer: a torch optimizer over a DistributedModel's parameters, not yet stepped or
             stepped with state that is then cast to fp32.
+
+    Raises:
+        ValueError: if the optimizer cannot keep fp32 masters (``check_supported``).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer):
@@ -101,26 +108,21 @@ class MasterWeights:
         self._by_master: dict[int, nn.Parameter] = {}
         self.recreated = False  # masters were recreated from half-precision weights (logged once)
         for group in optimizer.param_groups:
-            group["params"] = [self._master_for(p) for p in group["params"]]
-
-    def _master_for(self, p: nn.Parameter) -> nn.Parameter:
-        if p.dtype not in HALF:
-            return p
-        if id(p) in self._by_param:
-            return self._by_param[id(p)]
-        master = _fp32_copy(p)
-        state = self.optimizer.state.pop(p, None)
-        if state is not None:  # stepped before wrapping: keep the state, now in fp32
-            self.optimizer.state[master] = {k: v.float() if torch.is_tensor(v) and v.is_floating_point()
-                                            and v.dim() else v for k, v in state.items()}
-        self.pairs.append((p, master))
-        self._by_param[id(p)] = master
-        self._by_master[id(master)] = p
-        return master
+            self.adopt_group(group)
 
     def adopt_group(self, group: dict[str, Any]) -> None:
-        """Give the half-precision parameters of a newly added group their masters."""
-        group["params"] = [self._master_for(p) for p in group["params"]]
+        """Give the half-precision parameters of a (newly added) group their masters."""
+        for p in group["params"]:
+            if p.dtype not in HALF or id(p) in self._by_param:
+                continue
+            master = _fp32_copy(p)
+            state = self.optimizer.state.get(p)
+            if state:  # stepped before wrapping: keep the state, now in fp32
+                self.optimizer.state[p] = {k: v.float() if torch.is_tensor(v) and v.is_floating_point()
+                                           and v.dim() else v for k, v in state.items()}
+            self.pairs.append((p, master))
+            self._by_param[id(p)] = master
+            self._by_master[id(master)] = p
 
     def __len__(self) -> int:
         return len(self.pairs)
@@ -133,10 +135,11 @@ class MasterWeights:
         return self._by_master.get(id(t), t)
 
     def params_and_masters(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """(model param, optimizer param) for every optimizer parameter, in optimizer order."""
+        """(model param, what the optimizer steps: its master or itself), in optimizer order."""
         for group in self.optimizer.param_groups:
             for t in group["params"]:
-                yield self.model_param(t), t
+                p = self.model_param(t)
+                yield p, self._by_param.get(id(p), p)
 
     @torch.no_grad()
     def grads_to_masters(self, scale: float) -> None:
@@ -177,15 +180,17 @@ class MasterWeights:
             master.grad = None
 
     @contextlib.contextmanager
-    def model_params_in_optimizer(self):
-        """Temporarily key the optimizer by the model's parameters (its states stay the fp32
-        tensors): code that maps optimizer parameters to model names by identity, such as
-        ``torch.distributed.checkpoint.state_dict``, then sees the model's own parameters."""
-        self._swap(lambda t: self.model_param(t))
+    def masters_in_optimizer(self):
+        """Put the masters in their parameters' place in ``param_groups`` and ``state`` for the
+        duration (a step, a state-dict load: torch then creates and casts state in fp32)."""
+        if not self.pairs:
+            yield self.optimizer
+            return
+        self._swap(lambda t: self._by_param.get(id(t), t))
         try:
             yield self.optimizer
         finally:
-            self._swap(lambda t: self._by_param.get(id(t), t))
+            self._swap(self.model_param)
 
     def _swap(self, to) -> None:
         opt = self.optimizer

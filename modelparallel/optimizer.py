@@ -3,7 +3,7 @@
 The wrapped optimizer does the update; the wrapper (1) owns the loss scale that
 ``DistributedModel.backward`` multiplies the loss by, (2) with dynamic scaling, skips the update on
 every rank when any rank saw an inf/nan gradient, (3) for fp16/bf16 parameters keeps an fp32
-master copy of each (``master_weights``), points the wrapped optimizer at the masters so its
+master copy of each (``master_weights``), steps the wrapped optimizer on the masters so its
 state is fp32, unscales the gradients into them, steps, and rounds the result back into the
 model, and (4) clips the master gradients by their global norm (``clip_master_grads``).
 Sharded parameters are DTensors, so an unmodified ``torch.optim`` optimizer updates each rank's
@@ -35,8 +35,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     It subclasses ``torch.optim.Optimizer`` so learning-rate schedulers accept it, but does not
     call its constructor: the wrapped optimizer keeps the one copy of ``param_groups`` and
-    ``state``, which the wrapper exposes as its own. When the model's parameters are fp16 or
-    bf16 (``"fp16": true`` / ``"bf16": true``), ``param_groups`` holds their fp32 masters.
+    ``state``, which the wrapper exposes as its own (keyed by the model's parameters). When the
+    parameters are fp16 or bf16 (``"fp16": true`` / ``"bf16": true``), the state is fp32 and
+    each has an fp32 master (``master_weights.master_of(p)``), which is what is stepped.
 
     Args:
         optimizer: any ``torch.optim.Optimizer``, created after ``smp.DistributedModel(model)``
@@ -133,7 +134,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             scaler.update_scale(True)
             self._log_skip()
             return None
-        out = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        with self.master_weights.masters_in_optimizer() as inner:
+            out = inner.step() if closure is None else inner.step(closure)
         self.master_weights.masters_to_params()
         self.master_weights.clear_master_grads()
         self._grads_ready = False
@@ -168,25 +170,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         if not self._prepare_grads():
             return torch.tensor(float("inf"))
-        return clip_by_global_norm(self._params(), max_norm, norm_type)
+        return clip_by_global_norm((t for _, t in self.master_weights.params_and_masters()), max_norm, norm_type)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
-        for p in self._model_params():
-            if p.grad is not None:
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.zero_()
         self.master_weights.clear_master_grads()
         self._grads_ready = False
 
-    def _params(self) -> Iterator[torch.nn.Parameter]:
-        """What the wrapped optimizer steps (fp32 masters for half parameters)."""
-        return (p for g in self.optimizer.param_groups for p in g["params"])
-
     def _model_params(self) -> Iterator[torch.nn.Parameter]:
-        return (self.master_weights.model_param(p) for p in self._params())
+        return (p for g in self.optimizer.param_groups for p in g["params"])
 
     def _log_skip(self) -> None:
         if dist.get_rank() == 0:

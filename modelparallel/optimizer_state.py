@@ -31,8 +31,8 @@ def state_dict(optimizer, partial: bool) -> dict[str, Any]:
     inner = optimizer.optimizer.state_dict()
     state = {i: {k: conv(v) if isinstance(v, DTensor) else v for k, v in slots.items()}
              for i, slots in inner["state"].items()}
-    masters = {i: conv(t.detach()) for i, t in enumerate(optimizer._params())
-               if optimizer.master_weights.model_param(t) is not t}
+    masters = {i: conv(m.detach()) for i, (p, m) in enumerate(optimizer.master_weights.params_and_masters())
+               if m is not p}
     return {"state": state, "param_groups": inner["param_groups"], "_smp_is_partial": partial,
             "loss_scaler": optimizer.loss_scaler.state_dict(), MASTERS: masters}
 
@@ -41,7 +41,8 @@ def load_state_dict(optimizer, sd: Mapping[str, Any]) -> None:
     """Load any layout ``state_dict`` produced (this one, the earlier ``{"optimizer": ...,
     "loss_scaler": ...}``, or a plain torch optimizer's), at any TP degree."""
     torch_sd = sd["optimizer"] if "optimizer" in sd else {"state": sd["state"], "param_groups": sd["param_groups"]}
-    optimizer.optimizer.load_state_dict(to_param_layout(optimizer.optimizer, torch_sd))
+    with optimizer.master_weights.masters_in_optimizer() as inner:  # torch casts state to fp32
+        inner.load_state_dict(to_param_layout(inner, torch_sd))
     if "loss_scaler" in sd:
         optimizer.loss_scaler.load_state_dict(sd["loss_scaler"])
     load_masters(optimizer, sd.get(MASTERS))
@@ -54,7 +55,7 @@ def load_masters(optimizer, masters: Mapping[int, torch.Tensor] | None) -> None:
     mw = optimizer.master_weights
     if not len(mw):
         return
-    params = list(optimizer._params())
+    pairs = list(mw.params_and_masters())
     if not masters:
         mw.params_to_masters()
         if not mw.recreated:
@@ -63,8 +64,8 @@ def load_masters(optimizer, masters: Mapping[int, torch.Tensor] | None) -> None:
                            "older version): recreated them from the model's half-precision weights")
         return
     for index, value in masters.items():
-        t = params[int(index)]
-        if mw.model_param(t) is t:
+        p, t = pairs[int(index)]
+        if t is p:
             raise ValueError(f"saved fp32 master for parameter {index}, which is not half precision here")
         local(t).copy_(_local_piece(t, value, index))
 

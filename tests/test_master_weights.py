@@ -55,8 +55,8 @@ def _step_is_fp32_adamw_on_masters(dtype, scale):
             r.grad = _full(p.grad).float() / scale
         ref_opt = torch.optim.AdamW(ref, lr=LR)
         if step:
-            ref_opt.load_state_dict({"state": {i: {k: _full(v) for k, v in opt.state[m].items()}
-                                               for i, m in enumerate(masters)},
+            ref_opt.load_state_dict({"state": {i: {k: _full(v) for k, v in opt.state[p].items()}
+                                               for i, p in enumerate(params)},
                                      "param_groups": ref_opt.state_dict()["param_groups"]})
         ref_opt.step()
         opt.step()
@@ -65,7 +65,7 @@ def _step_is_fp32_adamw_on_masters(dtype, scale):
             # elementwise fp32 arithmetic on the same numbers: equal bit for bit
             assert torch.equal(_full(m), r.detach())
             assert p.dtype != torch.float32 and torch.equal(_full(p), r.detach().to(p.dtype))
-            assert {v.dtype for k, v in opt.state[m].items() if k != "step"} == {torch.float32}
+            assert {v.dtype for k, v in opt.state[p].items() if k != "step"} == {torch.float32}
     return len(opt.master_weights)
 
 
@@ -86,7 +86,7 @@ def _clip_matches_single_process(tp, dtype, norm_type):
     n = sum(r.numel() for r in ref)
     rtol = n * 2.0 ** -24
     torch.testing.assert_close(norm, ref_norm, rtol=rtol, atol=0)
-    for r, t in zip(ref, opt.param_groups[0]["params"]):
+    for r, (_, t) in zip(ref, opt.master_weights.params_and_masters()):
         torch.testing.assert_close(_full(t.grad), r.grad, rtol=rtol, atol=rtol * r.grad.abs().max().item())
     return norm.item()
 

@@ -41,6 +41,12 @@ class Config:
     placement_strategy: str = "cluster"
     """How ranks map to the (dp, tp) mesh: "cluster" puts a TP group on consecutive ranks (one
     node first), "spread" strides it; "DPT"/"TPD"-style letter orders are also accepted."""
+    offload_activations: bool = False
+    """Keep activation-checkpointed modules' saved inputs in host memory until backward (v1 name)."""
+    sm_activation_offloading: bool = False
+    """SageMaker v2 name of ``offload_activations``."""
+    activation_loading_horizon: int = 4
+    """How many checkpointed regions ahead of backward offloaded activations are loaded back."""
     world_size: int = field(default=1, compare=False)
     """Filled in by ``init`` from the launcher; not a user key."""
 
@@ -123,6 +129,8 @@ def _check_degrees(cfg: Config, problems: list[str]) -> None:
             f"sharded data parallel degree {shard} does not divide the data-parallel degree "
             f"{cfg.dp_degree} (world {world} / tensor_parallel_degree {tp})"
         )
+    if cfg.activation_loading_horizon < 1:
+        problems.append(f"activation_loading_horizon must be >= 1, got {cfg.activation_loading_horizon}")
     if cfg.fp16 and cfg.bf16:
         problems.append("fp16 and bf16 are both true; choose one")
 

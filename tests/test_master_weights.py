@@ -196,3 +196,36 @@ def test_optimizer_without_fp32_master_form_is_refused(cls_name):
 def test_fp16_and_bf16_together_refused():
     with pytest.raises(ValueError, match="fp16 and bf16"):
         build_config({"fp16": True, "bf16": True}, world_size=1)
+
+
+def _full_export(path):
+    """fp16 training, then full checkpoints in the training dtype and in fp32; rank 0 loads each
+    with ``from_pretrained`` and compares with the gathered parameters / fp32 masters."""
+    import transformers
+    model, opt = _setup(static_loss_scale=256.0)
+    for step in range(2):
+        _backward(model, step)
+        opt.step()
+        opt.zero_grad()
+    params = {n: _full(p) for n, p in model.module.named_parameters()}
+    masters = {n: _full(opt.master_weights.master_of(p)) for n, p in model.module.named_parameters()}
+    smp.save_checkpoint(path, tag="half", partial=False)
+    smp.save_checkpoint(path, tag="fp32", partial=False, dtype=torch.float32)
+    with pytest.raises(ValueError, match="full checkpoints"):
+        smp.save_checkpoint(path, tag="p", dtype=torch.float32)
+    with pytest.raises(ValueError, match="int8"):
+        smp.save_checkpoint(path, tag="x", partial=False, dtype=torch.int8)
+    if smp.rank() != 0:
+        return None
+    out = {}
+    for tag, want, dtype in (("half", params, torch.float16), ("fp32", masters, torch.float32)):
+        loaded = transformers.GPT2LMHeadModel.from_pretrained(f"{path}/{tag}", dtype="auto")
+        got = dict(loaded.named_parameters())
+        assert got.keys() == want.keys()
+        bad = [n for n in want if got[n].dtype != dtype or not torch.equal(got[n].detach(), want[n].reshape(got[n].shape))]
+        out[tag] = bad
+    return out
+
+
+def test_full_checkpoint_exports_training_dtype_or_fp32_masters(tmp_path):
+    assert harness.run(2, _full_export, str(tmp_path / "ckpt"))[0] == {"half": [], "fp32": []}

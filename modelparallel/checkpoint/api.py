@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import runtime
-from . import commit, full
+from . import commit, export_dtype, full
 from . import partial as partial_ckpt
 from .errors import run_phase
 from .full_load import load_weights
@@ -26,7 +26,7 @@ _LAST_REPORTS: dict[str, LoadReport] = {}
 
 def save_checkpoint(path: str | Path, tag: str, partial: bool = True, model=None, optimizer=None,
                     user_content: Any = None, translate_if_full: bool = True,
-                    num_kept_partial_checkpoints: int | None = None) -> None:
+                    num_kept_partial_checkpoints: int | None = None, dtype=None) -> None:
     """Save a checkpoint (a collective: call it on every rank).
 
     Args:
@@ -40,6 +40,8 @@ def save_checkpoint(path: str | Path, tag: str, partial: bool = True, model=None
         user_content: any picklable object, returned by ``resume_from_checkpoint``.
         translate_if_full: full checkpoints in Hugging Face format (else the distributed format).
         num_kept_partial_checkpoints: keep only this many newest partial checkpoints.
+        dtype: full checkpoints only: export in ``torch.float32`` (a half-precision run's fp32
+            master weights), ``torch.float16`` or ``torch.bfloat16``; None: the training dtype.
 
     Raises:
         ValueError: for bad arguments, before anything is written.
@@ -48,10 +50,14 @@ def save_checkpoint(path: str | Path, tag: str, partial: bool = True, model=None
     """
     model, optimizer = _defaults(model, optimizer)
     _check_save_args(tag, num_kept_partial_checkpoints, model, partial)
+    dtype = export_dtype.check_dtype(dtype)
+    if partial and dtype is not None:
+        raise ValueError("dtype= applies to full checkpoints (partial=False); a partial checkpoint keeps the "
+                         "training dtype and the fp32 master weights")
     if partial:
         partial_ckpt.save(Path(path), tag, model, optimizer, user_content, num_kept_partial_checkpoints)
     else:
-        full.save(Path(path), tag, model, user_content, translate_if_full)
+        full.save(Path(path), tag, model, user_content, translate_if_full, dtype=dtype)
 
 
 def _defaults(model, optimizer):

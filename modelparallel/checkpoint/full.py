@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from . import commit, parts
+from . import commit, export_dtype, parts
 from .errors import run_phase
 from .partial import check_architecture, describe, verify
 from .shards import ShardWriter, plan_shards
@@ -122,21 +122,22 @@ def _stream(state, translate: Items | None, writer: ShardWriter | None) -> Excep
     return error
 
 
-def _config_copy(model):
+def _config_copy(model, dtype: torch.dtype | None = None):
     """The HF config to store, naming the class and dtype as ``save_pretrained`` would."""
     config = copy.deepcopy(model.module.config)
     config.architectures = [type(model.module).__name__]
-    config.dtype = next(model.module.parameters()).dtype
+    config.dtype = dtype or next(model.module.parameters()).dtype
     return config
 
 
 def save(path: Path, tag: str, model, user_content: Any, translate_if_full: bool,
-         max_shard_bytes: int | None = None) -> Path:
-    """Write ``path/{tag}/`` and ``path/user_content_{tag}`` (a collective)."""
+         max_shard_bytes: int | None = None, dtype: torch.dtype | None = None) -> Path:
+    """Write ``path/{tag}/`` and ``path/user_content_{tag}`` (a collective), in ``dtype``
+    (None: the parameters' own; see ``export_dtype``)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     translate = translation(getattr(model.module.config, "model_type", None), True) if translate_if_full else None
     prefix = HF_PREFIX if translate else PLAIN_PREFIX
-    state = parts.model_state(model.module)
+    state = export_dtype.export_state(model, dtype)
     found: dict[str, Any] = {}
 
     def prepare():
@@ -151,7 +152,7 @@ def save(path: Path, tag: str, model, user_content: Any, translate_if_full: bool
             if rank == 0 else None
         error = _stream(state, translate, writer)
         run_phase("full save (write)", lambda: _finish(path, staging, tag, model, writer, prefix, user_content,
-                                                      bool(translate), error) if rank == 0 else None)
+                                                      bool(translate), error, dtype) if rank == 0 else None)
     except Exception:
         if rank == 0:
             commit.clean_leftovers(path)
@@ -160,13 +161,13 @@ def save(path: Path, tag: str, model, user_content: Any, translate_if_full: bool
 
 
 def _finish(path: Path, staging: Path, tag: str, model, writer: ShardWriter, prefix: str, user_content: Any,
-            translated: bool, error: Exception | None) -> None:
+            translated: bool, error: Exception | None, dtype: torch.dtype | None = None) -> None:
     """Rank 0: close the shards, write config, user content and manifest, commit, point newest."""
     if error is not None:
         raise error
     weights = writer.close(prefix)
     sums = writer.checksums()  # computed while writing (and fsynced): the weights are not re-read
-    _config_copy(model).save_pretrained(staging)
+    _config_copy(model, dtype).save_pretrained(staging)
     content_name = f"user_content_{tag}"
     content_tmp = path / commit.hidden_name("tmp", commit.new_nonce(), content_name)
     parts.write_user_content(user_content, content_tmp.parent, content_tmp.name)

@@ -229,3 +229,56 @@ def _full_export(path):
 
 def test_full_checkpoint_exports_training_dtype_or_fp32_masters(tmp_path):
     assert harness.run(2, _full_export, str(tmp_path / "ckpt"))[0] == {"half": [], "fp32": []}
+
+
+def _partial_checkpoint_resume(path):
+    """fp16 training saved with smp.save_checkpoint at step 3 and resumed by a fresh model and
+    optimizer through smp.resume_from_checkpoint: the next steps equal the uninterrupted run's."""
+    kwargs = {"static_loss_scale": None, "dynamic_loss_scale": True,
+              "dynamic_loss_args": {"init_scale": 2.0 ** 12, "scale_window": 2}}
+    model, opt = _setup(**kwargs)
+    for step in range(3):
+        _backward(model, step)
+        opt.step()
+        opt.zero_grad()
+    smp.save_checkpoint(path, tag="step3", user_content={"step": 3})
+    first = _continue(model, opt, 3, 4)
+    model, opt = _setup(**{**kwargs, "dynamic_loss_args": {"scale_window": 2}})
+    assert smp.resume_from_checkpoint(path) == {"step": 3}
+    second = _continue(model, opt, 3, 4)
+    return first, second
+
+
+def _fp32_checkpoint_resumed_in_fp16(path):
+    """A checkpoint saved by an fp32 run has no masters: resumed in fp16 they are recreated from
+    the loaded weights, and the log says so once."""
+    model, opt = _setup(dtype="fp32")
+    _backward(model, 0)
+    opt.step()
+    opt.zero_grad()
+    smp.save_checkpoint(path, tag="fp32run")
+    weights = {n: _full(p) for n, p in model.module.named_parameters()}
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("modelparallel").addHandler(handler)
+    try:
+        model, opt = _setup(dtype="fp16")
+        smp.resume_from_checkpoint(path)
+    finally:
+        logging.getLogger("modelparallel").removeHandler(handler)
+    names = {id(p): n for n, p in model.module.named_parameters()}
+    # masters = the loaded fp16 weights widened (the fp32 values rounded once, then widened)
+    ok = all(torch.equal(_full(m), weights[names[id(p)]].half().float()) for p, m in opt.master_weights.pairs)
+    return ok, sum("recreated" in r.getMessage() for r in records)
+
+
+def test_fp16_partial_checkpoint_resume_continues_bit_exactly(tmp_path):
+    for first, second in harness.run(2, _partial_checkpoint_resume, str(tmp_path / "ckpt")):
+        assert first[0] == second[0] and first[1] == second[1]  # losses and loss scales
+        assert all(torch.equal(first[2][k], second[2][k]) for k in first[2])
+        assert all(torch.equal(a, b) for a, b in zip(first[3], second[3]))
+
+
+def test_checkpoint_without_masters_resumed_in_fp16_recreates_them(tmp_path):
+    assert harness.run(2, _fp32_checkpoint_resumed_in_fp16, str(tmp_path / "ckpt")) == [(True, 1), (True, 1)]

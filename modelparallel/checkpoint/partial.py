@@ -136,7 +136,8 @@ def load_optimizer(directory: Path, manifest: dict, model, optimizer, strict: bo
         raise ValueError(f"{directory} holds no optimizer state (saved without an optimizer); "
                          "resume with load_optimizer=False")
     state: dict[str, Any] = {}
-    run_phase("load (optimizer: init)", lambda: state.update(parts.optimizer_state(model.module, optimizer)))
+    run_phase("load (optimizer: init)",
+              lambda: state.update(parts.optimizer_state(model.module, optimizer, directory / OPTIMIZER)))
     report = load_part(directory, manifest, OPTIMIZER, state, strict)
     run_phase("load (optimizer: apply)", lambda: parts.apply_optimizer_state(model.module, optimizer, state))
     return report

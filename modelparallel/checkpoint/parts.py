@@ -26,6 +26,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
+from . import fp16_states
 from .fastread import ContiguousSavePlanner, FastReader
 
 USER_CONTENT = "user_content.pt"
@@ -69,9 +70,12 @@ def tied_keys(module: nn.Module) -> dict[str, str]:
     return ties
 
 
-def optimizer_state(module: nn.Module, optimizer) -> dict[str, Any]:
+def optimizer_state(module: nn.Module, optimizer, load_from: Path | None = None) -> dict[str, Any]:
     """The optimizer part: per-parameter-name states (initialized if the optimizer never
-    stepped, so a fresh optimizer has every slot to load into) and the loss scaler."""
+    stepped, so a fresh optimizer has every slot to load into) and the loss scaler; with fp32
+    master weights, ``fp16_states`` builds it (``load_from``: the part about to be read)."""
+    if fp16_states.has_masters(optimizer):
+        return fp16_states.optimizer_state(module, optimizer, load_from)
     inner = optimizer.optimizer
     grads = {}
     if not inner.state:  # DCP only initializes states when no gradient is set: set them aside
@@ -87,6 +91,8 @@ def optimizer_state(module: nn.Module, optimizer) -> dict[str, Any]:
 
 
 def apply_optimizer_state(module: nn.Module, optimizer, state: dict[str, Any]) -> None:
+    if fp16_states.has_masters(optimizer):
+        return fp16_states.apply(optimizer, state)
     set_optimizer_state_dict(module, optimizer.optimizer, state["optimizer"])
     optimizer.loss_scaler.load_state_dict(state["loss_scaler"])
 

@@ -11,7 +11,6 @@ import math
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
 
 import harness
 import modelparallel as smp

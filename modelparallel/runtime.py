@@ -234,3 +234,14 @@ def broadcast(obj: Any, group: str = WORLD, src_rank: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, group_src=src_rank, group=pg)
     return box[0]
+
+
+def tp_mesh() -> DeviceMesh:
+    """The 1-D tensor-parallel mesh of this rank (what ``transform`` shards over)."""
+    return current().tp_mesh
+
+
+def dp_mesh() -> DeviceMesh:
+    """The 1-D data-parallel mesh of this rank: pass it as FSDP's ``device_mesh`` (FSDP1) or
+    ``mesh`` (``fully_shard``) after ``transform``."""
+    return current().dp_mesh

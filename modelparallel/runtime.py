@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .config import Config, build_config
+from .config import Config, build_config, without_effect
 
 logger = logging.getLogger("modelparallel")
 
@@ -134,9 +134,22 @@ def init(config: dict | str | None = None, *, timeout_s: float = 300.0) -> Runti
     _RUNTIME = Runtime(config=cfg, mesh=mesh, device=device)
     _setup_logging(dist.get_rank())
     if dist.get_rank() == 0:
-        logger.info("world %d = dp %d x tp %d on %s", cfg.world_size, cfg.dp_degree,
+        logger.info("world %d = rdp %d x tp %d on %s", cfg.world_size, cfg.dp_degree,
                     cfg.tensor_parallel_degree, device.type)
+        _log_without_effect(without_effect(config))
     return _RUNTIME
+
+
+_LOGGED_KEYS: set[str] = set()
+
+
+def _log_without_effect(keys: dict[str, Any]) -> None:
+    """Say once per process which given keys tune SageMaker machinery that does not exist here."""
+    fresh = {k: v for k, v in keys.items() if k not in _LOGGED_KEYS}
+    if fresh:
+        _LOGGED_KEYS.update(fresh)
+        logger.info("config keys accepted with no effect here: %s",
+                    ", ".join(f"{k}={v!r}" for k, v in sorted(fresh.items())))
 
 
 def current() -> Runtime:

@@ -22,14 +22,15 @@ AFTER_ERROR_WAIT_S = 15
 
 
 def _worker(rank: int, world: int, store_path: str, tasks, results) -> None:
-    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+    threads = os.environ.get("OMP_NUM_THREADS", "1")  # one per rank unless the run asks for more
+    os.environ.update(OMP_NUM_THREADS=threads, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(threads))
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
     while True:

@@ -94,7 +94,7 @@ def _check_mlm_head(arch, ref, model, ids, mask, types, want_logits):
     assert isinstance(decoder.bias, DTensor) and decoder.bias.placements == (Shard(0),)
     plain = model(ids, attention_mask=mask, token_type_ids=types).logits
     assert type(plain) is torch.Tensor, "inference logits must be a plain tensor"
-    torch.testing.assert_close(plain, want_logits, rtol=1e-5, atol=1e-5)
+    assert_close(plain, want_logits)
     full, hf = model.state_dict(), ref.state_dict()
     assert full.keys() == hf.keys()
     for key, t in hf.items():

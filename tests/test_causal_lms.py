@@ -95,7 +95,7 @@ def _check_forward_backward(arch, tp):
     assert (head is emb) == tied, f"{arch}: LM head tied={head is emb} after wrapping, HF tied={tied}"
     plain = model(ids, attention_mask=mask).logits
     assert type(plain) is torch.Tensor, "inference logits must be a plain tensor"
-    torch.testing.assert_close(plain, want.logits, rtol=1e-5, atol=1e-5)
+    assert_close(plain, want.logits)
     return model
 
 

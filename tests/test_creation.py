@@ -14,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import harness
 import modelparallel as smp
+from reference import assert_close
 from modelparallel import meta
 
 IDS = torch.tensor([[3, 17, 42, 99, 5, 0, 64, 23]])
@@ -59,9 +60,9 @@ def embedding_and_attention(distribute_embedding, flash_attention):
     assert module.config._attn_implementation == ("sdpa" if flash_attention else "eager")
     out = model(IDS, labels=IDS)
     want = eager(IDS, labels=IDS)
-    torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-5)
+    assert_close(out.loss, want.loss)
     logits = out.logits.full_tensor() if isinstance(out.logits, DTensor) else out.logits
-    torch.testing.assert_close(logits, want.logits, rtol=1e-5, atol=1e-5)
+    assert_close(logits, want.logits)
 
 
 @pytest.mark.parametrize("distribute_embedding,flash_attention", [(False, True), (True, False)])

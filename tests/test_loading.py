@@ -15,6 +15,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 import harness
 import modelparallel as smp
+from reference import assert_close
 from modelparallel import meta
 
 IDS = torch.tensor([[3, 17, 42, 99, 5, 0, 64, 23], [8, 8, 1, 77, 100, 31, 2, 9]])
@@ -63,7 +64,7 @@ def load_and_compare(cls, cfg, path, how):
         model(IDS)
     smp.load_hf_checkpoint(model, path)
     model.eval()  # from_pretrained returns eval mode; GPT-2's dropout is on
-    torch.testing.assert_close(model(IDS).logits, ref(IDS).logits, rtol=1e-5, atol=1e-5)
+    assert_close(model(IDS).logits, ref(IDS).logits)
     for name, buf in ref.named_buffers():
         torch.testing.assert_close(model.module.get_buffer(name), buf, msg=lambda m, n=name: f"buffer {n}: {m}")
     head = model.module.lm_head.weight

@@ -12,7 +12,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import harness
 import modelparallel as smp
-from reference import build_pair
+from reference import build_pair, assert_close
 
 
 def cfg():
@@ -43,7 +43,7 @@ def load_full(tp, sd, want):
     sd = {k: v for k, v in sd.items() if k != "lm_head.weight"}  # tie: one key is enough
     result = model.load_state_dict(sd)
     assert result.missing_keys == [] and result.unexpected_keys == [], result  # the tie supplies lm_head
-    torch.testing.assert_close(model(IDS).logits, want, rtol=1e-5, atol=1e-5)
+    assert_close(model(IDS).logits, want)
 
 
 def local_round_trip(tp):
@@ -119,7 +119,7 @@ def dp_tp_training(steps=3):
         model.backward(model(half, labels=half).loss)
         opt.step()
         opt.zero_grad()
-    torch.testing.assert_close(model(IDS).logits, ref(IDS).logits, rtol=1e-5, atol=1e-5)
+    assert_close(model(IDS).logits, ref(IDS).logits)
 
 
 def test_data_parallel_replicas_average_gradients():

@@ -14,6 +14,7 @@ import torch
 
 import harness
 import modelparallel as smp
+from reference import assert_close
 
 SENTENCES = [
     "A man is eating food.",
@@ -51,7 +52,7 @@ def check_sentence_embeddings(tp):
     assert model.module.encoder.layer[0].attention.self.query.weight.to_local().shape == (384 // tp, 384)
     with torch.no_grad():
         want, got = mean_pooled(ref, batch), mean_pooled(model, batch)
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert_close(got, want, what="sentence embeddings")
     return got
 
 

@@ -14,6 +14,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForC
 
 import harness
 import modelparallel as smp
+from reference import assert_close
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from custom_block import BLOCK_PLAN, Block, TinyLM  # noqa: E402
@@ -30,13 +31,13 @@ def check_registered_block(tp):
     assert model.module.blocks[0].num_heads == 4 // tp
     ids = torch.randint(0, 97, (2, 16))
     out, want = model(ids), ref(ids)
-    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    assert_close(out, want)
     assert len(calls) == 2, "return_hook runs once per block"
     out.sum().backward()
     want.sum().backward()
     for (name, p), q in zip(model.module.named_parameters(), ref.parameters()):
         g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        torch.testing.assert_close(g.reshape(q.grad.shape), q.grad, rtol=1e-4, atol=1e-5, msg=name)
+        assert_close(g.reshape(q.grad.shape), q.grad, what=name)
     del Block._mp_tp_registration
 
 
@@ -52,7 +53,7 @@ def check_marks():
     assert isinstance(dist_model.module.transformer.h[0].mlp.c_fc.weight, DTensor)
     assert not isinstance(dist_model.module.transformer.h[1].mlp.c_fc.weight, DTensor)
     ids = torch.randint(0, 100, (2, 8))
-    torch.testing.assert_close(dist_model(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
+    assert_close(dist_model(ids).logits, ref(ids).logits)
     with smp.tensor_parallelism(enabled=False):
         off = GPT2LMHeadModel(cfg)
     smp.DistributedModel(off)

@@ -15,7 +15,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 import harness
 import modelparallel as smp
 from modelparallel import meta
-from reference import as_hf
+from reference import as_hf, assert_close
 
 IDS = torch.tensor([[3, 17, 42, 99, 5, 0, 64, 23]])
 
@@ -56,7 +56,7 @@ def transform_from_rank0(cls, cfg):
     q = model.get_submodule("model.layers.0.self_attn.q_proj" if cls is LlamaForCausalLM else "transformer.h.0.mlp.c_fc")
     assert isinstance(q.weight, DTensor) and q.weight.to_local().numel() == q.weight.numel() // 2
     _assert_shards_of(model, ref)
-    torch.testing.assert_close(model(IDS).logits, ref(IDS).logits, rtol=1e-5, atol=1e-5)
+    assert_close(model(IDS).logits, ref(IDS).logits)
 
 
 @pytest.mark.parametrize("cls,cfg", [(LlamaForCausalLM, llama_cfg()), (GPT2LMHeadModel, gpt2_cfg())])
@@ -71,7 +71,7 @@ def transform_everywhere():
     torch.manual_seed(3)
     model = smp.transform(LlamaForCausalLM(llama_cfg()), dtype=torch.float64)
     assert model.lm_head.weight.dtype == torch.float64
-    torch.testing.assert_close(model(IDS).logits, ref.double()(IDS).logits, rtol=1e-9, atol=1e-9)
+    assert_close(model(IDS).logits, ref.double()(IDS).logits, what="fp64 logits")
 
 
 def test_transform_real_model_in_place_with_dtype():

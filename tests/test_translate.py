@@ -11,6 +11,7 @@ import transformers as T
 
 import harness
 import modelparallel as smp
+from reference import assert_close
 from modelparallel.nn.huggingface import bert, gpt2, gptj, gptneo, llama, roberta
 
 ARCHS = {
@@ -57,11 +58,11 @@ def check_translation(arch, tp, exported_elsewhere=None):
     model = smp.DistributedModel(_hf(arch, seed=1)).eval()
     source = exported_elsewhere if exported_elsewhere is not None else reference.state_dict()
     model.load_state_dict(from_hf(source))
-    torch.testing.assert_close(model(IDS).logits, want, rtol=1e-5, atol=1e-5)
+    assert_close(model(IDS).logits, want)
     exported = to_hf(model.state_dict())
     fresh = _hf(arch, seed=2)
     fresh.load_state_dict(exported, strict=True)
-    torch.testing.assert_close(fresh(IDS).logits, want, rtol=1e-5, atol=1e-5)
+    assert_close(fresh(IDS).logits, want)
     inp, out = fresh.get_input_embeddings().weight, fresh.get_output_embeddings().weight
     if getattr(fresh.config, "tie_word_embeddings", False):
         assert inp.data_ptr() == out.data_ptr(), "exported model lost the embedding / LM-head tie"

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 
 @dataclass(frozen=True)
@@ -109,9 +110,16 @@ def enter(args: tuple, kwargs: dict, group: dist.ProcessGroup) -> tuple[tuple, d
 
 
 def exit(outputs: Any, rows: Rows | None) -> Any:
-    """Give back this rank's rows of every output tensor whose axis 0 is the union batch
-    (a model's scalar loss, computed on the union, is returned as is)."""
+    """Give back this rank's rows of every output tensor whose axis 0 is the union batch.
+
+    A model's scalar loss, computed on the union, is returned as is. So is a DTensor output
+    (the vocabulary-sharded logits a model keeps when it computed its loss): each rank holds a
+    slice of every row, so taking one rank's rows would need the full logits gathered first,
+    the cost the sharded loss exists to avoid; it covers the union batch, in TP rank order.
+    """
     if rows is None:
+        return outputs
+    if isinstance(outputs, DTensor):
         return outputs
     if isinstance(outputs, torch.Tensor):
         return _Exit.apply(outputs, rows) if outputs.dim() > 0 and outputs.shape[0] == rows.total else outputs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -127,10 +128,10 @@ class DistributedModel(nn.Module):
         return self._v1.steps > 0
 
     def _before_step(self) -> None:
-        if self._v1.steps == 0:
+        self._v1.steps += 1
+        if self._v1.steps == 1:
             for hook in list(self._v1.post_partition_hooks.values()):
                 hook(self, _last_optimizer())
-        self._v1.steps += 1
 
     def _after_step(self) -> None:
         if self._v1.steps == 1 and self._v1.post_step_hooks:
@@ -211,8 +212,8 @@ class V1Options:
     average_grads_across_microbatches: bool = True
     passes: int = 0
     steps: int = 0
-    post_step_hooks: dict = field(default_factory=dict)
-    post_partition_hooks: dict = field(default_factory=dict)
+    post_step_hooks: OrderedDict = field(default_factory=OrderedDict)  # weakly referenced by handles
+    post_partition_hooks: OrderedDict = field(default_factory=OrderedDict)
 
 
 def _check_v1_args(trace_device: str, backward_passes_per_step: int) -> None:

@@ -49,11 +49,11 @@ def lr_at(step: int, args) -> float:
 
 def dp_mean(values: list[float]) -> list[float]:
     """The mean over data-parallel groups (TP ranks of one group already agree)."""
-    if smp.dp_size() == 1:
+    if smp.rdp_size() == 1:
         return values
     t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, group=smp.get_dp_process_group())
-    return (t / smp.dp_size()).tolist()
+    dist.all_reduce(t, group=smp.get_rdp_process_group())
+    return (t / smp.rdp_size()).tolist()
 
 
 @torch.no_grad()
@@ -62,10 +62,10 @@ def evaluate(model, val_tokens: torch.Tensor, args) -> float:
     model.eval()
     total = torch.zeros(2, dtype=torch.float64)
     for x, y in eval_batches(val_tokens, args.seq_len, args.batch_size, args.eval_windows,
-                             smp.dp_rank(), smp.dp_size()):
+                             smp.rdp_rank(), smp.rdp_size()):
         total += torch.tensor([model(x, labels=x, shift_labels=y).loss.item() * y.numel(), y.numel()])
-    if smp.dp_size() > 1:
-        dist.all_reduce(total, group=smp.get_dp_process_group())
+    if smp.rdp_size() > 1:
+        dist.all_reduce(total, group=smp.get_rdp_process_group())
     model.train()
     return (total[0] / total[1]).item()
 
@@ -75,7 +75,7 @@ def train_loop(model, opt, sampler, val_tokens, args) -> dict:
     from tqdm.auto import tqdm
 
     hist = {"loss": [], "lr": [], "step_time_s": [], "tokens_per_s": [], "val": []}
-    tokens_per_step = args.batch_size * args.seq_len * smp.dp_size()
+    tokens_per_step = args.batch_size * args.seq_len * smp.rdp_size()
     bar = tqdm(total=args.steps, initial=args.start_step, desc="train", disable=smp.rank() != 0,
                dynamic_ncols=True)
     model.train()
@@ -145,13 +145,13 @@ def _summary(args, hist, info, val_loss, sample, wall, train_time, n_params, opt
     return {
         "config": {k: (str(v) if k in ("out",) else v) for k, v in vars(args).items()
                    if not k.startswith("_") and k not in ("argv", "data_files")},
-        "world_size": smp.size(), "tp": smp.tp_size(), "dp": smp.dp_size(),
+        "world_size": smp.size(), "tp": smp.tp_size(), "dp": smp.rdp_size(),
         "threads_per_rank": torch.get_num_threads(), "optimizer": type(opt).__name__,
         "parameters": n_params, "corpus": info, **hist, "val": [list(v) for v in hist["val"]],
         "initial_train_loss": hist["loss"][0], "final_train_loss": sum(last) / len(last),
         "final_val_loss": val_loss, "first_step": args.start_step,
         "mean_tokens_per_s": len(hist["step_time_s"]) * args.batch_size * args.seq_len
-        * smp.dp_size() / sum(hist["step_time_s"]), "train_time_s": train_time, "wall_time_s": wall,
+        * smp.rdp_size() / sum(hist["step_time_s"]), "train_time_s": train_time, "wall_time_s": wall,
         "sample": sample,
         "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
     }
@@ -173,13 +173,14 @@ def _report(args, m: dict) -> None:
 
 def run_job(args: argparse.Namespace) -> int:
     """Train on this rank; rank 0 writes the artifacts and prints the summary."""
-    smp.init({"tensor_parallel_degree": args.tp, "random_seed": args.seed})
+    # the TP ranks of a replica draw the same windows: SageMaker's prescaled-batch layout
+    smp.init({"tensor_parallel_degree": args.tp, "random_seed": args.seed, "prescaled_batch": True})
     tokenizer = load_tokenizer(args.model)
     train_tokens, val_tokens, info = load_data(args, tokenizer)
     model = build_distributed(args.model, args.seq_len, args.seed)
     n_params = sum(p.numel() for p in model.parameters())  # DTensor numel is the global size
     opt = make_optimizer(model, args)
-    sampler = WindowSampler(train_tokens, args.seq_len, args.batch_size, args.seed, smp.dp_rank())
+    sampler = WindowSampler(train_tokens, args.seq_len, args.batch_size, args.seed, smp.rdp_rank())
     args.start_step = resume(args, sampler)
     t_train = time.perf_counter()
     hist = train_loop(model, opt, sampler, val_tokens, args)

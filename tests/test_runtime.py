@@ -100,3 +100,27 @@ def test_rank_api_needs_init(monkeypatch):
     monkeypatch.setattr("modelparallel.runtime._RUNTIME", None)
     with pytest.raises(RuntimeError, match="call modelparallel.init"):
         smp.tp_rank()
+
+
+def test_keys_without_effect_logged_once(monkeypatch):
+    import logging
+
+    from modelparallel import runtime
+    from modelparallel.config import without_effect
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    log = logging.getLogger("modelparallel")
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    monkeypatch.setattr(runtime, "_LOGGED_KEYS", set())
+    try:
+        cfg = {"optimize": "speed", "skip_tracing": True, "microbatches": 2}
+        runtime._log_without_effect(without_effect(cfg))
+        runtime._log_without_effect(without_effect(cfg))
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    assert seen == ["config keys accepted with no effect here: optimize='speed', skip_tracing=True"]

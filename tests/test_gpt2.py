@@ -43,7 +43,7 @@ def check_lm_numerics(tp):
     assert_close(got.loss, want.loss, what="loss")
     want.loss.backward()
     model.backward(got.loss)
-    assert_grads_match(ref, model)
+    assert_grads_match(ref, model, rerun=lambda m: m(ids, attention_mask=mask, labels=labels).loss)
     assert model.module.lm_head.weight is model.module.transformer.wte.weight, "LM head untied from wte"
     plain = model(ids, attention_mask=mask).logits
     assert type(plain) is torch.Tensor, "inference logits must be a plain tensor"
@@ -77,9 +77,11 @@ def check_base_and_classifier(tp):
         # (normalized features sum to a constant), so its gradients would be pure rounding noise:
         # weight the outputs with a fixed random probe instead
         probe = torch.randn(want[key].shape, generator=torch.Generator().manual_seed(7))
-        (gathered(want[key]).mul(probe).sum() if cls is GPT2Model else want.loss).backward()
-        model.backward(gathered(got[key]).mul(probe).sum() if cls is GPT2Model else got.loss)
-        assert_grads_match(ref, model)
+        def scalar(out):
+            return gathered(out[key]).mul(probe).sum() if cls is GPT2Model else out.loss
+        scalar(want).backward()
+        model.backward(scalar(got))
+        assert_grads_match(ref, model, rerun=lambda m: scalar(m(**kwargs, input_ids=ids)))
 
 
 def check_packed_qkv_shards(tp):

@@ -101,14 +101,19 @@ def test_unknown_key_named_with_architecture():
         llama.translate_state_dict_to_hf_llama(_hf("gpt2", seed=0).state_dict())
 
 
-def test_legacy_masks_added_only_with_max_seq_len():
-    dist = gpt2.translate_hf_state_dict_to_smdistributed_gpt2(_hf("gpt2", seed=0).state_dict())
+def test_legacy_masks_added_only_on_request():
+    hf = _hf("gpt2", seed=0)
+    dist = gpt2.translate_hf_state_dict_to_smdistributed_gpt2(hf.state_dict())
     assert not any(k.endswith(".attn.bias") for k in gpt2.translate_state_dict_to_hf_gpt2(dist))
-    legacy = gpt2.translate_state_dict_to_hf_gpt2(dist, max_seq_len=16)
+    hf.load_state_dict(gpt2.translate_state_dict_to_hf_gpt2(dist, 16), strict=True)  # transformers 5: no masks
+    with pytest.raises(ValueError, match="legacy_buffers=True needs max_seq_len"):
+        gpt2.translate_state_dict_to_hf_gpt2(dist, legacy_buffers=True)
+    legacy = gpt2.translate_state_dict_to_hf_gpt2(dist, max_seq_len=16, legacy_buffers=True)
     assert torch.equal(legacy["transformer.h.1.attn.bias"], torch.tril(torch.ones(16, 16, dtype=torch.bool))[None, None])
     assert "transformer.h.1.attn.bias" not in gpt2.translate_hf_state_dict_to_smdistributed_gpt2(legacy)
     neo_config = ARCHS["gpt_neo"][0]()
-    neo = gptneo.translate_state_dict_to_hf_gptneo(_hf("gpt_neo", seed=0).state_dict(), 8, config=neo_config)
+    neo = gptneo.translate_state_dict_to_hf_gptneo(_hf("gpt_neo", seed=0).state_dict(), 8, config=neo_config,
+                                              legacy_buffers=True)
     local = neo["transformer.h.1.attn.attention.bias"][0, 0]
     assert local[7, 3] == 0 and local[7, 4] == 1 and local[7, 7] == 1, "local layer keeps only its window of 4"
 

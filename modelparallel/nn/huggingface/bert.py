@@ -38,9 +38,9 @@ TABLE = encoder_table(
 )
 
 
-def translate_state_dict_to_hf_bert(state_dict, max_seq_len=None):
+def translate_state_dict_to_hf_bert(state_dict, max_seq_len=None, legacy_buffers=False):
     """Distributed-format BERT state dict -> HF BERT state dict."""
-    return to_hf(TABLE, state_dict, max_seq_len)
+    return to_hf(TABLE, state_dict, max_seq_len, legacy_buffers)
 
 
 def translate_hf_state_dict_to_smdistributed_bert(state_dict):

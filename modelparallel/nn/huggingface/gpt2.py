@@ -24,9 +24,9 @@ TABLE = KeyTable(
 )
 
 
-def translate_state_dict_to_hf_gpt2(state_dict, max_seq_len=None):
+def translate_state_dict_to_hf_gpt2(state_dict, max_seq_len=None, legacy_buffers=False):
     """Distributed-format state dict (``DistributedModel.state_dict()``) -> HF GPT-2 state dict."""
-    return to_hf(TABLE, state_dict, max_seq_len)
+    return to_hf(TABLE, state_dict, max_seq_len, legacy_buffers)
 
 
 def translate_hf_state_dict_to_smdistributed_gpt2(state_dict):

@@ -17,9 +17,9 @@ TABLE = KeyTable(
 )
 
 
-def translate_state_dict_to_hf_gptj(state_dict, max_seq_len=None):
+def translate_state_dict_to_hf_gptj(state_dict, max_seq_len=None, legacy_buffers=False):
     """Distributed-format GPT-J state dict -> HF GPT-J state dict."""
-    return to_hf(TABLE, state_dict, max_seq_len)
+    return to_hf(TABLE, state_dict, max_seq_len, legacy_buffers)
 
 
 def translate_hf_state_dict_to_smdistributed_gptj(state_dict):

@@ -41,10 +41,10 @@ def _table(config=None):
 TABLE = _table()
 
 
-def translate_state_dict_to_hf_gptneo(state_dict, max_seq_len=None, config=None):
+def translate_state_dict_to_hf_gptneo(state_dict, max_seq_len=None, config=None, legacy_buffers=False):
     """Distributed-format GPT-Neo state dict -> HF. Give the model ``config`` with
     ``max_seq_len`` to get the windowed masks of local-attention layers right."""
-    return to_hf(_table(config), state_dict, max_seq_len)
+    return to_hf(_table(config), state_dict, max_seq_len, legacy_buffers)
 
 
 def translate_hf_state_dict_to_smdistributed_gptneo(state_dict):

@@ -20,10 +20,10 @@ TABLE = KeyTable(
 )
 
 
-def translate_state_dict_to_hf_llama(state_dict, max_seq_len=None):
+def translate_state_dict_to_hf_llama(state_dict, max_seq_len=None, legacy_buffers=False):
     """Distributed-format Llama state dict -> HF (``max_seq_len`` accepted for symmetry; Llama
     checkpoints never stored masks)."""
-    return to_hf(TABLE, state_dict, max_seq_len)
+    return to_hf(TABLE, state_dict, max_seq_len, legacy_buffers)
 
 
 def translate_hf_state_dict_to_smdistributed_llama(state_dict):

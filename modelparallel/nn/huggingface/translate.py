@@ -106,19 +106,28 @@ def _legacy(table: KeyTable, state_dict: dict, max_seq_len: int) -> dict[str, to
             for template, build in table.legacy_buffers.items() for i in sorted(layers)}
 
 
-def to_hf(table: KeyTable, state_dict: dict, max_seq_len: int | None = None) -> dict[str, torch.Tensor]:
+def to_hf(table: KeyTable, state_dict: dict, max_seq_len: int | None = None,
+          legacy_buffers: bool = False) -> dict[str, torch.Tensor]:
     """A full distributed-format state dict in HF format, tied aliases included.
+
+    Hugging Face transformers 5 models hold no causal-mask buffers, so by default ``max_seq_len``
+    adds nothing and the result loads with ``load_state_dict(strict=True)``; ``legacy_buffers=True``
+    adds the per-layer masks that models of older transformers releases stored, sized
+    ``max_seq_len``.
 
     Raises:
         KeyError: naming the first key that is not of this architecture.
+        ValueError: ``legacy_buffers`` without ``max_seq_len``.
     """
+    if legacy_buffers and max_seq_len is None:
+        raise ValueError("legacy_buffers=True needs max_seq_len: the masks are max_seq_len x max_seq_len")
     out = {}
     for key, tensor in state_dict.items():
         out.update(to_hf_items(table, key, tensor))
     for alias, source in table.tied.items():
         if alias not in out and source in out:
             out[alias] = out[source]
-    if max_seq_len is not None:
+    if legacy_buffers:
         out.update(_legacy(table, state_dict, max_seq_len))
     return out
 

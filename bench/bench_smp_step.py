@@ -1,10 +1,10 @@
 """Step time of ``@smp.step`` (microbatches 1 and 4) against a plain PyTorch loop, same batch.
 
 One process, one thread, a small GPT-2 (n_embd 256, 4 layers, vocabulary 8192), batch 8 x 128,
-fp32; one step = forward + backward + AdamW. Phase 1 also runs the same ``DistributedModel`` in a
-plain loop without the decorator, separating the wrapper's cost from ``@smp.step``'s. Two phases (``smp.init`` with microbatches 1, then
+fp32; one step = forward + backward + AdamW. Two phases (``smp.init`` with microbatches 1, then
 4); in each, the plain loop and ``@smp.step`` take turns step by step so a change of machine load
-hits both alike. Reported: median step times and the ratio of ``@smp.step`` to the plain loop of
+hits both alike. Phase 1 also runs the same ``DistributedModel`` in a plain loop without the
+decorator, separating the wrapper's cost from ``@smp.step``'s. Reported: median step times and the ratio of ``@smp.step`` to the plain loop of
 the same phase, plus the load averages.
 
 Usage: ``python bench/bench_smp_step.py [--steps 8] [--warmup 2]``; writes

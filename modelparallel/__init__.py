@@ -6,7 +6,8 @@ rank API (``smp.rank()``, ``smp.tp_rank()``, ``smp.dp_size()``...).
 """
 
 from .checkpoint import CheckpointError, last_load_report, load, resume_from_checkpoint, save, save_checkpoint
-from . import delayed_param
+from . import delayed_param, patches
+from .activations import set_activation_checkpointing
 from .config import Config
 from .creation import delay_param_initialization, model_creation
 from .loading import load_hf_checkpoint
@@ -45,4 +46,5 @@ __all__ = [
     "last_load_report", "resume_from_checkpoint", "save_checkpoint",
     "MetaTensorError", "delay_param_initialization", "delayed_param", "load_hf_checkpoint", "model_creation",
     "transform",
+    "patches", "set_activation_checkpointing",
 ]

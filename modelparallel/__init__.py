@@ -26,7 +26,8 @@ from .comm import (
 )
 from .state import state
 from .step import StepOutput, is_tracing, num_microbatches, step
-from .tp.marks import set_tensor_parallelism, tensor_parallelism, tp_register_with_module
+from . import nn
+from .tp.marks import set_tensor_parallelism, tensor_parallelism, tp_register, tp_register_with_module
 from .tp.plan import ArchSpec, ModulePlan
 from .transform import transform
 
@@ -42,7 +43,7 @@ __all__ = [
     "get_rdp_process_group", "get_tp_process_group", "get_world_process_group", "init",
     "is_initialized", "local_rank", "local_size", "mp_rank", "mp_size", "pp_rank", "pp_size", "rank",
     "rdp_rank", "rdp_size", "set_tensor_parallelism", "size", "tensor_parallelism", "tp_rank",
-    "tp_register_with_module", "tp_size",
+    "tp_register", "tp_register_with_module", "tp_size", "nn",
     "last_load_report", "resume_from_checkpoint", "save_checkpoint",
     "MetaTensorError", "delay_param_initialization", "delayed_param", "load_hf_checkpoint", "model_creation",
     "transform",

@@ -9,18 +9,18 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-
 from torch.utils.hooks import RemovableHandle
 
 from . import batch, runtime, wrapping
 from .dp import allreduce_gradients
+from .model_tp import TensorParallelMethods
 from .state_dict import LoadResult, full_state_dict, load_state_dict, local_state_dict
 from .tp import walker
 
 logger = logging.getLogger("modelparallel")
 
 
-class DistributedModel(nn.Module):
+class DistributedModel(TensorParallelMethods, nn.Module):
     """A model sharded over the runtime's tensor-parallel mesh (SageMaker's ``smp.DistributedModel``).
 
     The wrapped model computes the same function as before wrapping: pretrained weights are kept,

@@ -60,17 +60,34 @@ def check_marks():
     assert not any(isinstance(p, DTensor) for p in off.parameters())
 
 
-def check_no_plan(strict):
+def check_no_plan(strict, marked=True):
     smp.init({"tensor_parallel_degree": 2})
     cfg = GPTNeoXConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
                         vocab_size=50)
-    with smp.tensor_parallelism(strict=strict):
+    if marked:
+        with smp.tensor_parallelism(strict=strict):
+            model = GPTNeoXForCausalLM(cfg)
+    else:
         model = GPTNeoXForCausalLM(cfg)
+    ref = copy.deepcopy(model)
     try:
         smp.DistributedModel(model)
     except ValueError as e:
         return str(e)
-    return [isinstance(p, DTensor) for p in model.parameters()]
+    ids = torch.randint(0, 50, (2, 8))
+    assert_close(model(ids).logits, ref(ids).logits)
+    return {type(m).__name__ for m in model.modules()}
+
+
+def check_nothing_supported_strict():
+    smp.init({"tensor_parallel_degree": 2})
+    with smp.tensor_parallelism(strict=True):
+        model = torch.nn.Sequential(torch.nn.Conv1d(4, 4, 1), torch.nn.LayerNorm(4))
+    try:
+        smp.DistributedModel(model)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def check_wrap_twice():
@@ -93,10 +110,15 @@ def test_marks_choose_what_is_distributed():
     harness.run(2, check_marks)
 
 
-def test_model_without_plan_replicated_or_refused_when_strict():
-    assert harness.run(2, check_no_plan, False)[0] == [False] * len(harness.run(2, check_no_plan, False)[0])
-    msg = harness.run(2, check_no_plan, True)[0]
-    assert "GPTNeoXForCausalLM" in msg and "no tensor-parallel plan" in msg and "strict" in msg
+def test_model_without_plan_linear_layers_distributed_when_marked():
+    kinds = harness.run(2, check_no_plan, False)[0]
+    assert "DistributedLinear" in kinds and "Linear" not in kinds, "marked: every nn.Linear is distributed"
+    assert "DistributedLinear" not in harness.run(2, check_no_plan, False, False)[0], "unmarked: stays replicated"
+
+
+def test_model_with_nothing_supported_refused_when_strict():
+    msg = harness.run(2, check_nothing_supported_strict)[0]
+    assert msg is not None and "Sequential" in msg and "no tensor-parallel plan" in msg and "strict" in msg
 
 
 def test_distributed_model_twice_refused():

@@ -79,5 +79,6 @@ class VocabParallelEmbedding(ParallelStyle):
                                                     src_data_rank=self.src_data_rank),
                                   requires_grad=module.weight.requires_grad)
         module.register_parameter("weight", weight)
-        module.__class__ = _VocabParallelEmbedding
+        if not getattr(type(module), "vocab_parallel_forward", False):  # else its own forward handles shards
+            module.__class__ = _VocabParallelEmbedding
         return module

@@ -7,7 +7,7 @@ A glob is a dotted module path in which ``*`` stands for exactly one whole path 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,15 @@ class ArchSpec:
     base: ModulePlan
     head: ModulePlan = field(default_factory=lambda: ModulePlan(rules={}))
     divisible_config: tuple[str, ...] = ()
+
+
+VOCAB_STYLES = ("vocab_embedding", "vocab_colwise")
+
+
+def without_styles(spec: ArchSpec, styles: tuple[str, ...]) -> ArchSpec:
+    """``spec`` with the rules of ``styles`` removed (those modules then stay whole)."""
+    strip = lambda plan: replace(plan, rules={k: v for k, v in plan.rules.items() if v not in styles})
+    return replace(spec, base=strip(spec.base), head=strip(spec.head))
 
 
 def glob_match(pattern: str, path: str) -> bool:

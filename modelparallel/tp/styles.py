@@ -27,11 +27,12 @@ from transformers.pytorch_utils import Conv1D
 
 from .embedding import VocabParallelEmbedding
 
-STYLE_NAMES = ("colwise", "rowwise", "packed_colwise", "vocab_embedding", "vocab_colwise")
+STYLE_NAMES = ("colwise", "rowwise", "packed_colwise", "vocab_embedding", "vocab_colwise", "colwise_gather")
 """colwise / rowwise: Megatron's column- and row-parallel linear layers. packed_colwise: a fused
 projection (e.g. GPT-2's q|k|v) sharded chunk by chunk. vocab_embedding: embedding rows (the
 vocabulary) sharded. vocab_colwise: an LM head sharded over the vocabulary whose logits stay
-sharded, for the vocab-parallel loss."""
+sharded, for the vocab-parallel loss. colwise_gather: column parallel with the output gathered,
+a drop-in ``nn.Linear`` (whole input and output on every rank)."""
 
 
 def _replace(module: nn.Module, name: str, tensor: torch.Tensor, placements, mesh: DeviceMesh) -> None:
@@ -193,6 +194,8 @@ def _new_style(name: str, conv: bool, chunks: int) -> ParallelStyle:
         return VocabParallelEmbedding()
     if name == "vocab_colwise":
         return ColwiseParallel(use_local_output=False)
+    if name == "colwise_gather":
+        return ColwiseParallelShared(output_layouts=Replicate())
     raise ValueError(f"unknown parallel style {name!r}; known styles: {', '.join(STYLE_NAMES)}")
 
 
@@ -202,6 +205,7 @@ SUPPORTED_TYPES = {
     "packed_colwise": (nn.Linear, Conv1D),
     "vocab_embedding": (nn.Embedding,),
     "vocab_colwise": (nn.Linear,),
+    "colwise_gather": (nn.Linear,),
 }
 
 

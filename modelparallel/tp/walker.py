@@ -3,7 +3,9 @@
 Nothing is touched until the whole plan has been checked: rules that match nothing, module types
 a style cannot shard, sizes not divisible by the degree, linear layers inside a planned block that
 no rule covers, and tied weights split between sharded and replicated holders all raise one
-``ValueError`` naming every module path and number at fault.
+``ValueError`` naming every module path and number at fault. First, ``substitute`` puts
+distributed modules in place of registered and marked ones (their plans are then collected like
+any other); a distributed module's plan is collected from the module itself (``tp_plan``).
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from transformers.pytorch_utils import Conv1D
 
 from . import marks
 from .loss import install_vocab_parallel_loss
-from .plan import ArchSpec, ModulePlan, block_prefix, first_match, glob_match, join, to_glob
+from .plan import (VOCAB_STYLES, ArchSpec, ModulePlan, block_prefix, first_match, glob_match, join, to_glob,
+                   without_styles)
 from .styles import ALLOWS_UNEVEN, SUPPORTED_TYPES, build_style, sharded_size
+from .substitute import substitute
 
 logger = logging.getLogger("modelparallel")
 
@@ -33,6 +37,7 @@ class Assignment:
     module: nn.Module
     style: str
     chunks: int = 1
+    registered: bool = False
 
 
 @dataclass
@@ -57,8 +62,10 @@ def _check_size(a: Assignment, tp: int, problems: list[str]) -> None:
         problems.append(f"{a.path}: {what} = {n} is not divisible by tensor_parallel_degree {tp}")
 
 
-def _collect_plan(model, plan: ModulePlan, prefix: str, tp: int, work: Work, skip: tuple[str, ...]):
-    """Match one plan's rules under ``prefix`` and check every match."""
+def _collect_plan(model, plan: ModulePlan, prefix: str, tp: int, work: Work, skip: tuple[str, ...],
+                  registered: bool = False):
+    """Match one plan's rules under ``prefix`` and check every match (rule ``""`` is the module
+    at ``prefix`` itself)."""
     root = model.get_submodule(prefix)
     rel_modules = dict(root.named_modules())
     def live(rel):
@@ -66,7 +73,7 @@ def _collect_plan(model, plan: ModulePlan, prefix: str, tp: int, work: Work, ski
         return marks.is_enabled(model, full) and not any(full.startswith(s + ".") for s in skip)
 
     for rule, style in plan.rules.items():
-        matched = [rel for rel in rel_modules if rel and glob_match(rule, rel)]
+        matched = [rel for rel in rel_modules if (rel or not rule) and glob_match(rule, rel)]
         if not matched and rule not in plan.optional_rules:
             work.problems.append(f"rule {rule!r} -> {style!r} matches no module in "
                                  f"{type(root).__name__}{' at ' + prefix if prefix else ''}")
@@ -75,7 +82,7 @@ def _collect_plan(model, plan: ModulePlan, prefix: str, tp: int, work: Work, ski
             if not isinstance(module, SUPPORTED_TYPES.get(style, ())):
                 work.problems.append(f"{path}: style {style!r} cannot shard a {type(module).__name__}")
                 continue
-            a = Assignment(path, module, style, plan.packed.get(first_match(plan.packed, rel) or "", 1))
+            a = Assignment(path, module, style, plan.packed.get(first_match(plan.packed, rel) or "", 1), registered)
             _check_size(a, tp, work.problems)
             work.assignments.append(a)
     for glob, attrs in plan.per_rank_attrs.items():
@@ -120,12 +127,16 @@ def _check_config(model: nn.Module, spec: ArchSpec, tp: int, problems: list[str]
 def collect(model: nn.Module, spec: ArchSpec | None, tp: int) -> Work:
     """Gather and check everything the walker would do to ``model``; modify nothing."""
     work = Work()
+    outer: list[str] = []  # user-registered modules: the outermost one shards its whole subtree
     for path, module in model.named_modules():
         reg = marks.registration_of(module)
-        if reg is not None and marks.is_enabled(model, path):
-            work.registered.append((path, module, reg))
-            if reg.plan is not None:
-                _collect_plan(model, reg.plan, path, tp, work, ())
+        if reg is None or not marks.is_enabled(model, path) or any(o == "" or path.startswith(o + ".") for o in outer):
+            continue
+        work.registered.append((path, module, reg))
+        if reg.plan is not None:
+            _collect_plan(model, reg.plan, path, tp, work, (), registered=True)
+        if "_mp_tp_registration" in type(module).__dict__:
+            outer.append(path)
     skip = tuple(path for path, _, _ in work.registered)
     if spec is not None and marks.is_enabled(model, ""):
         _check_config(model, spec, tp, work.problems)
@@ -192,7 +203,7 @@ def apply(model: nn.Module, tp_mesh: DeviceMesh, work: Work) -> None:
     for path, module, reg in work.registered:
         _apply_registered(model, tp_mesh, path, module, reg)
     _retie(groups)
-    if any(a.style == "vocab_colwise" for a in work.assignments):
+    if any(a.style == "vocab_colwise" and not a.registered for a in work.assignments):
         install_vocab_parallel_loss(model)
 
 
@@ -214,7 +225,12 @@ def parallelize(model: nn.Module, tp_mesh: DeviceMesh, spec: ArchSpec | None) ->
     Raises:
         ValueError: naming every problem, before any tensor is touched.
     """
-    work = collect(model, spec, tp_mesh.size())
+    tp = tp_mesh.size()
+    if spec is not None and marks.option(model, "distribute_embedding") is False:
+        spec = without_styles(spec, VOCAB_STYLES)  # asked for explicitly: vocabulary layers whole
+    substitute(model, lambda module: collect(module, None, tp).problems,
+               whole_model=spec is not None and marks.is_enabled(model, ""))
+    work = collect(model, spec, tp)
     if spec is None and not work.registered and marks.is_enabled(model, ""):
         msg = (f"{type(model).__name__} (model_type {getattr(getattr(model, 'config', None), 'model_type', '?')!r}) "
                "has no tensor-parallel plan and no tp_register_with_module registration")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import struct
 
 import torch
@@ -25,12 +26,31 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
           "BOOL": torch.bool}
 
 
-@functools.lru_cache(maxsize=64)
 def header(path: str) -> tuple[int, dict]:
-    """(byte where the data starts, the JSON header) of a safetensors file."""
+    """(byte where the data starts, the JSON header) of a safetensors file. Cached by path,
+    size, mtime, ctime and inode: a file rewritten in place (even at the same path) is re-read,
+    never served from the old header's offsets.
+
+    Raises:
+        ValueError: naming the file, if its header is truncated or not JSON.
+    """
+    st = os.stat(path)
+    return _header(str(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+
+
+@functools.lru_cache(maxsize=64)
+def _header(path: str, size: int, mtime_ns: int, ctime_ns: int, inode: int) -> tuple[int, dict]:
     with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        return 8 + n, json.loads(f.read(n))
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{path}: not a safetensors file ({size} bytes, no header length)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > size - 8:
+            raise ValueError(f"{path}: safetensors header of {n} bytes in a {size}-byte file (truncated?)")
+        try:
+            return 8 + n, json.loads(f.read(n))
+        except ValueError as e:
+            raise ValueError(f"{path}: unreadable safetensors header ({e})") from e
 
 
 def contiguous_range(shape: tuple[int, ...], offset: tuple[int, ...], full: tuple[int, ...]) -> tuple[int, int] | None:

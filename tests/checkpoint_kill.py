@@ -276,7 +276,7 @@ def run_series(root: Path, trials: int, seed: int) -> list[dict]:
     records += [run_trial(root, k + 2, rng, calibration, plan_kill(k, trials, rng, calibration["events"]))
                 for k in range(trials)]
     final = run_trial(root, trials + 2, rng, {})
-    leftovers = [p.name for p in (root / "ckpt").iterdir() if p.name.startswith(".")]
+    leftovers = [p.name for p in (root / "ckpt").iterdir() if p.name.startswith(".") and p.name != ".mp-lock"]
     if final["ok"] and leftovers:
         final.update(ok=False, problem=f"leftovers after a clean save: {leftovers}")
     return records + [final]

@@ -20,7 +20,7 @@ def fake_checkpoint(root, name, saved_at, content=b"x"):
     staging = root / commit.hidden_name("staging", commit.new_nonce(), name)
     staging.mkdir()
     (staging / "data.bin").write_bytes(content)
-    commit.write_manifest(staging, {"saved_at_ns": saved_at,
+    commit.write_manifest(staging, {"saved_at_ns": saved_at, "format": "modelparallel-partial", "parts": [],
                                     "files": {"data.bin": commit.file_checksum(staging / "data.bin")}})
     commit.commit_dir(staging, root / name)
 
@@ -80,7 +80,7 @@ def save_with_retention(path: str):
 def test_save_checkpoint_applies_retention_and_updates_newest(tmp_path, capsys):
     first, second = harness.run(2, save_with_retention, str(tmp_path))[0]
     assert (first, second) == ("again", 3)
-    assert sorted(os.listdir(tmp_path)) == ["newest", "step2_partial", "step3_partial"]
+    assert sorted(os.listdir(tmp_path)) == [commit.LOCK, "newest", "step2_partial", "step3_partial"]
     assert main(["inspect", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "newest: step2_partial" in out and "* step2_partial" in out and "  step3_partial" in out

@@ -9,6 +9,7 @@ from .api import last_load_report, resume_from_checkpoint, save_checkpoint
 from .errors import CheckpointError
 from .legacy import load, save
 from .parts import LoadReport
+from .safe_load import UnsafeCheckpointError
 
 __all__ = ["CheckpointError", "LoadReport", "last_load_report", "load", "resume_from_checkpoint", "save",
-           "save_checkpoint"]
+           "save_checkpoint", "UnsafeCheckpointError"]

@@ -7,26 +7,21 @@ can resume first, then build the model as usual.
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from .. import runtime
-from . import commit, full
+from . import commit, full, single_file
 from . import partial as partial_ckpt
 from .errors import run_phase
 from .full_load import load_weights
 from .parts import USER_CONTENT, LoadReport, read_user_content
-
-logger = logging.getLogger("modelparallel")
-
-_LAST_REPORTS: dict[str, LoadReport] = {}
+from .pending import LAST_REPORTS, PendingResume
 
 
 def save_checkpoint(path: str | Path, tag: str, partial: bool = True, model=None, optimizer=None,
                     user_content: Any = None, translate_if_full: bool = True,
-                    num_kept_partial_checkpoints: int | None = None) -> None:
+                    num_kept_partial_checkpoints: int | None = None, trust_user_content: bool = False) -> None:
     """Save a checkpoint (a collective: call it on every rank).
 
     Args:
@@ -37,9 +32,13 @@ def save_checkpoint(path: str | Path, tag: str, partial: bool = True, model=None
             model directory, and ``path/user_content_{tag}``.
         model, optimizer: default to the last ``DistributedModel`` / ``DistributedOptimizer``
             created (``optimizer`` is not saved by a full checkpoint).
-        user_content: any picklable object, returned by ``resume_from_checkpoint``.
+        user_content: returned by ``resume_from_checkpoint``: tensors, numbers, strings, None,
+            lists, tuples, dicts (also ``OrderedDict``, ``defaultdict`` of a built-in type),
+            sets; anything else raises ``TypeError`` before anything is written.
         translate_if_full: full checkpoints in Hugging Face format (else the distributed format).
         num_kept_partial_checkpoints: keep only this many newest partial checkpoints.
+        trust_user_content: store ``user_content`` as a full pickle (any object); loading it
+            then needs ``trust_user_content=True`` and runs whatever code the file names.
 
     Raises:
         ValueError: for bad arguments, before anything is written.
@@ -49,9 +48,10 @@ def save_checkpoint(path: str | Path, tag: str, partial: bool = True, model=None
     model, optimizer = _defaults(model, optimizer)
     _check_save_args(tag, num_kept_partial_checkpoints, model, partial)
     if partial:
-        partial_ckpt.save(Path(path), tag, model, optimizer, user_content, num_kept_partial_checkpoints)
+        partial_ckpt.save(Path(path), tag, model, optimizer, user_content, num_kept_partial_checkpoints,
+                          trust_user_content)
     else:
-        full.save(Path(path), tag, model, user_content, translate_if_full)
+        full.save(Path(path), tag, model, user_content, translate_if_full, trust_user_content=trust_user_content)
 
 
 def _defaults(model, optimizer):
@@ -85,12 +85,14 @@ def _check_save_args(tag, keep, model, partial: bool) -> None:
 
 def resume_from_checkpoint(path: str | Path, tag: str | None = None, partial: bool = True,
                            strict: bool = True, load_optimizer: bool = True,
-                           translate_function: Callable | None = None) -> Any:
+                           translate_function: Callable | None = None, trust_user_content: bool = False) -> Any:
     """Load a checkpoint into this job's model and optimizer; returns the saved user content.
 
     Args:
         path: the directory given to ``save_checkpoint``.
-        tag: the checkpoint to load; None loads the one ``path/newest`` names.
+        tag: the checkpoint to load; None loads the one ``path/newest`` names. With
+            ``partial=False``, a tag naming a single file (``torch.save`` of a state dict, e.g.
+            ``"fullmodel.pt"``) loads that file, read with ``weights_only=True``.
         partial: load a partial checkpoint (model and optimizer, any layout) or a full one
             (model weights only).
         strict: raise listing every missing / unexpected key and shape mismatch; False loads
@@ -98,81 +100,82 @@ def resume_from_checkpoint(path: str | Path, tag: str | None = None, partial: bo
         load_optimizer: also load the optimizer and loss-scaler state (partial only).
         translate_function: for a full checkpoint, maps the file's keys to the model's
             (default: the architecture's own translation).
+        trust_user_content: read user content saved with ``trust_user_content=True`` (full
+            pickle: this runs whatever code the file names; only for files you wrote).
 
     If the ``DistributedModel`` (or optimizer) does not exist yet, its load happens when it is
-    created. Every file is verified against the manifest's checksums first.
+    created. Every file is verified against the manifest's checksums first, and every part is
+    checked (keys, shapes) before any tensor changes: a failed resume changes nothing and leaves
+    no load pending.
 
     Raises:
         CheckpointError (on every rank; also a ``FileNotFoundError`` / ``ValueError`` when every
             failing rank raised that type): missing path, unknown tag, ``newest`` naming a
             missing checkpoint; another architecture; strict mismatches (all listed); a missing,
-            truncated or corrupted file (named).
+            truncated, corrupted or unlisted file (named); content a checkpoint may not hold.
     """
-    directory = Path(locate(Path(path), tag, partial))
-    manifest = commit.read_manifest(directory)
+    rt = runtime.current()
+    rt.pending_resume = None
+    path = Path(path)
+    if not partial and tag is not None and single_file.is_single_file(path, tag):
+        content, pending = single_file.prepare(path, tag, strict, translate_function, trust_user_content)
+    else:
+        content, pending = _prepare(path, tag, partial, strict, load_optimizer, translate_function,
+                                    trust_user_content)
+    model, optimizer = _defaults(None, None)
+    rt.pending_resume = pending
+    if model is not None:
+        pending.on_model(model, optimizer if pending.load_optimizer is not None else None)
+    return content
+
+
+def _prepare(path: Path, tag, partial: bool, strict: bool, load_optimizer: bool, translate_function,
+             trusted: bool):
+    """Locate and verify the checkpoint, read its user content: (content, PendingResume)."""
+    directory = Path(locate(path, tag, partial))
+    manifest = run_phase("resume (manifest)", lambda: _manifest(directory, trusted))[0]
+    found: dict[str, Any] = {}
     if partial:
         prefixes = (partial_ckpt.MODEL + "/", USER_CONTENT)
         prefixes += (partial_ckpt.OPTIMIZER + "/",) if load_optimizer else ()
         partial_ckpt.verify(directory, manifest, prefixes)
-        content = read_user_content(directory / USER_CONTENT)
+        run_phase("resume (user content)",
+                  lambda: found.update(content=read_user_content(directory / USER_CONTENT, trusted)))
         pending = PendingResume(
-            lambda model: partial_ckpt.load_model(directory, manifest, model, strict),
-            (lambda model, opt: partial_ckpt.load_optimizer(directory, manifest, model, opt, strict))
-            if load_optimizer else None)
+            lambda model: partial_ckpt.check_model(directory, manifest, model, strict),
+            lambda model, plan: partial_ckpt.load_model(directory, manifest, model, plan))
+        if load_optimizer:
+            pending.check_optimizer_names = lambda model: run_phase(
+                "load (optimizer: names)", lambda: partial_ckpt.check_optimizer_names(directory, manifest, model, strict))
+            pending.plan_optimizer = lambda model, opt: partial_ckpt.plan_optimizer(directory, manifest, model, opt, strict)
+            pending.load_optimizer = lambda model, opt, plan: partial_ckpt.load_optimizer(
+                directory, manifest, model, opt, plan)
     else:
-        content = full.resume(Path(path), directory, manifest)
-        pending = PendingResume(lambda model: _load_full(directory, manifest, model, strict, translate_function))
-    rt = runtime.current()
-    rt.pending_resume = pending
-    if rt.models:
-        pending.on_model(rt.models[-1])
-    if rt.optimizers and rt.pending_resume is pending:
-        pending.on_optimizer(rt.optimizers[-1])
-    return content
+        found["content"] = full.resume(path, directory, manifest, trusted)
+        pending = PendingResume(lambda model: None,
+                                lambda model, _: _load_full(directory, manifest, model, strict, translate_function))
+    return found["content"], pending
+
+
+def _manifest(directory: Path, trusted: bool) -> dict:
+    manifest = commit.read_manifest(directory)
+    if manifest.get("user_content_trusted") and not trusted:
+        raise ValueError(f"{directory} was saved with trust_user_content=True: its user content is a full "
+                         "pickle, which runs code when read. Resume with trust_user_content=True only if you "
+                         "trust whoever wrote it")
+    return manifest
 
 
 def _load_full(directory: Path, manifest: dict, model, strict: bool, translate_function) -> LoadReport:
-    partial_ckpt.check_architecture(manifest, model)
+    run_phase("full load (architecture)", lambda: partial_ckpt.check_architecture(manifest, model))
     return run_phase("full load (weights)", lambda: load_weights(directory, manifest, model, strict,
                                                                  translate_function))[0]
-
-
-@dataclass
-class PendingResume:
-    """A load waiting for the model (and optimizer) it loads into; each loader is a collective."""
-
-    load_model: Callable[[Any], LoadReport]
-    load_optimizer: Callable[[Any, Any], LoadReport] | None = None
-    model: Any = None
-
-    def on_model(self, model) -> None:
-        """Called when a ``DistributedModel`` exists."""
-        _LAST_REPORTS.clear()
-        _LAST_REPORTS["model"] = _logged("model", self.load_model(model))
-        self.model = model
-        if self.load_optimizer is None:
-            runtime.current().pending_resume = None
-
-    def on_optimizer(self, optimizer) -> None:
-        """Called when a ``DistributedOptimizer`` exists (after the model)."""
-        if self.model is None or self.load_optimizer is None:
-            return
-        _LAST_REPORTS["optimizer"] = _logged("optimizer", self.load_optimizer(self.model, optimizer))
-        runtime.current().pending_resume = None
-
-
-def _logged(part: str, report: LoadReport) -> LoadReport:
-    """A non-strict load's skipped entries, logged once (rank 0) so they are not missed."""
-    problems = report.problems(part)
-    if problems and runtime.rank() == 0:
-        logger.warning("resume_from_checkpoint(strict=False) skipped:\n  - %s", "\n  - ".join(problems))
-    return report
 
 
 def last_load_report() -> dict[str, LoadReport]:
     """Per part ("model", "optimizer"): what the last resume skipped (non-empty only with
     ``strict=False``)."""
-    return dict(_LAST_REPORTS)
+    return dict(LAST_REPORTS)
 
 
 def locate(path: Path, tag: str | None, partial: bool) -> Path:
@@ -184,6 +187,7 @@ def locate(path: Path, tag: str | None, partial: bool) -> Path:
         if name is None:
             raise FileNotFoundError(f"{path} has no '{commit.NEWEST}' file, so tag=None finds nothing; "
                                     f"saved checkpoints: {_saved(path)}")
+        commit.safe_name(path, name, f"{path}/{commit.NEWEST} names" if tag is None else "the tag")
         where = f"{path}/{commit.NEWEST} names {name!r}, which" if tag is None else f"checkpoint {name!r}"
         other = f"{tag}_partial" if not partial else tag
         if not (path / name).is_dir() and tag is not None and (path / other / commit.MANIFEST).is_file():

@@ -12,6 +12,11 @@ The rules, each against a failure peers shipped (see shared PITFALLS, Checkpoint
   (``renameat2(RENAME_EXCHANGE)`` on Linux), so the old one stays whole until the new one is in.
 * Deleting (retention, replaced checkpoints) first renames into ``.mp-trash-...``, so a crash
   mid-delete never leaves a half-deleted directory under a checkpoint's name.
+* One writer per directory: a save holds ``DirectoryLock`` (``.mp-lock``) from before it cleans
+  leftovers until after it commits, so a second job saving into the same directory fails at
+  once naming the owner, instead of deleting the first job's staging directory.
+* A manifest is checked on read (``read_manifest``): fields and types, and every path in it
+  relative and inside the checkpoint; a bad one is a ``ManifestError`` naming the file.
 
 Everything here is local file work; the caller decides which rank does what.
 """
@@ -33,9 +38,13 @@ try:  # zlib's CRC-32 with SIMD, same values, about 3x faster (pip install model
 except ImportError:  # pragma: no cover - depends on the environment
     from zlib import crc32
 
+from .errors import CheckpointError
+from .lock import LOCK, DirectoryLock, DirectoryLocked  # noqa: F401 - part of this module's API
+from .manifest import (  # noqa: F401 - part of this module's API
+    MANIFEST, ManifestError, check_committed, manifest_problems, read_manifest, safe_name, unlisted_files)
+
 HIDDEN = ".mp-"
 _DCP_DATA = re.compile(r"(?:^|/)__(\d+)_\d+\.distcp$")
-MANIFEST = "checkpoint_manifest.json"
 NEWEST = "newest"
 
 
@@ -138,9 +147,15 @@ def share(sizes: dict[str, int], rank: int, world: int) -> list[str]:
 
 def verify_file(root: str | Path, rel: str, expected: dict) -> str | None:
     """None if ``root/rel`` has the recorded size and CRC32, else a message naming the file."""
-    path = Path(root) / rel
-    if not path.is_file():
-        return f"{path}: missing (listed in the manifest)"
+    from .safe_load import UnsafeCheckpointError, inside
+
+    try:
+        path = inside(root, rel, f"the manifest of {root}")
+    except UnsafeCheckpointError as e:
+        return str(e)
+    if path.is_symlink() or not path.is_file():
+        return f"{path}: missing (listed in the manifest)" if not path.is_symlink() else \
+            f"{path}: a symlink (a checkpoint holds regular files only)"
     size = path.stat().st_size
     if size != expected["size"]:
         return f"{path}: size {size} bytes, manifest says {expected['size']} (truncated or overwritten)"
@@ -152,21 +167,6 @@ def verify_file(root: str | Path, rel: str, expected: dict) -> str | None:
 
 def write_manifest(directory: str | Path, manifest: dict) -> None:
     write_file_atomic(Path(directory) / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
-
-
-def read_manifest(directory: str | Path, name: str = MANIFEST) -> dict:
-    """The manifest of a checkpoint directory.
-
-    Raises:
-        FileNotFoundError / ValueError: naming the directory, when it has none or it is unreadable.
-    """
-    path = Path(directory) / name
-    if not path.is_file():
-        raise FileNotFoundError(f"{directory} is not a complete modelparallel checkpoint: no {name}")
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: unreadable manifest ({e})") from e
 
 
 _RENAME_EXCHANGE = 2
@@ -215,10 +215,11 @@ def remove_dir(directory: str | Path) -> None:
 
 
 def clean_leftovers(path: str | Path) -> list[str]:
-    """Remove what interrupted saves left in ``path`` (hidden ``.mp-`` entries only)."""
+    """Remove what interrupted saves left in ``path`` (hidden ``.mp-`` entries only). Call it
+    only while holding ``DirectoryLock``: then no other live job has anything in ``path``."""
     removed = []
     for entry in sorted(Path(path).iterdir()):
-        if entry.name.startswith(HIDDEN):
+        if entry.name.startswith(HIDDEN) and entry.name != LOCK:
             shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
             removed.append(entry.name)
     return removed
@@ -251,10 +252,11 @@ def saved_checkpoints(path: str | Path, suffix: str = "_partial") -> list[tuple[
     first. Complete means it holds a readable manifest; anything else is never counted."""
     found = []
     for entry in Path(path).iterdir():
-        if entry.is_dir() and not entry.name.startswith(HIDDEN) and entry.name.endswith(suffix):
+        if entry.is_dir() and not entry.is_symlink() and not entry.name.startswith(HIDDEN) \
+                and entry.name.endswith(suffix):
             try:
                 found.append((int(read_manifest(entry)["saved_at_ns"]), entry.name))
-            except (OSError, ValueError, KeyError):
+            except (OSError, ValueError, KeyError, CheckpointError):
                 continue
     return sorted(found)
 

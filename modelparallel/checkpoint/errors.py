@@ -72,12 +72,14 @@ def agree(phase: str, error: BaseException | None, payload: Any = None) -> list[
         CheckpointError: naming the phase and each failing rank's error (chained to this rank's
             own exception, if it had one).
     """
-    mine = None if error is None else (type(error).__name__, _message(error))
-    outcomes = [(mine, payload)]
+    root = cause(error) if error is not None else None
+    mine = None if root is None else (type(root).__name__, _message(root))
+    here = origin(error, dist.get_rank() if dist.is_initialized() else 0) if error is not None else None
+    outcomes = [(mine, payload, here)]
     if _world() > 1:
         outcomes = [None] * _world()
-        dist.all_gather_object(outcomes, (mine, payload), group=object_group())
-    failed = [(r, e) for r, (e, _) in enumerate(outcomes) if e is not None]
+        dist.all_gather_object(outcomes, (mine, payload, here), group=object_group())
+    failed = [(r, e) for r, (e, _, _) in enumerate(outcomes) if e is not None]
     if failed:
         by_error: dict[tuple[str, str], list[int]] = {}
         for r, e in failed:
@@ -85,14 +87,40 @@ def agree(phase: str, error: BaseException | None, payload: Any = None) -> list[
         lines = [f"rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))}: {name}: {msg}"
                  for (name, msg), rs in by_error.items()]
         cls = _error_class({name for _, (name, _) in failed})
-        raise cls(f"checkpoint {phase} failed on rank(s) {[r for r, _ in failed]}:\n  "
+        first_rank, (name, msg) = failed[0]
+        first_rank = outcomes[first_rank][2]  # where DCP says the error happened
+        lead = msg.splitlines()[0] if msg.strip() else name
+        raise cls(f"{lead} (rank {first_rank}, during checkpoint {phase})\n"
+                  f"checkpoint {phase} failed on rank(s) {[r for r, _ in failed]}:\n  "
                   + "\n  ".join(lines)) from error
-    return [p for _, p in outcomes]
+    return [p for _, p, _ in outcomes]
+
+
+def cause(error: BaseException) -> BaseException:
+    """The exception that started it: DCP wraps each rank's error in a ``CheckpointException``
+    whose text leads with ``CheckpointException ranks:...`` and a traceback; its first wrapped
+    failure is what the user needs to read first."""
+    while isinstance(error, CheckpointException) and error.failures:
+        inner = next(iter(error.failures.values()))
+        error = inner[0] if isinstance(inner, tuple) else inner
+    return error
+
+
+def origin(error: BaseException, rank: int) -> int:
+    """The rank an error started on: DCP's exception records it; others started here."""
+    if isinstance(error, CheckpointException) and error.failures:
+        return int(next(iter(error.failures)))
+    return rank
 
 
 def _message(error: BaseException) -> str:
-    """The error's text (KeyError's str() adds quotes around its argument; drop them)."""
-    return str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
+    """The error's text, naming the file for an OS error that carries one (KeyError's str()
+    adds quotes around its argument; they are dropped)."""
+    if isinstance(error, KeyError) and error.args:
+        return str(error.args[0])
+    if isinstance(error, OSError) and error.strerror and error.filename and str(error.filename) not in str(error):
+        return f"{error} ({error.filename})"
+    return str(error)
 
 
 def run_phase(phase: str, fn: Callable[[], Any]) -> list[Any]:

@@ -27,8 +27,11 @@ from concurrent.futures import Future
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+
+from .safe_load import read_dcp_metadata, torch_load
 
 _STORAGE_RECORD = re.compile(r"(^|/)data/\d+$")
 # zip structures, fields we do not use skipped: local file header (signature, name and extra
@@ -111,13 +114,35 @@ def _read_into(fd: int, offset: int, target: torch.Tensor, path: str) -> None:
         done += got
 
 
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except that non-tensor entries (hyperparameters, the loss
+    scale) are read with ``weights_only=True``: DCP's own planner unpickles them freely."""
+
+    def load_bytes(self, read_item: ReadItem, value) -> None:
+        fqn = read_item.dest_index.fqn
+        obj = torch_load(value, name=f"checkpoint entry {fqn!r}")
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
 class FastReader(FileSystemReader):
     """``FileSystemReader`` with the direct path described in the module docstring for chunks
-    that map one-to-one onto a destination; every other item is left to DCP."""
+    that map one-to-one onto a destination; every other item is left to DCP. The metadata is
+    read by a restricted unpickler (``safe_load``), never by plain ``pickle``."""
 
     def __init__(self, path, contiguous: bool):
         super().__init__(path)
         self.contiguous = contiguous
+
+    def read_metadata(self, *args, **kwargs):
+        metadata = read_dcp_metadata(self._get_metadata_path(kwargs.get("rank")))
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         rest = [req for req in plan.items if not self._read_direct(req, planner)] \

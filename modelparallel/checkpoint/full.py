@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import commit, parts
 from .errors import run_phase
-from .partial import check_architecture, describe, verify
+from .partial import describe, verify
 from .shards import ShardWriter, plan_shards
 
 FORMAT = "modelparallel-full"
@@ -131,36 +131,44 @@ def _config_copy(model):
 
 
 def save(path: Path, tag: str, model, user_content: Any, translate_if_full: bool,
-         max_shard_bytes: int | None = None) -> Path:
-    """Write ``path/{tag}/`` and ``path/user_content_{tag}`` (a collective)."""
+         max_shard_bytes: int | None = None, trust_user_content: bool = False) -> Path:
+    """Write ``path/{tag}/`` and ``path/user_content_{tag}`` (a collective). Rank 0 holds the
+    directory's writer lock throughout (see ``commit.DirectoryLock``)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     translate = translation(getattr(model.module.config, "model_type", None), True) if translate_if_full else None
     prefix = HF_PREFIX if translate else PLAIN_PREFIX
     state = parts.model_state(model.module)
     found: dict[str, Any] = {}
+    lock = commit.DirectoryLock(path)
 
     def prepare():
         found["shards"] = _plan(state, translate, prefix, max_shard_bytes or MAX_SHARD_BYTES)
         if rank != 0:
             return None
+        found["content"] = parts.serialize_user_content(user_content, trust_user_content)
+        lock.acquire()
         return commit.new_staging(path, tag).name
 
-    staging = path / run_phase("full save (prepare)", prepare)[0]
     try:
-        writer = ShardWriter(staging, found["shards"], {"modelparallel_format": "hf" if translate else "distributed"}) \
-            if rank == 0 else None
-        error = _stream(state, translate, writer)
-        run_phase("full save (write)", lambda: _finish(path, staging, tag, model, writer, prefix, user_content,
-                                                      bool(translate), error) if rank == 0 else None)
-    except Exception:
-        if rank == 0:
-            commit.clean_leftovers(path)
-        raise
+        staging = path / run_phase("full save (prepare)", prepare)[0]
+        try:
+            writer = ShardWriter(staging, found["shards"],
+                                 {"modelparallel_format": "hf" if translate else "distributed"}) if rank == 0 else None
+            error = _stream(state, translate, writer)
+            run_phase("full save (write)", lambda: _finish(path, staging, tag, model, writer, prefix,
+                                                          found.get("content"), trust_user_content, bool(translate),
+                                                          error) if rank == 0 else None)
+        except Exception:
+            if rank == 0:
+                commit.clean_leftovers(path)
+            raise
+    finally:
+        lock.release()
     return path / tag
 
 
-def _finish(path: Path, staging: Path, tag: str, model, writer: ShardWriter, prefix: str, user_content: Any,
-            translated: bool, error: Exception | None) -> None:
+def _finish(path: Path, staging: Path, tag: str, model, writer: ShardWriter, prefix: str, content: bytes,
+            trusted: bool, translated: bool, error: Exception | None) -> None:
     """Rank 0: close the shards, write config, user content and manifest, commit, point newest."""
     if error is not None:
         raise error
@@ -169,28 +177,35 @@ def _finish(path: Path, staging: Path, tag: str, model, writer: ShardWriter, pre
     _config_copy(model).save_pretrained(staging)
     content_name = f"user_content_{tag}"
     content_tmp = path / commit.hidden_name("tmp", commit.new_nonce(), content_name)
-    parts.write_user_content(user_content, content_tmp.parent, content_tmp.name)
+    parts.write_bytes(content_tmp, content)
     manifest = {"format": FORMAT, "version": 1, "tag": tag, "translated": translated, "weights": weights,
                 "files": {f: sums[f] if f in sums else commit.file_checksum(staging / f, fsync=True)
                           for f in commit.data_files(staging)},
                 "user_content": {"file": content_name, **commit.file_checksum(content_tmp)},
-                "saved_at_ns": time.time_ns(), **describe(model, None)}
+                "user_content_trusted": trusted, "saved_at_ns": time.time_ns(), **describe(model, None)}
     commit.write_manifest(staging, manifest)
     commit.commit_dir(staging, path / tag)
+    commit.check_committed(path / tag, manifest)
     os.replace(content_tmp, path / content_name)
     commit.fsync_path(path)
     commit.write_newest(path, tag)
 
 
-def resume(path: Path, directory: Path, manifest: dict) -> Any:
-    """Verify the directory and the user content; return the user content."""
+def resume(path: Path, directory: Path, manifest: dict, trusted: bool = False) -> Any:
+    """Verify the directory and the user content (which must be ``path/user_content_{name}``);
+    return the user content, read without running code unless ``trusted``."""
     verify(directory, manifest, ("",))
     entry = manifest["user_content"]
 
     def check():
+        if entry["file"] != f"user_content_{directory.name}":
+            raise ValueError(f"{directory}/{commit.MANIFEST} names user content {entry['file']!r}; "
+                             f"a full checkpoint's user content is user_content_{directory.name}")
         problem = commit.verify_file(path, entry["file"], entry)
         if problem:
             raise ValueError(f"user content of {directory.name} does not match its manifest: {problem}")
 
-    run_phase("full load (user content)", check)
-    return parts.read_user_content(path / entry["file"])
+    found: dict[str, Any] = {}
+    run_phase("full load (user content)",
+              lambda: (check(), found.update(content=parts.read_user_content(path / entry["file"], trusted))))
+    return found["content"]

@@ -9,12 +9,14 @@ then slice for the new layout. At the same layout ``smp.load`` returns the local
 (the ``same_partition_load=True`` fast path). Neither call is a collective: as in SageMaker,
 callers typically save from ``smp.rdp_rank() == 0`` only.
 
-Records are plain dicts of tensors and numbers, so files load with ``weights_only=True``.
+Records are plain dicts of tensors and numbers, so files load with ``weights_only=True``, the
+default of ``smp.load``: no code in a file runs. ``defaultdict``s of built-in factories are
+stored as tagged dicts and come back as ``defaultdict``s (``safe_load.to_plain``).
 """
 
 from __future__ import annotations
 
-import io
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from .. import runtime
 from . import commit
+from .safe_load import from_plain, to_plain, torch_load
 
 RECORD = "__modelparallel_shard__"
 
@@ -91,19 +94,32 @@ def _encode(obj: Any, live: dict) -> Any:
         like = live.get(_key(obj))
         return _record(obj, like) if like is not None else obj
     if isinstance(obj, dict):
-        return type(obj)((k, _encode(v, live)) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)):
+        out = copy.copy(obj)  # keeps the type (OrderedDict, defaultdict and its factory)
+        out.update((k, _encode(v, live)) for k, v in obj.items())
+        return out
+    if type(obj) in (list, tuple):
         return type(obj)(_encode(v, live) for v in obj)
     return obj
 
 
-def save(obj: Any, f: str | Path, partial: bool = True) -> None:
+def save(obj: Any, f: str | Path, partial: bool = True, pickle_module: Any = None, pickle_protocol: int = 2,
+         v3: bool = False) -> None:
     """Write ``obj`` (SageMaker's ``smp.save``); atomically, so a crash never leaves half a file.
+    The parent directory is created if needed.
 
     Args:
         partial: True: this rank's file ``{f}_{pp_rank}_{tp_rank}`` with shards recorded; False:
             one file ``f`` written by global rank 0 only (``obj`` holding full tensors).
+        pickle_module, pickle_protocol, v3: SageMaker's arguments, accepted for compatibility;
+            the file format is always the one ``smp.load`` reads with ``weights_only=True``.
+
+    Raises:
+        TypeError: ``obj`` holds something other than tensors and plain data (it could only be
+            loaded by running code).
     """
+    if pickle_module is not None:
+        raise NotImplementedError("smp.save(pickle_module=...): files are written in the one format that "
+                                  "loads without running code")
     if not partial:
         if any(isinstance(t, DTensor) for t in _tensors(obj)):
             raise ValueError("smp.save(partial=False) needs full tensors: pass model.state_dict(), "
@@ -115,9 +131,11 @@ def save(obj: Any, f: str | Path, partial: bool = True) -> None:
 
 
 def _write(obj: Any, path: Path) -> None:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    commit.write_file_atomic(path, buf.getvalue())
+    from .safe_load import check_loadable
+
+    data = check_loadable(to_plain(obj), f"smp.save's object for {path}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    commit.write_file_atomic(path, data)
 
 
 def _tensors(obj: Any):
@@ -134,7 +152,9 @@ def _tensors(obj: Any):
 def _read(path: Path, weights_only: bool) -> Any:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such checkpoint file")
-    return torch.load(path, map_location="cpu", weights_only=weights_only)
+    if weights_only:
+        return from_plain(torch_load(path))
+    return from_plain(torch.load(path, map_location="cpu", weights_only=False))
 
 
 def _records(obj: Any):
@@ -162,14 +182,20 @@ def _decode(objs: list[Any], same_layout: bool) -> Any:
             raise ValueError(f"shards of a {first['global_shape']} tensor reassemble to {list(out.shape)}")
         return out
     if isinstance(first, dict):
-        return type(first)((k, _decode([o[k] for o in objs], same_layout)) for k in first)
-    if isinstance(first, (list, tuple)):
+        out = copy.copy(first)
+        out.update((k, _decode([o[k] for o in objs], same_layout)) for k in first)
+        return out
+    if type(first) in (list, tuple):
         return type(first)(_decode([o[i] for o in objs], same_layout) for i in range(len(first)))
     return first
 
 
-def load(f: str | Path, partial: bool = True, weights_only: bool = False) -> Any:
-    """Read what ``save`` wrote (SageMaker's ``smp.load``).
+def load(f: str | Path, partial: bool = True, weights_only: bool = True, map_location: Any = None,
+         pickle_module: Any = None, **pickle_load_args) -> Any:
+    """Read what ``save`` wrote (SageMaker's ``smp.load``), by default with ``weights_only=True``:
+    tensors and plain data only, no code from the file runs. ``weights_only=False`` unpickles
+    freely (runs whatever the file names): only for files you wrote yourself. Tensors load on
+    the CPU (``map_location`` and ``pickle_module`` are SageMaker's, accepted and unused).
 
     With ``partial=True`` at the saving layout this rank's file is returned with local shards;
     at another TP degree, every saved rank's file is read and sharded tensors come back at their

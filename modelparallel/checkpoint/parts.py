@@ -4,8 +4,8 @@ Each part is its own DCP checkpoint directory (one data file per rank plus ``.me
 each can be loaded alone. The model part is the HF module's own ``state_dict()``, whose sharded
 entries are DTensors at their global, TP-degree-independent shapes (GPT-2's fused ``c_attn`` as
 [in, 3, out/3]); DCP slices whatever shards the loading layout needs, which is all resharding is.
-The optimizer part is ``get_optimizer_state_dict`` of the wrapped torch optimizer (states keyed
-by parameter name, DTensors like their parameters) plus the loss scaler.
+The optimizer part (``optim_part``) holds the wrapped torch optimizer's states keyed by parameter
+name (DTensors like their parameters) plus the loss scaler.
 
 Before any DCP read, the part's keys and global shapes are compared with the checkpoint's
 metadata so that every missing / unexpected key and shape mismatch is reported at once.
@@ -13,6 +13,7 @@ metadata so that every missing / unexpected key and shape mismatch is reported a
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -20,13 +21,16 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # DCP's key rule: one place
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-from .fastread import ContiguousSavePlanner, FastReader
+from .errors import cause
+from .fastread import ContiguousSavePlanner, FastReader, SafeLoadPlanner
+from .safe_load import check_loadable, from_plain, read_dcp_metadata, to_plain, torch_load
 
 USER_CONTENT = "user_content.pt"
 
@@ -69,28 +73,6 @@ def tied_keys(module: nn.Module) -> dict[str, str]:
     return ties
 
 
-def optimizer_state(module: nn.Module, optimizer) -> dict[str, Any]:
-    """The optimizer part: per-parameter-name states (initialized if the optimizer never
-    stepped, so a fresh optimizer has every slot to load into) and the loss scaler."""
-    inner = optimizer.optimizer
-    grads = {}
-    if not inner.state:  # DCP only initializes states when no gradient is set: set them aside
-        grads = {p: p.grad for g in inner.param_groups for p in g["params"] if p.grad is not None}
-        for p in grads:
-            p.grad = None
-    try:
-        osd = get_optimizer_state_dict(module, inner)
-    finally:
-        for p, g in grads.items():
-            p.grad = g
-    return {"optimizer": osd, "loss_scaler": optimizer.loss_scaler.state_dict()}
-
-
-def apply_optimizer_state(module: nn.Module, optimizer, state: dict[str, Any]) -> None:
-    set_optimizer_state_dict(module, optimizer.optimizer, state["optimizer"])
-    optimizer.loss_scaler.load_state_dict(state["loss_scaler"])
-
-
 def flatten(state: dict[str, Any]) -> dict[str, Any]:
     """``state`` flattened with DCP's own rule, so keys are exactly the checkpoint's entry names
     (``optimizer.state.{param}.exp_avg``, ``optimizer.param_groups.0.lr``...)."""
@@ -99,7 +81,7 @@ def flatten(state: dict[str, Any]) -> dict[str, Any]:
 
 def compare(state: dict[str, Any], directory: Path) -> LoadReport:
     """Keys and global shapes of ``state`` against the DCP checkpoint in ``directory``."""
-    saved = FileSystemReader(directory).read_metadata().state_dict_metadata
+    saved = read_dcp_metadata(directory / ".metadata").state_dict_metadata
     flat = flatten(state)
     mismatched = []
     for key in sorted(set(flat) & set(saved)):
@@ -120,7 +102,14 @@ def write_part(state: dict[str, Any], directory: Path) -> None:
     """One DCP save (a collective), every tensor stored contiguous so that same-layout loads read
     in place (``fastread``). DCP's own fsync is off: the checksum phase fsyncs every file while
     it computes the CRC, before anything is committed (``commit.file_checksum``)."""
-    dcp.save(state, storage_writer=FileSystemWriter(directory, sync_files=False), planner=ContiguousSavePlanner())
+    try:
+        dcp.save(state, storage_writer=FileSystemWriter(directory, sync_files=False), planner=ContiguousSavePlanner())
+    except (CheckpointException, OSError) as e:
+        root = cause(e)
+        if isinstance(root, OSError) and not root.filename and root.errno is not None:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            raise OSError(root.errno, root.strerror or str(root), str(directory / f"__{rank}_0.distcp")) from e
+        raise
 
 
 def read_part(state: dict[str, Any], directory: Path, keys: set[str], contiguous: bool = False) -> None:
@@ -129,20 +118,37 @@ def read_part(state: dict[str, Any], directory: Path, keys: set[str], contiguous
     part was written by ``write_part`` with ``ContiguousSavePlanner`` (the direct read applies)."""
     flat, paths = flatten_state_dict(state)
     subset = {k: flat[k] for k in keys}
-    dcp.load(subset, storage_reader=FastReader(directory, contiguous))
+    dcp.load(subset, storage_reader=FastReader(directory, contiguous), planner=SafeLoadPlanner())
     for key, value in subset.items():
         if not isinstance(value, torch.Tensor):
             set_element(state, paths[key], value)
 
 
-def write_user_content(obj: Any, directory: Path, name: str = USER_CONTENT) -> None:
-    with open(directory / name, "wb") as f:
-        torch.save(obj, f)
+def serialize_user_content(obj: Any, trusted: bool = False) -> bytes:
+    """The user's object as bytes; unless ``trusted``, only what ``weights_only`` reads back
+    (containers with ``defaultdict`` of built-in factories are stored as tagged dicts).
+
+    Raises:
+        TypeError: naming what a checkpoint cannot store (before anything is written).
+    """
+    if trusted:
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        return buf.getvalue()
+    return check_loadable(to_plain(obj), "user_content")
+
+
+def write_bytes(path: Path, data: bytes) -> None:
+    """Write and fsync one file."""
+    with open(path, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
 
 
-def read_user_content(path: Path) -> Any:
-    """The user's object (any picklable object, so not ``weights_only``: a checkpoint is trusted
-    like the code that wrote it, and its checksum was verified first)."""
-    return torch.load(path, map_location="cpu", weights_only=False)
+def read_user_content(path: Path, trusted: bool = False) -> Any:
+    """The user's object, read with ``weights_only`` (no code runs) unless the caller passed
+    ``trust_user_content=True``, which unpickles freely and so runs what the file names."""
+    if trusted:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    return from_plain(torch_load(path))

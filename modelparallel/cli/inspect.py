@@ -3,8 +3,10 @@
 Lists every complete checkpoint (partial and full) with the layout it was saved with, the model,
 its size and the result of checking every file against the manifest's CRC32 checksums; marks
 the one ``newest`` names; reports leftovers of interrupted saves and directories that are not
-checkpoints. Exit status 1 if a checksum fails or ``newest`` names nothing. Reads files only: no
-ranks, no torch.
+checkpoints. A checkpoint whose manifest does not parse or is malformed, or that holds files its
+manifest does not list, is reported BROKEN and the listing goes on. Exit status 1 if anything is
+broken or ``newest`` names nothing. Reads JSON manifests and raw bytes only (checksums): nothing
+in a checkpoint is unpickled, so inspecting one never runs code from it.
 """
 
 from __future__ import annotations
@@ -35,10 +37,16 @@ def describe(directory: Path, verify: bool) -> dict:
     """One checkpoint's report: kind, tag, saved time, model, layout, size, checksum problems."""
     from ..checkpoint import commit
 
-    m = commit.read_manifest(directory)
-    files = m.get("files", {})
+    try:
+        m = commit.read_manifest(directory)
+    except (OSError, ValueError) as e:
+        return {"name": directory.name, "kind": "BROKEN", "tag": None, "saved_at_ns": None, "model": "?",
+                "layout": "?", "parts": [], "files": 0, "bytes": 0, "problems": [str(e)]}
+    files = m["files"]
     problems = [p for rel, entry in files.items() if (p := commit.verify_file(directory, rel, entry))] \
         if verify else None
+    if verify:
+        problems += commit.unlisted_files(directory, m)
     if verify and "user_content" in m:
         entry = m["user_content"]
         problems += [p] if (p := commit.verify_file(directory.parent, entry["file"], entry)) else []
@@ -58,7 +66,8 @@ def scan(path: Path, verify: bool) -> dict:
     if (path / commit.MANIFEST).is_file():
         return {"path": str(path), "newest": None, "checkpoints": [describe(path, verify)], "leftovers": [],
                 "not_checkpoints": []}
-    entries = sorted(p for p in path.iterdir() if p.is_dir() or p.name.startswith(commit.HIDDEN))
+    entries = sorted(p for p in path.iterdir() if (p.is_dir() or p.name.startswith(commit.HIDDEN))
+                     and p.name != commit.LOCK)
     complete = [p for p in entries if not p.name.startswith(commit.HIDDEN) and (p / commit.MANIFEST).is_file()]
     reports = sorted((describe(p, verify) for p in complete), key=lambda r: r["saved_at_ns"] or 0, reverse=True)
     return {"path": str(path), "newest": commit.read_newest(path), "checkpoints": reports,
@@ -76,7 +85,7 @@ def _print(report: dict) -> None:
     print(f"  {'checkpoint':<28} {'kind':<8} {'saved (UTC)':<20} {'model':<28} {'layout':<12} {'size':>9}  checksums")
     for c in report["checkpoints"]:
         saved = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(c["saved_at_ns"] / 1e9)) if c["saved_at_ns"] else "?"
-        status = "not checked" if c["problems"] is None else \
+        status = "BROKEN (manifest)" if c["kind"] == "BROKEN" else "not checked" if c["problems"] is None else \
             f"ok ({c['files']} files)" if not c["problems"] else f"FAILED ({len(c['problems'])})"
         mark = "*" if c["name"] == newest else " "
         print(f"{mark} {c['name']:<28} {c['kind']:<8} {saved:<20} {c['model']:<28} {c['layout']:<12} "

@@ -1,0 +1,135 @@
+"""A checkpoint's manifest: read and checked, and what a committed directory must hold.
+
+The manifest (``checkpoint_manifest.json``) lists every file of a checkpoint with its size and
+CRC32. Reading it checks its fields and types and that every path in it stays inside the
+checkpoint, so a malformed or hostile manifest is a ``ManifestError`` naming the file rather
+than a ``KeyError`` deep in a load. A checkpoint directory must hold exactly the files its
+manifest lists: anything else would load unverified.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from .errors import CheckpointError
+
+MANIFEST = "checkpoint_manifest.json"
+
+
+class ManifestError(CheckpointError, ValueError):
+    """A manifest that does not parse or lacks what a checkpoint needs; names the file."""
+
+
+def read_manifest(directory: str | Path, name: str = MANIFEST) -> dict:
+    """The manifest of a checkpoint directory, checked (fields, types, paths inside it).
+
+    Raises:
+        FileNotFoundError: naming the directory, when it has none.
+        ManifestError: naming the file and every problem, when it is unreadable or malformed.
+    """
+    path = Path(directory) / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory} is not a complete modelparallel checkpoint: no {name}")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ManifestError(f"{path}: unreadable manifest ({e})") from e
+    problems = manifest_problems(manifest)
+    if problems:
+        raise ManifestError(f"{path}: malformed manifest: " + "; ".join(problems))
+    return manifest
+
+
+def _entry_problems(where: str, entry) -> list[str]:
+    if not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or isinstance(entry.get("size"), bool) \
+            or entry["size"] < 0 or not isinstance(entry.get("crc32"), str) \
+            or not re.fullmatch(r"[0-9a-f]{8}", entry["crc32"]):
+        return [f"{where}: needs an integer 'size' and an 8-hex-digit 'crc32', got {entry!r}"[:300]]
+    return []
+
+
+def _path_problem(rel) -> str | None:
+    parts = rel.split("/") if isinstance(rel, str) else []
+    if not parts or rel.startswith("/") or "\\" in rel or any(p in ("", ".", "..") for p in parts):
+        return f"file name {rel!r} is not a plain relative path inside the checkpoint"
+    return None
+
+
+def manifest_problems(m) -> list[str]:
+    """Everything wrong with a parsed manifest (empty if it is usable)."""
+    if not isinstance(m, dict):
+        return [f"expected a JSON object, got {type(m).__name__}"]
+    problems = []
+    kind = m.get("format")
+    if kind not in ("modelparallel-partial", "modelparallel-full"):
+        problems.append(f"'format' must be modelparallel-partial or modelparallel-full, got {kind!r}")
+    files = m.get("files")
+    if not isinstance(files, dict):
+        problems.append("'files' (every file with its size and CRC32) is missing or not an object")
+        files = {}
+    for rel, entry in files.items():
+        problems += [p] if (p := _path_problem(rel)) else []
+        problems += _entry_problems(f"files[{rel!r}]", entry)
+    if not isinstance(m.get("saved_at_ns", 0), int):
+        problems.append("'saved_at_ns' must be an integer")
+    if kind == "modelparallel-partial":
+        if not isinstance(m.get("parts"), list) or not all(isinstance(p, str) for p in m["parts"]):
+            problems.append("'parts' must be a list of part names")
+    elif kind == "modelparallel-full":
+        weights = m.get("weights")
+        if not isinstance(weights, list) or not all(isinstance(w, str) and w in files for w in weights):
+            problems.append("'weights' must list files that 'files' lists")
+        entry = m.get("user_content")
+        problems += _entry_problems("'user_content'", entry)
+        name = entry.get("file") if isinstance(entry, dict) else None
+        if not isinstance(name, str) or "/" in name or "\\" in name or name in ("", ".", "..") \
+                or not name.startswith("user_content_"):
+            problems.append(f"'user_content' must name a user_content_* file next to the checkpoint, got {name!r}")
+    return problems
+
+
+def safe_name(path: str | Path, name, what: str) -> str:
+    """``name`` if it is one plain entry of directory ``path`` (a tag, or what ``newest`` names),
+    not a path that leaves it (``/abs``, ``../x``, ``a/b``, a symlink pointing out).
+
+    Raises:
+        ValueError: naming ``what`` and the name.
+    """
+    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name.startswith(".") \
+            or "\0" in name:
+        raise ValueError(f"{what} {name!r} is not a checkpoint name in {path} (no '/', not starting with '.')")
+    entry = Path(path) / name
+    if entry.is_symlink():
+        real, root = entry.resolve(), Path(path).resolve()
+        if root not in real.parents:
+            raise ValueError(f"{what} {name!r} is a symlink to {real}, outside {path}")
+    return name
+
+
+def unlisted_files(directory: str | Path, manifest: dict) -> list[str]:
+    """A message per file (or symlink) in the checkpoint directory that its manifest does not
+    list: what was committed is exactly what loads, nothing slipped in loads unverified."""
+    listed = set(manifest["files"])
+    root = Path(directory)
+    found = (p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() or p.is_symlink())
+    return [f"{root / f}: not listed in the manifest (a checkpoint holds only the files it committed)"
+            for f in sorted(found) if f != MANIFEST and f not in listed]
+
+
+def check_committed(directory: str | Path, manifest: dict) -> None:
+    """After the commit: the directory holds exactly the manifest's files at their sizes.
+
+    Raises:
+        OSError: naming what is missing, resized or extra (the save must not report success).
+    """
+    problems = unlisted_files(directory, manifest)
+    for rel, entry in manifest["files"].items():
+        path = Path(directory) / rel
+        size = path.stat().st_size if path.is_file() else None
+        if size != entry["size"]:
+            problems.append(f"{path}: {'missing' if size is None else f'{size} bytes'} after commit, "
+                            f"{entry['size']} written")
+    if problems:
+        raise OSError("the committed checkpoint is not what was written: " + "; ".join(problems))

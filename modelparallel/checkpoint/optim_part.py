@@ -1,0 +1,191 @@
+"""The optimizer part of a partial checkpoint, read and written without touching the live optimizer.
+
+Layout (DCP keys, compatible with ``get_optimizer_state_dict``'s):
+
+* ``optimizer.state.{param name}.{slot}``: each state slot (``exp_avg``, ``step``...) of each
+  parameter that has state, a DTensor placed like its parameter when it has the parameter's
+  shape (so it reshards with it), else a plain tensor (``step``);
+* ``optimizer.param_groups.{i}.{hyperparameter}``: each group's hyperparameters, and its
+  ``params`` as the list of parameter names;
+* ``loss_scaler.{field}``: the loss scaler's state.
+
+Saving reads the optimizer's ``state`` as it is: an optimizer that has not stepped saves an empty
+state (nothing is initialized: torch's own helper would run a step with lr=0 to create the
+slots, which changes AdamW's step count and, in half precision, the weights). Loading builds
+the target tensors from the checkpoint's metadata (shape, dtype; placement from the parameter),
+reads into them, and only then replaces the optimizer's state and hyperparameters. Slots the
+optimizer already holds at the saved shape, dtype and placement are read into in place (the
+usual resume, no new memory), like the model's weights: that read starts only after every file
+was verified and every key, shape and group checked.
+
+To add another per-parameter tensor to this part (e.g. fp32 master weights), put it under a key
+prefix listed in ``PARAM_KEYED`` (``{prefix}{param name}.{slot}``) in ``optimizer_state`` and
+read it back from the loaded dict in ``apply_optimizer_state``: targets are created from the
+metadata the same way.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+
+from .parts import LoadReport
+from .safe_load import read_dcp_metadata
+
+STATE, GROUPS, SCALER = "optimizer.state.", "optimizer.param_groups.", "loss_scaler."
+PARAM_KEYED = (STATE,)
+"""Key prefixes whose entries are ``{prefix}{param name}.{slot}`` and are placed like the parameter."""
+
+
+def param_names(module: nn.Module) -> dict[int, str]:
+    """id(parameter) -> its first name (a tied parameter is saved once, as in the model part)."""
+    return {id(p): n for n, p in reversed(list(module.named_parameters(remove_duplicate=False)))}
+
+
+def optimizer_state(module: nn.Module, optimizer) -> dict[str, Any]:
+    """The part to save: the live state by parameter name (no copies, nothing initialized)."""
+    inner, names = optimizer.optimizer, param_names(module)
+    state = {names[id(p)]: dict(slots) for p, slots in inner.state.items() if slots}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+              for g in inner.param_groups]
+    return {"optimizer": {"state": state, "param_groups": groups}, "loss_scaler": optimizer.loss_scaler.state_dict()}
+
+
+def _split(key: str, params: dict[str, torch.Tensor]) -> tuple[str, str, str] | None:
+    """(prefix, param name, slot) of a parameter-keyed entry, or None."""
+    for prefix in PARAM_KEYED:
+        if key.startswith(prefix):
+            name, _, slot = key[len(prefix):].rpartition(".")
+            return (prefix, name, slot) if name else None
+    return None
+
+
+def _target(param: torch.Tensor | None, md: TensorStorageMetadata, current: Any = None) -> torch.Tensor:
+    """The tensor to read a saved entry into: the optimizer's own ``current`` slot if it already
+    has the saved shape, dtype and placement (the usual resume: no new memory; the read only
+    starts once every check passed), else a new empty one placed like ``param`` if it has its
+    shape."""
+    size, dtype = tuple(md.size), md.properties.dtype
+    if isinstance(current, torch.Tensor) and tuple(current.shape) == size and current.dtype == dtype \
+            and isinstance(current, DTensor) == isinstance(param, DTensor) and tuple(current.shape) != () \
+            and (not isinstance(current, DTensor) or current.placements == param.placements):
+        return current
+    if isinstance(param, DTensor) and tuple(param.shape) == size:
+        local = param.to_local()
+        return DTensor.from_local(torch.empty(local.shape, dtype=dtype, device=local.device), param.device_mesh,
+                                  param.placements, run_check=False, shape=param.shape, stride=param.stride())
+    device = param.to_local().device if isinstance(param, DTensor) else getattr(param, "device", "cpu")
+    return torch.empty(size, dtype=dtype, device=device)
+
+
+@dataclass
+class Planned:
+    """The nested state to read the optimizer part into, built from the checkpoint's metadata,
+    and what already does not fit; ``report()`` once the ``param_groups`` entries are read."""
+
+    nested: dict[str, Any]
+    group_keys: set[str]
+    live: set[str]
+    unexpected: set[str]
+    mismatched: list[str]
+    ours: int
+
+    def report(self) -> LoadReport:
+        """Missing: this optimizer's parameters that the checkpoint's groups do not list;
+        unexpected: names only the checkpoint has; mismatched: a slot whose shape is neither the
+        parameter's nor a scalar, or another number of parameter groups."""
+        groups = self.nested["optimizer"]["param_groups"]
+        listed = {n for g in groups for n in _listed(g)}
+        mismatched = list(self.mismatched)
+        if groups and len(groups) != self.ours:
+            mismatched.append(f"param_groups: checkpoint has {len(groups)}, this optimizer {self.ours}")
+        return LoadReport(sorted(self.live - listed) if groups else [],
+                          sorted(self.unexpected | (listed - self.live)), mismatched)
+
+
+def plan_load(module: nn.Module, optimizer, directory: Path) -> Planned:
+    """Targets for every saved entry (no collective, nothing read but the metadata)."""
+    saved = read_dcp_metadata(directory / ".metadata").state_dict_metadata
+    params = dict(module.named_parameters())
+    names = param_names(module)
+    live = {names[id(p)] for g in optimizer.optimizer.param_groups for p in g["params"]}
+    state: dict[str, dict] = {}
+    groups: dict[int, dict] = {}
+    scaler: dict[str, Any] = {}
+    unexpected, mismatched = set(), []
+    for key, md in saved.items():
+        split = _split(key, params)
+        if split is not None:
+            _, name, slot = split
+            param = params.get(name)
+            if name not in live:
+                unexpected.add(name)
+            elif not isinstance(md, TensorStorageMetadata):  # a non-tensor slot: read (restricted) as is
+                state.setdefault(name, {})[slot] = None
+            elif tuple(md.size) not in ((), tuple(param.shape)):
+                mismatched.append(f"{key}: checkpoint {tuple(md.size)}, model {tuple(param.shape)}")
+            else:
+                current = optimizer.optimizer.state.get(param, {}).get(slot)
+                state.setdefault(name, {})[slot] = _target(param, md, current)
+        elif key.startswith(GROUPS):
+            index, _, field = key[len(GROUPS):].partition(".")
+            groups.setdefault(int(index), {})[field] = _placeholder(md)
+        elif key.startswith(SCALER):
+            scaler[key[len(SCALER):]] = _placeholder(md)
+    if sorted(groups) != list(range(len(groups))):
+        raise ValueError(f"{directory}: parameter groups {sorted(groups)} are not numbered 0..n-1")
+    nested = {"optimizer": {"state": state, "param_groups": [groups[i] for i in sorted(groups)]},
+              "loss_scaler": scaler}
+    group_keys = {f"{GROUPS}{i}.{f}" for i, g in groups.items() for f in g}
+    return Planned(nested, group_keys, live, unexpected, mismatched, len(optimizer.optimizer.param_groups))
+
+
+def _placeholder(md) -> Any:
+    return torch.empty(tuple(md.size), dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
+
+
+def _listed(group: dict) -> list[str]:
+    """A saved group's parameter names."""
+    names = group.get("params")
+    return names if isinstance(names, list) else []
+
+
+def apply_optimizer_state(module: nn.Module, optimizer, loaded: dict[str, Any]) -> None:
+    """Replace the optimizer's state, hyperparameters and loss scaler with ``loaded`` (read by
+    ``plan_load`` + DCP). Tensors are used as read: no dtype cast, no copy."""
+    inner = optimizer.optimizer
+    params = dict(module.named_parameters())
+    saved_groups = loaded["optimizer"]["param_groups"]
+    if len(saved_groups) == len(inner.param_groups):
+        for group, saved in zip(inner.param_groups, saved_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+    state = defaultdict(dict)
+    for name, slots in loaded["optimizer"]["state"].items():
+        state[params[name]] = slots
+    inner.state = state
+    optimizer.loss_scaler.load_state_dict(loaded["loss_scaler"])
+
+
+def check_names_against_model(module: nn.Module, directory: Path) -> list[str]:
+    """Problems visible before the optimizer exists: saved slots of parameters this model lacks
+    or at another shape (checked when the model is built, before any weight is loaded)."""
+    saved = read_dcp_metadata(directory / ".metadata").state_dict_metadata
+    params = dict(module.named_parameters())
+    problems = []
+    for key, md in saved.items():
+        split = _split(key, params)
+        if split is None or not isinstance(md, TensorStorageMetadata):
+            continue
+        param = params.get(split[1])
+        if param is None:
+            problems.append(f"optimizer: state for {split[1]!r}, which this model does not have")
+        elif tuple(md.size) not in ((), tuple(param.shape)):
+            problems.append(f"optimizer: shape mismatch {key}: checkpoint {tuple(md.size)}, model {tuple(param.shape)}")
+    return sorted(set(problems))

@@ -1,0 +1,195 @@
+"""Reading checkpoint files without running code from them.
+
+A pickle can name any importable callable and call it while it is read, so a checkpoint that
+is unpickled freely can run anything on every rank that loads it. A manifest's CRC32 does not
+help: whoever crafts a file recomputes it. So every read of a checkpoint file goes through one
+of two restricted readers:
+
+* ``torch_load``: ``torch.load(weights_only=True)``: tensors, numbers, strings, ``None``,
+  lists, tuples, dicts, ``OrderedDict``, sets and torch dtypes/sizes; nothing else.
+* ``read_dcp_metadata``: DCP's ``.metadata`` file through ``MetadataUnpickler``, which builds
+  only DCP's own metadata classes, ``torch.Size``, dtypes, layouts, paths and plain containers.
+
+Anything else is refused with ``UnsafeCheckpointError`` naming the file and what it tried to
+load. What users save (``user_content``, ``smp.save``) is checked on the way in with
+``check_loadable``, so a save never writes what a load would refuse.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import pathlib
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import CheckpointError
+
+# class name -> module of every class DCP's metadata pickles (torch 2.x)
+_DCP_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},  # looks a layout up by its name, nothing else
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
+    "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset", "dict", "list", "tuple", "object", "int", "float", "str", "bytes", "bool"},
+    "copyreg": {"_reconstructor"},
+}
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint file asked for something a checkpoint may not contain (code, classes)."""
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata; refuses every global outside ``_DCP_CLASSES`` and torch dtypes."""
+
+    def find_class(self, module: str, name: str):
+        if name in _DCP_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refused to load {module}.{name} (not part of DCP's metadata)")
+
+
+def read_dcp_metadata(path: str | Path):
+    """DCP's ``Metadata`` from ``path`` (a ``.metadata`` file), with no code run.
+
+    Raises:
+        UnsafeCheckpointError: naming the file and the refused class.
+        OSError: the file cannot be read.
+    """
+    with open(path, "rb") as f:
+        try:
+            return MetadataUnpickler(f).load()
+        except (pickle.UnpicklingError, AttributeError, EOFError, TypeError, ValueError) as e:
+            raise UnsafeCheckpointError(f"{path}: not a valid DCP metadata file: {e}") from e
+
+
+def torch_load(source: str | Path | io.BytesIO, name: str | None = None, **kwargs) -> Any:
+    """``torch.load(source, weights_only=True)`` on CPU; a refusal names the file.
+
+    Raises:
+        UnsafeCheckpointError: the file holds something other than tensors and plain data.
+    """
+    name = name or str(source)
+    try:
+        return torch.load(source, map_location="cpu", weights_only=True, **kwargs)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()
+        why = next((line for line in first if "Unsupported" in line or "GLOBAL" in line), first[0] if first else "")
+        raise UnsafeCheckpointError(f"{name}: refused to load (it holds more than tensors and plain data, "
+                                    f"and loading never runs code from a checkpoint): {why.strip()}") from e
+
+
+def check_loadable(obj: Any, what: str) -> bytes:
+    """``obj`` serialized, after checking that ``torch_load`` reads it back (so a save never
+    writes what a load would refuse). Returns the bytes to write.
+
+    Raises:
+        TypeError: naming the first type a checkpoint may not contain.
+    """
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    try:
+        torch.load(io.BytesIO(buf.getvalue()), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        bad = _first_foreign(obj)
+        raise TypeError(f"{what} holds {bad}, which a checkpoint cannot store safely: loading it would "
+                        "need to run code. Store tensors, numbers, strings, None, lists, tuples, dicts, "
+                        "sets (or pass trust_user_content=True, which loads with full pickle and so runs "
+                        "whatever the file names)") from e
+    return buf.getvalue()
+
+
+_PLAIN = (torch.Tensor, int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def _first_foreign(obj: Any, path: str = "") -> str:
+    """Where the first value that is not plain data sits, e.g. ``an object of type Foo at ['a'][0]``."""
+    if isinstance(obj, _PLAIN):
+        return "an unsupported value" + (f" at {path}" if path else "")
+    if isinstance(obj, collections.defaultdict):
+        return f"a collections.defaultdict at {path or 'the top level'}"
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            found = _first_foreign(v, f"{path}[{k!r}]")
+            if not found.startswith("an unsupported value"):
+                return found
+        return "an unsupported value"
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        for i, v in enumerate(obj):
+            found = _first_foreign(v, f"{path}[{i}]")
+            if not found.startswith("an unsupported value"):
+                return found
+        return "an unsupported value"
+    kind = type(obj)
+    return f"an object of type {kind.__module__}.{kind.__qualname__} at {path or 'the top level'}"
+
+
+_DEFAULTDICT = "__modelparallel_defaultdict__"
+_FACTORIES = {f.__name__: f for f in (int, float, str, list, dict, set, tuple, bool)}
+
+
+def to_plain(obj: Any) -> Any:
+    """``obj`` with every ``defaultdict`` of a built-in factory turned into a tagged dict (which
+    ``weights_only`` reads), containers rebuilt as their own types; ``from_plain`` undoes it.
+
+    Raises:
+        TypeError: a ``defaultdict`` whose factory is not a built-in type (it would be code).
+    """
+    if isinstance(obj, collections.defaultdict):
+        factory = obj.default_factory
+        if factory is not None and _FACTORIES.get(getattr(factory, "__name__", None)) is not factory:
+            raise TypeError(f"a defaultdict with default_factory={factory!r} cannot be stored (only None or "
+                            f"one of {sorted(_FACTORIES)}): convert it to a dict first")
+        return {_DEFAULTDICT: factory.__name__ if factory else None,
+                "items": {k: to_plain(v) for k, v in obj.items()}}
+    if isinstance(obj, collections.OrderedDict):
+        return collections.OrderedDict((k, to_plain(v)) for k, v in obj.items())
+    if type(obj) is dict:
+        return {k: to_plain(v) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(to_plain(v) for v in obj)
+    return obj
+
+
+def from_plain(obj: Any) -> Any:
+    """Undo ``to_plain``."""
+    if type(obj) is dict and _DEFAULTDICT in obj and set(obj) == {_DEFAULTDICT, "items"}:
+        return collections.defaultdict(_FACTORIES.get(obj[_DEFAULTDICT]),
+                                       {k: from_plain(v) for k, v in obj["items"].items()})
+    if isinstance(obj, collections.OrderedDict):
+        return collections.OrderedDict((k, from_plain(v)) for k, v in obj.items())
+    if type(obj) is dict:
+        return {k: from_plain(v) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(from_plain(v) for v in obj)
+    return obj
+
+
+def inside(root: str | Path, rel: str, what: str) -> Path:
+    """``root/rel``, after checking that ``rel`` cannot leave ``root``: relative, no ``..``, and
+    no symlink on the way that points out of it.
+
+    Raises:
+        UnsafeCheckpointError: naming ``what`` (e.g. "the manifest of X") and the path.
+    """
+    parts = pathlib.PurePosixPath(rel).parts if isinstance(rel, str) else ()
+    if not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel or ".." in parts or "." in parts \
+            or pathlib.PureWindowsPath(rel).drive:
+        raise UnsafeCheckpointError(f"{what} names {rel!r}: only plain relative paths inside {root} are allowed")
+    root = Path(root)
+    path = root / rel
+    real_root = root.resolve()
+    if path.exists() or path.is_symlink():
+        real = path.resolve()
+        if real != real_root and real_root not in real.parents:
+            raise UnsafeCheckpointError(f"{what} names {rel!r}, which resolves to {real}, outside {root}")
+    return path

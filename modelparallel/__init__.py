@@ -8,6 +8,7 @@ rank API (``smp.rank()``, ``smp.tp_rank()``, ``smp.dp_size()``...).
 from .checkpoint import CheckpointError, last_load_report, load, resume_from_checkpoint, save, save_checkpoint
 from . import delayed_param, patches
 from .activations import set_activation_checkpointing
+from .clip import clip_grad_norm_
 from .config import Config
 from .creation import delay_param_initialization, model_creation
 from .loading import load_hf_checkpoint
@@ -46,6 +47,6 @@ __all__ = [
     "tp_register", "tp_register_with_module", "tp_size", "nn",
     "last_load_report", "resume_from_checkpoint", "save_checkpoint",
     "MetaTensorError", "delay_param_initialization", "delayed_param", "load_hf_checkpoint", "model_creation",
-    "transform",
+    "transform", "clip_grad_norm_",
     "patches", "set_activation_checkpointing",
 ]

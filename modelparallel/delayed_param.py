@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from . import hf_init, meta
+from .transform import SYNCED_FROM_RANK0
 
 logger = logging.getLogger("modelparallel")
 
@@ -52,10 +53,20 @@ def _tie_groups(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
 class DelayedParamIniter:
     """Initialize the meta parameters and buffers of ``model`` in place, module by module.
 
+    A model whose tensors all hold data (``transform(model, load_state_dict_from_rank0=True)``
+    already gave every rank its shards of rank 0's weights) has nothing to initialize: the initer
+    is then a no-op (``noop`` is True), its init functions leave every tensor as it is and the
+    guard passes, so the FSDP wrapping written for SageMaker (``param_init_fn`` on ranks != 0,
+    ``sync_module_states``) runs unchanged and nothing is initialized twice.
+
     Args:
         model: a model built on the meta device (``torch.device("meta")`` or
             ``accelerate.init_empty_weights()``), sharded or not; tensors already holding data
             are left untouched.
+
+    Raises:
+        MetaTensorError: when ``model`` was filled from rank 0 by ``transform`` but has tensors
+            on meta again, naming them.
         init_method_using_config: ``fn(module)`` initializing one module's own parameters and
             buffers. Default: the HF model's ``_init_weights`` (which also recomputes rotary
             ``inv_freq``, position ids and causal masks), else each module's ``reset_parameters``.
@@ -64,9 +75,17 @@ class DelayedParamIniter:
 
     def __init__(self, model: nn.Module, init_method_using_config: Callable[[nn.Module], None] | None = None,
                  verbose: bool = False):
-        if not meta.has_meta(model):
-            raise meta.MetaTensorError(f"DelayedParamIniter needs a model built on the meta device; this "
-                                       f"{type(model).__name__} holds real tensors only (nothing to initialize)")
+        left = meta.meta_names(model)
+        if left and model.__dict__.get(SYNCED_FROM_RANK0):
+            raise meta.MetaTensorError(
+                f"DelayedParamIniter: this {type(model).__name__} was filled from rank 0 by "
+                "transform(load_state_dict_from_rank0=True), yet these tensors are on the meta device "
+                f"(added or replaced since?): {', '.join(left)}")
+        self.noop = not left
+        if self.noop:
+            logger.info("modelparallel: DelayedParamIniter of a %s whose tensors all hold data (filled by "
+                        "transform(load_state_dict_from_rank0=True) or built for real): nothing to "
+                        "initialize, its init functions leave the data as it is", type(model).__name__)
         self.model = model
         self.init_fn = init_method_using_config or hf_init.default_init_fn(model)
         self.verbose = verbose

@@ -15,8 +15,9 @@ shards are not defined on, and is refused.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from .tp.plan import ArchSpec, block_prefix, glob_match, join
 
@@ -39,14 +40,26 @@ def check_degree(shard_degree: int, dp_degree: int) -> None:
             "(hybrid sharding) is not implemented; use the data-parallel degree or 1")
 
 
-def shard_data_parallel(module: nn.Module, mesh, spec: ArchSpec | None, shard_degree: int) -> bool:
+def mixed_precision(compute_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
+    """fp16/bf16 training under FSDP: the sharded parameters stay fp32 (they are the master
+    weights the optimizer steps, so it needs no copies of its own), each block is all-gathered
+    in ``compute_dtype`` for forward and backward, and gradients are reduced in fp32."""
+    if compute_dtype is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+
+
+def shard_data_parallel(module: nn.Module, mesh, spec: ArchSpec | None, shard_degree: int,
+                        mp_policy: MixedPrecisionPolicy | None = None) -> bool:
     """Apply FSDP2 over ``mesh["dp"]`` to each block of ``module`` and to the root, when
-    ``shard_degree`` > 1; return whether it did."""
+    ``shard_degree`` > 1, with ``mp_policy`` (default: compute in the parameters' dtype);
+    return whether it did."""
     if shard_degree <= 1:
         return False
     check_degree(shard_degree, mesh["dp"].size())
     dp_mesh = mesh["dp"]
+    policy = mp_policy or MixedPrecisionPolicy()
     for block in block_modules(module, spec):
-        fully_shard(block, mesh=dp_mesh)
-    fully_shard(module, mesh=dp_mesh)
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy)
+    fully_shard(module, mesh=dp_mesh, mp_policy=policy)
     return True

@@ -1,10 +1,13 @@
-"""``DistributedOptimizer``: SageMaker's optimizer wrapper, adding loss scaling to any optimizer.
+"""``DistributedOptimizer``: SageMaker's optimizer wrapper: loss scaling and fp32 master weights.
 
-The wrapped optimizer does the update; the wrapper only (1) owns the loss scale that
-``DistributedModel.backward`` multiplies the loss by, (2) divides the gradients by it before the
-update, and (3) with dynamic scaling, skips the update on every rank when any rank saw an inf/nan
-gradient. Sharded parameters are DTensors, so an unmodified ``torch.optim`` optimizer updates
-each rank's shard; nothing else is needed for tensor parallelism.
+The wrapped optimizer does the update; the wrapper (1) owns the loss scale that
+``DistributedModel.backward`` multiplies the loss by, (2) with dynamic scaling, skips the update on
+every rank when any rank saw an inf/nan gradient, (3) for fp16/bf16 parameters keeps an fp32
+master copy of each (``master_weights``), steps the wrapped optimizer on the masters so its
+state is fp32, unscales the gradients into them, steps, and rounds the result back into the
+model, and (4) clips the master gradients by their global norm (``clip_master_grads``).
+Sharded parameters are DTensors, so an unmodified ``torch.optim`` optimizer updates each rank's
+shard; nothing else is needed for tensor parallelism.
 """
 
 from __future__ import annotations
@@ -17,25 +20,30 @@ import torch
 import torch.distributed as dist
 
 from . import runtime
-from .checkpoint.legacy import local_optimizer_state, to_param_layout
+from . import optimizer_state
 from .dp import local_grad
+from .grad_clip import clip_by_global_norm
 from .loss_scaler import DynamicLossScaler, LossScaler
+from .master_weights import MasterWeights
 
 logger = logging.getLogger("modelparallel")
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
-    """Wrap ``optimizer`` (built from a ``DistributedModel``'s parameters) with loss scaling.
+    """Wrap ``optimizer`` (built from a ``DistributedModel``'s parameters) with loss scaling and,
+    for half-precision parameters, fp32 master weights.
 
     It subclasses ``torch.optim.Optimizer`` so learning-rate schedulers accept it, but does not
     call its constructor: the wrapped optimizer keeps the one copy of ``param_groups`` and
-    ``state``, which the wrapper exposes as its own.
+    ``state``, which the wrapper exposes as its own (keyed by the model's parameters). When the
+    parameters are fp16 or bf16 (``"fp16": true`` / ``"bf16": true``), the state is fp32 and
+    each has an fp32 master (``master_weights.master_of(p)``), which is what is stepped.
 
     Args:
         optimizer: any ``torch.optim.Optimizer``, created after ``smp.DistributedModel(model)``
             from ``model.parameters()``.
         static_loss_scale: the fixed scale when ``dynamic_loss_scale`` is False (1.0: a plain
-            step, what fp32 and bf16 training want).
+            step, what fp32 and bf16 training want). ``None`` means 1.0.
         dynamic_loss_scale: adapt the scale (for fp16); see ``DynamicLossScaler`` for the rules.
         dynamic_loss_args: SageMaker's keys ``init_scale`` (2**32), ``scale_factor`` (2.0),
             ``scale_window`` (1000), ``min_scale`` (1.0), ``delayed_shift`` (1),
@@ -45,22 +53,29 @@ class DistributedOptimizer(torch.optim.Optimizer):
         loss_scaler: the ``LossScaler`` / ``DynamicLossScaler``; ``loss_scaler.loss_scale`` is
             the current scale.
         overflow: whether the last ``step()`` was skipped because of an inf/nan gradient.
+        master_weights: the ``MasterWeights`` of the half-precision parameters (empty if none).
 
     Raises:
         RuntimeError: if ``smp.init()`` was not called.
-        ValueError: if the optimizer holds parameters that belong to no ``DistributedModel``, or
-            for unknown or invalid ``dynamic_loss_args``; nothing is registered in that case.
+        ValueError: if the optimizer holds parameters that belong to no ``DistributedModel``,
+            for unknown or invalid ``dynamic_loss_args``, or if the parameters are half
+            precision and the optimizer cannot keep fp32 masters (named); nothing is registered
+            in that case.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, static_loss_scale: float = 1.0,
+    def __init__(self, optimizer: torch.optim.Optimizer, static_loss_scale: float | None = 1.0,
                  dynamic_loss_scale: bool = False, dynamic_loss_args: Mapping[str, Any] | None = None):
         rt = runtime.current()
         if isinstance(optimizer, DistributedOptimizer):
             raise ValueError("the optimizer is already a DistributedOptimizer; wrap a torch optimizer once")
         _check_owned((p for g in optimizer.param_groups for p in g["params"]), rt)
+        scaler = _make_scaler(1.0 if static_loss_scale is None else static_loss_scale,
+                              dynamic_loss_scale, dynamic_loss_args)
+        self.master_weights = MasterWeights(optimizer)
         self.optimizer = optimizer
-        self.loss_scaler = _make_scaler(static_loss_scale, dynamic_loss_scale, dynamic_loss_args)
+        self.loss_scaler = scaler
         self.overflow = False
+        self._grads_ready = False
         rt.optimizers.append(self)
         if rt.pending_resume is not None:  # smp.resume_from_checkpoint ran before this optimizer existed
             rt.pending_resume.on_optimizer(self)
@@ -87,47 +102,82 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return getattr(inner, name)
 
     def __repr__(self) -> str:
-        return f"DistributedOptimizer({self.optimizer!r}, loss_scaler={self.loss_scaler!r})"
+        return (f"DistributedOptimizer({self.optimizer!r}, loss_scaler={self.loss_scaler!r}, "
+                f"fp32_masters={len(self.master_weights)})")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group to the wrapped optimizer; its parameters must belong to a DistributedModel."""
+        """Add a group to the wrapped optimizer; its parameters must belong to a DistributedModel
+        (half-precision ones get fp32 masters like the others)."""
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         _check_owned(params, runtime.current())
         self.optimizer.add_param_group({**param_group, "params": params})
+        self.master_weights.adopt_group(self.optimizer.param_groups[-1])
 
     # ---- the training step ------------------------------------------------------------------
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Unscale the gradients and step, or skip the step if a rank overflowed.
+        """Unscale the gradients (into the fp32 masters, if any) and step, or skip the step if a
+        rank overflowed; then round the masters back into the model's parameters.
 
         With dynamic scaling every rank joins one all-reduce to agree on overflow. A skipped
-        step leaves the gradients untouched (still scaled, holding the inf/nan); zero them as
-        usual before the next backward. A closure is only accepted without loss scaling, since
-        the gradients it produces would come after the unscaling.
+        step leaves the model's gradients untouched (still scaled, holding the inf/nan); zero
+        them as usual before the next backward. A closure is only accepted without loss scaling
+        and master weights, since the gradients it produces would come after the unscaling.
         """
         scaler = self.loss_scaler
-        if closure is not None and (scaler.dynamic or scaler.loss_scale != 1.0):
-            raise ValueError("step(closure) is not supported with loss scaling; call "
-                             "model.backward(loss) and then optimizer.step()")
-        grads = [g for g in map(local_grad, self._params()) if g is not None]
-        self.overflow = scaler.dynamic and scaler.has_overflow(grads)
-        if self.overflow:
+        if closure is not None and (scaler.dynamic or scaler.loss_scale != 1.0 or len(self.master_weights)):
+            raise ValueError("step(closure) is not supported with loss scaling or fp32 master weights; "
+                             "call model.backward(loss) and then optimizer.step()")
+        if not self._prepare_grads():
             scaler.update_scale(True)
             self._log_skip()
             return None
-        if scaler.loss_scale != 1.0:
-            for g in grads:
-                g.div_(scaler.loss_scale)
-        out = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        with self.master_weights.masters_in_optimizer() as inner:
+            out = inner.step() if closure is None else inner.step(closure)
+        self.master_weights.masters_to_params()
+        self.master_weights.clear_master_grads()
+        self._grads_ready = False
         scaler.update_scale(False)
         return out
 
+    def _prepare_grads(self) -> bool:
+        """Once per step: agree on overflow, then unscale the gradients into what the optimizer
+        steps (masters, or the parameters themselves). Returns False if the step must be skipped."""
+        if self._grads_ready:
+            return not self.overflow
+        scaler = self.loss_scaler
+        grads = [g for g in map(local_grad, self._model_params()) if g is not None]
+        self.overflow = scaler.dynamic and scaler.has_overflow(grads)
+        if self.overflow:
+            self.master_weights.clear_master_grads()
+            return False
+        self.master_weights.grads_to_masters(scaler.loss_scale)
+        self._grads_ready = True
+        return True
+
+    def clip_master_grads(self, max_norm: float, norm_type: float = 2) -> torch.Tensor:
+        """Clip the fp32 master gradients (the unscaled gradients, without masters) so that
+        their global norm is at most ``max_norm``; call it after ``model.backward`` and before
+        ``step()``. The norm counts every element of the whole model once: TP shards summed over
+        the TP group, replicated parameters and data-parallel replicas counted once. A
+        collective: every rank must call it.
+
+        Returns:
+            The global norm before clipping (an fp32 scalar tensor, equal on every rank); inf if
+            a rank overflowed (the coming ``step()`` will be skipped, nothing is clipped).
+        """
+        if not self._prepare_grads():
+            return torch.tensor(float("inf"))
+        return clip_by_global_norm((t for _, t in self.master_weights.params_and_masters()), max_norm, norm_type)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        self.master_weights.clear_master_grads()
+        self._grads_ready = False
 
-    def _params(self) -> Iterator[torch.nn.Parameter]:
+    def _model_params(self) -> Iterator[torch.nn.Parameter]:
         return (p for g in self.optimizer.param_groups for p in g["params"])
 
     def _log_skip(self) -> None:
@@ -138,23 +188,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # ---- checkpoints ------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's optimizer state (sharded entries as DTensors) and the loss scaler's."""
-        return {"optimizer": self.optimizer.state_dict(), "loss_scaler": self.loss_scaler.state_dict()}
+        """The optimizer state in SageMaker's layout: ``state`` (per parameter index, sharded
+        entries as DTensors at their global shapes), ``param_groups``, ``_smp_is_partial``
+        (False), plus ``loss_scaler`` and ``fp32_from_fp16`` (the fp32 masters by index). No
+        collective: DTensors are gathered only by whoever saves them."""
+        return optimizer_state.state_dict(self, partial=False)
 
     def local_state_dict(self) -> dict[str, Any]:
-        """Like ``state_dict()`` with sharded entries as this rank's local tensors (for ``smp.save``)."""
-        return local_optimizer_state(self)
+        """Like ``state_dict()`` with sharded entries as this rank's local tensors and
+        ``_smp_is_partial`` True (what ``smp.save(..., partial=True)`` stores)."""
+        return optimizer_state.state_dict(self, partial=True)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load what ``state_dict()`` or ``local_state_dict()`` returned, or ``smp.load`` of it at
         another TP degree (plain tensors become DTensors like their parameters); a plain torch
-        optimizer state dict (no loss scaler entry) is also accepted and keeps the current scale."""
-        if "optimizer" not in state_dict:
-            self.optimizer.load_state_dict(to_param_layout(self.optimizer, state_dict))
-            return
-        self.optimizer.load_state_dict(to_param_layout(self.optimizer, state_dict["optimizer"]))
-        if "loss_scaler" in state_dict:
-            self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+        optimizer state dict (no loss scaler entry) is also accepted and keeps the current scale.
+        Without saved fp32 masters, the masters are recreated from the model's weights (logged)."""
+        optimizer_state.load_state_dict(self, state_dict)
+        self._grads_ready = False
 
 
 def _make_scaler(static_loss_scale: float, dynamic: bool, args: Mapping[str, Any] | None) -> LossScaler:

@@ -20,9 +20,11 @@ from torch.distributed.tensor import DTensor
 
 from . import meta, runtime
 from .models import spec_for
-from .tp import walker
+from .tp import marks, walker
 
 logger = logging.getLogger("modelparallel")
+
+CP_COMM_TYPES = ("p2p", "all_gather")
 
 
 def _runtime(config: dict | None) -> runtime.Runtime:
@@ -106,27 +108,54 @@ def sync_from_rank0(module: nn.Module, full: dict[str, torch.Tensor], root) -> N
             dist.broadcast(t, src=0)
 
 
+def _registered_or_marked(model: nn.Module) -> bool:
+    """Whether any module asks for tensor parallelism itself (a registration, or built inside
+    ``smp.tensor_parallelism()``): those go through the walker even at degree 1."""
+    return any(marks.registration_of(m) is not None or "_mp_tp" in m.__dict__ for m in model.modules())
+
+
+SYNCED_FROM_RANK0 = "_mp_synced_from_rank0"
+"""Attribute set on a model whose every tensor ``transform(load_state_dict_from_rank0=True)``
+filled from rank 0: ``DelayedParamIniter`` of it then has nothing left to initialize."""
+
+
 def transform(model: nn.Module, device=None, dtype: torch.dtype | None = None, config: dict | None = None,
-              load_state_dict_from_rank0: bool = False) -> nn.Module:
+              load_state_dict_from_rank0: bool = False, cp_comm_type: str = "p2p") -> nn.Module:
     """Shard a supported HF model over the tensor-parallel mesh in place and return it.
+
+    At tensor-parallel degree 1 a plain HF model is not sharded: parameters stay plain tensors (a
+    DTensor on a mesh of one rank would only get in the way of FSDP's flattening), and only the
+    device, dtype and rank-0 sync apply (modules registered or built inside
+    ``smp.tensor_parallelism()`` still go through the walker).
 
     Args:
         model: the model; with ``load_state_dict_from_rank0`` a real model on rank 0 and the same
-            model on the meta device (expected, to save memory) elsewhere.
+            model on the meta device (expected, to save memory) or real elsewhere.
         device: where real tensors go (default: the runtime's device).
         dtype: cast floating parameters and buffers to it.
         config: the modelparallel config, used to ``init`` if not yet initialized (else it must
             agree with the running one).
         load_state_dict_from_rank0: afterwards every rank holds exactly its shard of rank 0's
-            weights. A collective: call on every rank.
+            weights (so FSDP's ``sync_module_states`` and a ``DelayedParamIniter`` of the result
+            have nothing left to do). A collective: call on every rank.
+        cp_comm_type: context parallelism's communication ("p2p" or "all_gather"); accepted for
+            scripts written for SageMaker, it changes nothing at context parallel degree 1, the
+            only degree supported.
 
-    Without it, a model built on meta stays on meta (shards described, not allocated) until
-    ``smp.load_hf_checkpoint`` or ``DelayedParamIniter`` initializes it.
+    Without ``load_state_dict_from_rank0``, a model built on meta stays on meta (shards
+    described, not allocated) until ``smp.load_hf_checkpoint`` or ``DelayedParamIniter``
+    initializes it.
+
+    Returns:
+        ``model`` itself, sharded in place.
 
     Raises:
         MetaTensorError: with ``load_state_dict_from_rank0`` when rank 0's model is on meta.
-        ValueError: when the plan does not fit the model (before any tensor is touched).
+        ValueError: when the plan does not fit the model (before any tensor is touched), or for
+            an unknown ``cp_comm_type``.
     """
+    if cp_comm_type not in CP_COMM_TYPES:
+        raise ValueError(f"transform(cp_comm_type={cp_comm_type!r}): expected one of {CP_COMM_TYPES}")
     rt = _runtime(config)
     device = torch.device(device) if device is not None else rt.device
     full = {}
@@ -136,8 +165,11 @@ def transform(model: nn.Module, device=None, dtype: torch.dtype | None = None, c
         if dist.get_rank() != 0:
             full = {}
     move(model, device, dtype)
-    walker.parallelize(model, rt.tp_mesh, spec_for(model))
+    if rt.tp_mesh.size() > 1 or _registered_or_marked(model):
+        walker.parallelize(model, rt.tp_mesh, spec_for(model))
     if load_state_dict_from_rank0:
         meta.materialize(model, device)
         sync_from_rank0(model, full, rt.mesh)
+        full.clear()
+        model.__dict__[SYNCED_FROM_RANK0] = True
     return model

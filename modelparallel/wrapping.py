@@ -35,6 +35,7 @@ class WrapState:
     from_rank0: bool = False
     pending_meta: bool = False
     fsdp: bool = False
+    compute_dtype: torch.dtype | None = None
 
 
 def _mode(states: list[tuple[bool, bool]]) -> str:
@@ -63,7 +64,10 @@ def before_shard(module: nn.Module, rt, dtype: torch.dtype | None) -> WrapState:
     if mode == "rank0":
         full = meta.to_meta_(module)
         state.full_on_rank0, state.from_rank0 = (full if dist.get_rank() == 0 else {}), True
-    move(module, rt.device, dtype)
+    # under FSDP the sharded parameters stay fp32 (they are the master weights) and FSDP casts
+    # them to ``dtype`` for compute (``fsdp.mixed_precision``)
+    state.compute_dtype = dtype
+    move(module, rt.device, None if rt.config.shard_degree > 1 else dtype)
     state.pending_meta = mode == "meta"
     return state
 
@@ -79,7 +83,8 @@ def after_shard(module: nn.Module, rt, state: WrapState) -> None:
         with initer.validate_params_and_buffers_inited():
             initer.init_all()
         state.pending_meta = False
-    state.fsdp = fsdp.shard_data_parallel(module, rt.mesh, state.spec, rt.config.shard_degree)
+    state.fsdp = fsdp.shard_data_parallel(module, rt.mesh, state.spec, rt.config.shard_degree,
+                                          fsdp.mixed_precision(state.compute_dtype))
 
 
 def check_ready(module: nn.Module, state: WrapState) -> None:

@@ -66,9 +66,20 @@ def test_guard_names_tensors_left_on_meta_or_never_written():
     assert not meta.is_meta(model.lin.weight) and model.lin.weight.abs().sum() > 0
 
 
-def test_real_model_refused_saying_so():
-    with pytest.raises(smp.MetaTensorError, match="needs a model built on the meta device"):
-        smp.delayed_param.DelayedParamIniter(nn.Linear(2, 2))
+def test_real_model_is_a_noop_leaving_data_untouched():
+    """A model already holding its weights (as after transform(load_state_dict_from_rank0=True))
+    has nothing to initialize: the init functions must not redraw it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    initer = smp.delayed_param.DelayedParamIniter(model)
+    assert initer.noop
+    with initer.validate_params_and_buffers_inited():
+        for mod in model.modules():
+            initer.get_param_init_fn()(mod)
+        initer.init_all()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
 
 
 def delayed_tp_equals_eager(cls, cfg):

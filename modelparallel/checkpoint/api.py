@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import runtime
-from . import commit, full, single_file
+from . import commit, export_dtype, full, single_file
 from . import partial as partial_ckpt
 from .errors import run_phase
 from .full_load import load_weights
@@ -21,7 +21,8 @@ from .pending import LAST_REPORTS, PendingResume
 
 def save_checkpoint(path: str | Path, tag: str, partial: bool = True, model=None, optimizer=None,
                     user_content: Any = None, translate_if_full: bool = True,
-                    num_kept_partial_checkpoints: int | None = None, trust_user_content: bool = False) -> None:
+                    num_kept_partial_checkpoints: int | None = None, trust_user_content: bool = False,
+                    dtype=None) -> None:
     """Save a checkpoint (a collective: call it on every rank).
 
     Args:
@@ -39,6 +40,8 @@ def save_checkpoint(path: str | Path, tag: str, partial: bool = True, model=None
         num_kept_partial_checkpoints: keep only this many newest partial checkpoints.
         trust_user_content: store ``user_content`` as a full pickle (any object); loading it
             then needs ``trust_user_content=True`` and runs whatever code the file names.
+        dtype: full checkpoints only: export in ``torch.float32`` (a half-precision run's fp32
+            master weights), ``torch.float16`` or ``torch.bfloat16``; None: the training dtype.
 
     Raises:
         ValueError: for bad arguments, before anything is written.
@@ -47,11 +50,16 @@ def save_checkpoint(path: str | Path, tag: str, partial: bool = True, model=None
     """
     model, optimizer = _defaults(model, optimizer)
     _check_save_args(tag, num_kept_partial_checkpoints, model, partial)
+    dtype = export_dtype.check_dtype(dtype)
+    if partial and dtype is not None:
+        raise ValueError("dtype= applies to full checkpoints (partial=False); a partial checkpoint keeps the "
+                         "training dtype and the fp32 master weights")
     if partial:
         partial_ckpt.save(Path(path), tag, model, optimizer, user_content, num_kept_partial_checkpoints,
                           trust_user_content)
     else:
-        full.save(Path(path), tag, model, user_content, translate_if_full, trust_user_content=trust_user_content)
+        full.save(Path(path), tag, model, user_content, translate_if_full, trust_user_content=trust_user_content,
+                  dtype=dtype)
 
 
 def _defaults(model, optimizer):

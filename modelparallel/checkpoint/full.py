@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from . import commit, parts
+from . import commit, export_dtype, parts
 from .errors import run_phase
 from .partial import describe, verify
 from .shards import ShardWriter, plan_shards
@@ -122,22 +122,24 @@ def _stream(state, translate: Items | None, writer: ShardWriter | None) -> Excep
     return error
 
 
-def _config_copy(model):
+def _config_copy(model, dtype: torch.dtype | None = None):
     """The HF config to store, naming the class and dtype as ``save_pretrained`` would."""
     config = copy.deepcopy(model.module.config)
     config.architectures = [type(model.module).__name__]
-    config.dtype = next(model.module.parameters()).dtype
+    config.dtype = dtype or next(model.module.parameters()).dtype
     return config
 
 
 def save(path: Path, tag: str, model, user_content: Any, translate_if_full: bool,
-         max_shard_bytes: int | None = None, trust_user_content: bool = False) -> Path:
-    """Write ``path/{tag}/`` and ``path/user_content_{tag}`` (a collective). Rank 0 holds the
-    directory's writer lock throughout (see ``commit.DirectoryLock``)."""
+         max_shard_bytes: int | None = None, trust_user_content: bool = False,
+         dtype: torch.dtype | None = None) -> Path:
+    """Write ``path/{tag}/`` and ``path/user_content_{tag}`` (a collective), in ``dtype`` (None:
+    the parameters' own; see ``export_dtype``). Rank 0 holds the directory's writer lock
+    throughout (see ``commit.DirectoryLock``)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     translate = translation(getattr(model.module.config, "model_type", None), True) if translate_if_full else None
     prefix = HF_PREFIX if translate else PLAIN_PREFIX
-    state = parts.model_state(model.module)
+    state = export_dtype.export_state(model, dtype)
     found: dict[str, Any] = {}
     lock = commit.DirectoryLock(path)
 
@@ -157,7 +159,7 @@ def save(path: Path, tag: str, model, user_content: Any, translate_if_full: bool
             error = _stream(state, translate, writer)
             run_phase("full save (write)", lambda: _finish(path, staging, tag, model, writer, prefix,
                                                           found.get("content"), trust_user_content, bool(translate),
-                                                          error) if rank == 0 else None)
+                                                          error, dtype) if rank == 0 else None)
         except Exception:
             if rank == 0:
                 commit.clean_leftovers(path)
@@ -168,13 +170,13 @@ def save(path: Path, tag: str, model, user_content: Any, translate_if_full: bool
 
 
 def _finish(path: Path, staging: Path, tag: str, model, writer: ShardWriter, prefix: str, content: bytes,
-            trusted: bool, translated: bool, error: Exception | None) -> None:
+            trusted: bool, translated: bool, error: Exception | None, dtype: torch.dtype | None = None) -> None:
     """Rank 0: close the shards, write config, user content and manifest, commit, point newest."""
     if error is not None:
         raise error
     weights = writer.close(prefix)
     sums = writer.checksums()  # computed while writing (and fsynced): the weights are not re-read
-    _config_copy(model).save_pretrained(staging)
+    _config_copy(model, dtype).save_pretrained(staging)
     content_name = f"user_content_{tag}"
     content_tmp = path / commit.hidden_name("tmp", commit.new_nonce(), content_name)
     parts.write_bytes(content_tmp, content)

@@ -39,6 +39,7 @@ def _live_shards() -> dict[tuple, DTensor]:
     rt = runtime.current()
     found = [t for m in rt.models for t in m.module.state_dict(keep_vars=True).values()]
     found += [v for o in rt.optimizers for slots in o.optimizer.state.values() for v in slots.values()]
+    found += [m for o in rt.optimizers for _, m in o.master_weights.pairs]  # fp32 masters
     return {_key(t.to_local()): t for t in found if isinstance(t, DTensor)}
 
 

@@ -36,11 +36,14 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
+from ..optimizer_state import load_masters
 from .parts import LoadReport
 from .safe_load import read_dcp_metadata
 
 STATE, GROUPS, SCALER = "optimizer.state.", "optimizer.param_groups.", "loss_scaler."
-PARAM_KEYED = (STATE,)
+MASTERS = "fp16_states."
+"""fp32 master weights of half-precision parameters: ``fp16_states.{param name}.master``."""
+PARAM_KEYED = (STATE, MASTERS)
 """Key prefixes whose entries are ``{prefix}{param name}.{slot}`` and are placed like the parameter."""
 
 
@@ -55,7 +58,11 @@ def optimizer_state(module: nn.Module, optimizer) -> dict[str, Any]:
     state = {names[id(p)]: dict(slots) for p, slots in inner.state.items() if slots}
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
               for g in inner.param_groups]
-    return {"optimizer": {"state": state, "param_groups": groups}, "loss_scaler": optimizer.loss_scaler.state_dict()}
+    out = {"optimizer": {"state": state, "param_groups": groups}, "loss_scaler": optimizer.loss_scaler.state_dict()}
+    masters = {names[id(p)]: {"master": m} for p, m in optimizer.master_weights.pairs}
+    if masters:
+        out[MASTERS.rstrip(".")] = masters
+    return out
 
 
 def _split(key: str, params: dict[str, torch.Tensor]) -> tuple[str, str, str] | None:
@@ -117,23 +124,25 @@ def plan_load(module: nn.Module, optimizer, directory: Path) -> Planned:
     names = param_names(module)
     live = {names[id(p)] for g in optimizer.optimizer.param_groups for p in g["params"]}
     state: dict[str, dict] = {}
+    masters: dict[str, dict] = {}
     groups: dict[int, dict] = {}
     scaler: dict[str, Any] = {}
     unexpected, mismatched = set(), []
     for key, md in saved.items():
         split = _split(key, params)
         if split is not None:
-            _, name, slot = split
+            prefix, name, slot = split
             param = params.get(name)
+            bucket = state if prefix == STATE else masters
             if name not in live:
                 unexpected.add(name)
             elif not isinstance(md, TensorStorageMetadata):  # a non-tensor slot: read (restricted) as is
-                state.setdefault(name, {})[slot] = None
+                bucket.setdefault(name, {})[slot] = None
             elif tuple(md.size) not in ((), tuple(param.shape)):
                 mismatched.append(f"{key}: checkpoint {tuple(md.size)}, model {tuple(param.shape)}")
             else:
-                current = optimizer.optimizer.state.get(param, {}).get(slot)
-                state.setdefault(name, {})[slot] = _target(param, md, current)
+                current = optimizer.optimizer.state.get(param, {}).get(slot) if prefix == STATE else None
+                bucket.setdefault(name, {})[slot] = _target(param, md, current)
         elif key.startswith(GROUPS):
             index, _, field = key[len(GROUPS):].partition(".")
             groups.setdefault(int(index), {})[field] = _placeholder(md)
@@ -143,6 +152,8 @@ def plan_load(module: nn.Module, optimizer, directory: Path) -> Planned:
         raise ValueError(f"{directory}: parameter groups {sorted(groups)} are not numbered 0..n-1")
     nested = {"optimizer": {"state": state, "param_groups": [groups[i] for i in sorted(groups)]},
               "loss_scaler": scaler}
+    if masters:
+        nested[MASTERS.rstrip(".")] = masters
     group_keys = {f"{GROUPS}{i}.{f}" for i, g in groups.items() for f in g}
     return Planned(nested, group_keys, live, unexpected, mismatched, len(optimizer.optimizer.param_groups))
 
@@ -171,6 +182,11 @@ def apply_optimizer_state(module: nn.Module, optimizer, loaded: dict[str, Any]) 
         state[params[name]] = slots
     inner.state = state
     optimizer.loss_scaler.load_state_dict(loaded["loss_scaler"])
+    saved = loaded.get(MASTERS.rstrip("."), {})
+    names = param_names(module)
+    load_masters(optimizer, {i: saved[names[id(p)]]["master"] for i, (p, m) in
+                             enumerate(optimizer.master_weights.params_and_masters())
+                             if m is not p and names[id(p)] in saved} or None)
 
 
 def check_names_against_model(module: nn.Module, directory: Path) -> list[str]:

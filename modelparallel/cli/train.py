@@ -46,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup", type=int, default=None, help="linear warm-up steps (default: 5%% of --steps)")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--seed", type=int, default=1234, help="model init, data order and sampling seed")
+    g.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="training precision: bf16/fp16 compute with fp32 master weights in the optimizer, "
+                        "fp16 with dynamic loss scaling (default: %(default)s)")
     g = p.add_argument_group("checkpoints")
     g.add_argument("--save-every", type=int, default=0, help="save a partial checkpoint every N steps "
                    "under OUT/checkpoints (default: never)")

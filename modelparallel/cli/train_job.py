@@ -35,6 +35,9 @@ def make_optimizer(model, args):
     """AdamW over the sharded parameters, wrapped in ``smp.DistributedOptimizer`` as SageMaker
     scripts do (it is a plain step in fp32; the wrapper is where loss scaling would live)."""
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    if getattr(args, "dtype", "fp32") == "fp16":
+        return smp.DistributedOptimizer(inner, static_loss_scale=None, dynamic_loss_scale=True,
+                                        dynamic_loss_args={"init_scale": 2.0 ** 16, "scale_window": 200})
     return smp.DistributedOptimizer(inner)
 
 
@@ -173,8 +176,10 @@ def _report(args, m: dict) -> None:
 
 def run_job(args: argparse.Namespace) -> int:
     """Train on this rank; rank 0 writes the artifacts and prints the summary."""
+    dtype = getattr(args, "dtype", "fp32")
     # the TP ranks of a replica draw the same windows: SageMaker's prescaled-batch layout
-    smp.init({"tensor_parallel_degree": args.tp, "random_seed": args.seed, "prescaled_batch": True})
+    smp.init({"tensor_parallel_degree": args.tp, "random_seed": args.seed, "prescaled_batch": True,
+              "fp16": dtype == "fp16", "bf16": dtype == "bf16"})
     tokenizer = load_tokenizer(args.model)
     train_tokens, val_tokens, info = load_data(args, tokenizer)
     model = build_distributed(args.model, args.seq_len, args.seed)

@@ -1,0 +1,137 @@
+"""Mixed precision at TP=2 on CPU: step time, peak memory and bytes kept per parameter, for
+fp32, bf16 (fp32 master weights) and fp16 (fp32 masters + dynamic loss scaling).
+
+One step is forward + backward + ``DistributedOptimizer`` (AdamW) step on a GPT-2 of n_embd 512,
+4 layers, vocabulary 8192, batch 4 x 128 tokens, one thread per rank. Each precision runs in its
+own ``torchrun`` (2 ranks) so that the peak resident memory (``VmHWM`` minus the resident size
+after imports) is that precision's alone. Bytes per parameter are counted from the tensors
+themselves on rank 0 (local shards): model weights, gradients (as left by backward), fp32
+masters, optimizer state (AdamW's two moments).
+
+CPUs without native half-precision matrix units run bf16/fp16 matmuls slower than fp32; on GPUs
+the ratio is the other way round. The machine this ran on was shared (load average recorded).
+
+Usage: ``python bench/bench_mixed_precision.py [--steps 4] [--warmup 2]``; writes
+``bench/results/mixed_precision.json`` and prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SHAPE = dict(n_embd=512, n_layer=4, n_head=8, vocab_size=8192, n_positions=256)
+BATCH, SEQ, SEED = 4, 128, 0
+RESULTS = Path(__file__).resolve().parent / "results" / "mixed_precision.json"
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+def _rss_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1])
+    return 0
+
+
+def _bytes_per_param(model, opt) -> dict[str, float]:
+    import torch
+    from modelparallel.master_weights import local
+
+    params = list(model.parameters())
+    n = sum(local(p).numel() for p in params)
+    size = lambda ts: sum(local(t).numel() * local(t).element_size() for t in ts)  # noqa: E731
+    masters = [m for _, m in opt.master_weights.pairs]
+    state = [v for s in opt.state.values() for k, v in s.items() if torch.is_tensor(v) and v.dim()]
+    return {"weights": size(params) / n, "grads": size([p.grad for p in params if p.grad is not None]) / n,
+            "master": size(masters) / n, "optimizer_state": size(state) / n}
+
+
+def worker(dtype: str, warmup: int, steps: int, out: str) -> None:
+    import torch
+    import transformers
+
+    import modelparallel as smp
+
+    torch.set_num_threads(1)
+    base_kb = _rss_kb("VmRSS")
+    smp.init({"tensor_parallel_degree": 2, "fp16": dtype == "fp16", "bf16": dtype == "bf16"})
+    torch.manual_seed(SEED)
+    cfg = transformers.GPT2Config(**SHAPE, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = smp.DistributedModel(transformers.GPT2LMHeadModel(cfg))
+    scaling = {"static_loss_scale": None, "dynamic_loss_scale": True,
+               "dynamic_loss_args": {"init_scale": 2.0 ** 12}} if dtype == "fp16" else {}
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), **scaling)
+    ids = torch.randint(0, SHAPE["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(SEED))
+    times, losses, per_param = [], [], None
+    for i in range(warmup + steps):
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        model.backward(loss)
+        if i == warmup + steps - 1:
+            per_param = _bytes_per_param(model, opt)  # gradients still held
+        opt.step()
+        opt.zero_grad()
+        elapsed = time.perf_counter() - t0
+        losses.append(loss.item())
+        if i >= warmup:
+            times.append(elapsed)
+    peak_mb = (_rss_kb("VmHWM") - base_kb) / 1024
+    if smp.rank() == 0:
+        Path(out).write_text(json.dumps({
+            "dtype": dtype, "step_s": times, "median_step_s": statistics.median(times), "losses": losses,
+            "peak_mb_above_imports": peak_mb, "bytes_per_param": per_param,
+            "loss_scale": opt.loss_scaler.loss_scale}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--worker", choices=DTYPES)
+    p.add_argument("--out")
+    args = p.parse_args()
+    if args.worker:
+        worker(args.worker, args.warmup, args.steps, args.out)
+        return
+    torchrun = Path(sys.executable).with_name("torchrun")
+    load_before = os.getloadavg()
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for dtype in DTYPES:
+            out = Path(tmp) / f"{dtype}.json"
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            subprocess.run([str(torchrun), "--nproc-per-node", "2", __file__, "--worker", dtype,
+                            "--warmup", str(args.warmup), "--steps", str(args.steps), "--out", str(out)],
+                           check=True, env=env)
+            runs[dtype] = json.loads(out.read_text())
+    base = runs["fp32"]
+    for r in runs.values():
+        r["step_time_vs_fp32"] = r["median_step_s"] / base["median_step_s"]
+        r["peak_memory_vs_fp32"] = r["peak_mb_above_imports"] / base["peak_mb_above_imports"]
+    result = {"shape": SHAPE, "batch": BATCH, "seq": SEQ, "tp": 2, "steps": args.steps,
+              "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "cpus": os.cpu_count(),
+              "runs": runs}
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=1))
+    print("| dtype | step (s, median) | vs fp32 | peak MB/rank | vs fp32 | bytes/param: weights, grads, "
+          "master, optimizer state |")
+    print("|---|---|---|---|---|---|")
+    for d, r in runs.items():
+        b = r["bytes_per_param"]
+        print(f"| {d} | {r['median_step_s']:.3f} | {r['step_time_vs_fp32']:.2f}x | {r['peak_mb_above_imports']:.0f} "
+              f"| {r['peak_memory_vs_fp32']:.2f}x | {b['weights']:.0f}, {b['grads']:.0f}, {b['master']:.0f}, "
+              f"{b['optimizer_state']:.0f} |")
+    print(f"load average before {load_before}, after {result['loadavg_after']}")
+
+
+if __name__ == "__main__":
+    main()

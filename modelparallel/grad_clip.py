@@ -1,0 +1,79 @@
+"""The global gradient norm of a sharded model, and clipping by it.
+
+Each rank holds pieces of the gradients: a TP-sharded parameter's shard, an FSDP shard of that,
+or a whole replicated parameter that other ranks hold too. The global norm must count every
+element exactly once, as if one process held the whole model. A rank therefore weights its
+local sum of ``|g|^p`` by ``distinct / world``, where ``distinct`` is how many different
+pieces the parameter is cut into (the product of the mesh sizes along its ``Shard`` placements):
+each piece is held by ``world / distinct`` ranks, so the world-wide sum of the weighted values
+counts each piece once. One all-reduce of one number per norm then gives the global norm on
+every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial, Shard
+
+
+def _distinct_pieces(g: torch.Tensor) -> int:
+    if not isinstance(g, DTensor):
+        return 1
+    if any(isinstance(pl, Partial) for pl in g.placements):
+        raise NotImplementedError("gradient norm of a gradient with a Partial placement (not yet reduced)")
+    return math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if isinstance(pl, Shard))
+
+
+def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0,
+                     group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The norm of all gradients of ``params`` over the whole job, each element counted once.
+
+    A collective over ``group`` (default: the world), which must contain every rank that
+    holds a piece of the parameters. Returns an fp32 scalar tensor, the same on every rank.
+    """
+    norm_type = float(norm_type)
+    grads = [p.grad for p in params if p.grad is not None]
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    inf = math.isinf(norm_type)
+    total = torch.zeros((), dtype=torch.float64)
+    for g in grads:
+        shard = (g.to_local() if isinstance(g, DTensor) else g).detach().double()
+        if shard.numel() == 0:
+            continue
+        if inf:
+            total = torch.maximum(total, shard.abs().max().cpu())
+        else:
+            weight = _distinct_pieces(g) / world
+            total += shard.abs().pow(norm_type).sum().cpu() * weight
+    if world > 1:
+        device = grads[0].device if grads else torch.device("cpu")
+        if dist.get_backend(group) == "nccl" and device.type != "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        flat = total.to(device)
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
+        total = flat.cpu()
+    norm = total if inf else total.pow(1.0 / norm_type)
+    return norm.float()
+
+
+@torch.no_grad()
+def clip_by_global_norm(params: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+                        group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Scale the gradients of ``params`` so their global norm is at most ``max_norm``, with the
+    coefficient of ``torch.nn.utils.clip_grad_norm_`` (``max_norm / (norm + 1e-6)``, capped at 1).
+
+    Returns:
+        The global norm before clipping.
+    """
+    params = [p for p in params if p.grad is not None]
+    norm = global_grad_norm(params, norm_type, group)
+    coef = float(max_norm) / (norm.item() + 1e-6)
+    if coef < 1.0:
+        for p in params:
+            g = p.grad
+            (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
+    return norm

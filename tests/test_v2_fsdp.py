@@ -1,0 +1,158 @@
+"""PyTorch FSDP applied by the user to ``smp.transform``'s output, as SageMaker v2 scripts do.
+
+Each data-parallel replica trains on half of the batch, the single-process HF model on all of it;
+10 AdamW steps must give the same losses and the same final weights. A failure only with FSDP1
+points at how ``transform`` leaves parameters for FSDP's flattening (plain tensors at TP=1,
+DTensors on the "tp" sub-mesh at TP>1, which FSDP1 handles when given ``device_mesh=smp.dp_mesh()``);
+only with FSDP2 at the composition of ``fully_shard`` over "dp" with the TP shards; losses drifting
+from step 2 at a doubled or missing gradient average over "dp".
+"""
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+from torch.distributed.tensor import DTensor
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+import harness
+import modelparallel as smp
+from modelparallel.dp import allreduce_gradients
+from reference import gathered
+
+STEPS = 10
+# fp32 losses of two summation orders of the same math: eps(fp32) 1.2e-7 times the longest
+# reduction (hidden 64 x 2 layers x vocab ~100 x 40 tokens, ~10^3 terms per loss path), grown
+# over 10 AdamW steps whose updates stay O(lr): 1e-4 relative leaves a wide margin and still
+# catches a wrong gradient average (a factor 2 moves the step-2 loss by ~1e-2).
+LOSS_RTOL = 1e-4
+
+
+def llama_cfg():
+    return LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=101, max_position_embeddings=64)
+
+
+def batches(vocab=101, steps=STEPS):
+    g = torch.Generator().manual_seed(4)
+    return [torch.randint(1, vocab, (4, 10), generator=g) for _ in range(steps)]
+
+
+def train_and_compare(ref, model, parameters=None, steps=STEPS, clip=None, after_backward=None):
+    """Losses of ``model`` (half batch per data-parallel replica, FSDP averaging gradients over
+    "dp") against ``ref`` (full batch, one process), step by step."""
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(parameters if parameters is not None else model.parameters(), lr=1e-3)
+    dp, n = smp.rdp_rank(), smp.rdp_size()
+    per = 4 // n
+    for step, ids in enumerate(batches(steps=steps)):
+        want = ref(ids, labels=ids).loss
+        want.backward()
+        if clip is not None:
+            norm_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        opt_ref.step()
+        opt_ref.zero_grad()
+        mine = ids[dp * per:(dp + 1) * per]
+        loss = model(mine, labels=mine).loss
+        loss.backward()
+        if after_backward is not None:
+            after_backward()
+        if clip is not None:
+            norm = smp.clip_grad_norm_(model.parameters(), clip)
+            # a sum of ~10^4 squares in fp32 in another order: eps 1.2e-7 x sqrt(10^4) ~ 1e-5
+            torch.testing.assert_close(norm, norm_ref, rtol=1e-5, atol=0, msg=lambda m, s=step: f"step {s}: {m}")
+        opt.step()
+        opt.zero_grad()
+        mean = gathered(loss.detach()).clone()
+        dist.all_reduce(mean, group=smp.get_rdp_process_group())
+        mean /= n
+        rel = abs(mean.item() - want.item()) / abs(want.item())
+        assert rel < LOSS_RTOL, f"step {step}: loss {mean.item()} vs single process {want.item()} (rel {rel:.1e})"
+
+
+def transformed(tp, seed=0):
+    smp.init({"tensor_parallel_degree": tp})
+    torch.manual_seed(seed)
+    ref = LlamaForCausalLM(llama_cfg())
+    model = smp.transform(copy.deepcopy(ref))
+    return ref, model
+
+
+def fsdp1_on_transform(tp, use_orig_params):
+    ref, model = transformed(tp)
+    if tp == 1:
+        assert not any(isinstance(p, DTensor) for p in model.parameters()), "DTensor on a mesh of one rank"
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
+    model = FSDP(model, auto_wrap_policy=policy, device_id=torch.device("cpu"), device_mesh=smp.dp_mesh(),
+                 use_orig_params=use_orig_params)
+    train_and_compare(ref, model)
+
+
+@pytest.mark.parametrize("use_orig_params", [True, False])
+@pytest.mark.parametrize("tp,world", [(2, 4), (1, 2)])
+def test_fsdp1_over_transform_trains_like_one_process(tp, world, use_orig_params):
+    harness.run(world, fsdp1_on_transform, tp, use_orig_params)
+
+
+def fsdp1_process_group(tp):
+    ref, model = transformed(tp)
+    model = FSDP(model, device_id=torch.device("cpu"), process_group=smp.get_rdp_process_group(),
+                 use_orig_params=True)
+    train_and_compare(ref, model)
+
+
+def test_fsdp1_with_process_group_at_tp1():
+    harness.run(2, fsdp1_process_group, 1)
+
+
+def fsdp2_on_transform(tp, clip=None):
+    ref, model = transformed(tp)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=smp.dp_mesh())
+    fully_shard(model, mesh=smp.dp_mesh())
+    w = model.model.layers[0].mlp.gate_proj.weight
+    assert isinstance(w, DTensor) and w.to_local().numel() == w.numel() // (tp * smp.rdp_size())
+    train_and_compare(ref, model, clip=clip)
+
+
+@pytest.mark.parametrize("tp,world", [(2, 4), (1, 2)])
+def test_fsdp2_over_transform_trains_like_one_process(tp, world):
+    harness.run(world, fsdp2_on_transform, tp)
+
+
+def test_clip_grad_norm_over_tp_fsdp_and_replicated_equals_one_process():
+    """TP=2 x DP=2 with FSDP2: TP-sharded weights on ("dp", "tp"), norms on "dp" only; a small
+    max_norm so clipping really scales every step."""
+    harness.run(4, fsdp2_on_transform, 2, clip=0.5)
+
+
+def tp_only_clip():
+    """TP without FSDP: TP-sharded DTensors on "tp", norms as plain tensors on every rank,
+    gradients averaged over "dp" by the library's data-parallel all-reduce."""
+    ref, model = transformed(2)
+    assert any(not isinstance(p, DTensor) for p in model.parameters())
+    average = functools.partial(allreduce_gradients, list(model.parameters()), smp.get_rdp_process_group(), smp.rdp_size())
+    train_and_compare(ref, model, clip=0.5, after_backward=average)
+
+
+def test_clip_grad_norm_tp_sharded_and_plain_replicated():
+    harness.run(4, tp_only_clip)
+
+
+def fsdp1_clip_refused():
+    ref, model = transformed(1)
+    model = FSDP(model, device_id=torch.device("cpu"), device_mesh=smp.dp_mesh(), use_orig_params=True)
+    ids = batches()[0]
+    model(ids, labels=ids).loss.backward()
+    with pytest.raises(NotImplementedError, match="flattened by FSDP1"):
+        smp.clip_grad_norm_(model.parameters(), 1.0)
+
+
+def test_clip_grad_norm_refuses_fsdp1_flat_shards():
+    harness.run(2, fsdp1_clip_refused)

@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--stop-after", type=int, default=None, help="simulate an interruption after this step")
     args = ap.parse_args()
     model_dir, ckpt = args.model or default_model_dir(), Path(args.out) / "checkpoints"
-    smp.init({"tensor_parallel_degree": 2})
+    smp.init({"tensor_parallel_degree": 2, "prescaled_batch": True})  # TP ranks share each batch
     model, tokenizer = build(model_dir), AutoTokenizer.from_pretrained(model_dir)
     optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=2e-5))
     start = 0
@@ -78,7 +78,7 @@ def main() -> None:
         start = smp.resume_from_checkpoint(ckpt)["step"]
         if smp.rank() == 0:
             print(f"resumed from step {start}")
-    mine = PAIRS[smp.dp_rank()::smp.dp_size()]  # each data-parallel replica its half of the pairs
+    mine = PAIRS[smp.rdp_rank()::smp.rdp_size()]  # each model replica (rdp rank) its share of the pairs
     for step in range(start + 1, args.steps + 1):
         loss = pair_loss(model, tokenizer, mine)
         model.backward(loss)

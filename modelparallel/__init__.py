@@ -16,12 +16,17 @@ from .meta import MetaTensorError
 from .model import DistributedModel
 from .optimizer import DistributedOptimizer
 from .runtime import (
-    DP_GROUP, MP_GROUP, RDP_GROUP, TP_GROUP, WORLD, barrier, broadcast, dp_rank, dp_size,
-    get_dp_process_group, get_mp_process_group, get_rdp_process_group, get_tp_process_group,
-    get_world_process_group, init, is_initialized, local_rank, local_size, mp_rank, mp_size,
-    pp_rank, pp_size, rank, rdp_rank, rdp_size, size, tp_rank, tp_size,
+    DP_GROUP, MP_GROUP, PP_GROUP, RDP_GROUP, TP_GROUP, WORLD, CommGroup, dp_rank, dp_size,
+    get_dp_process_group, get_mp_process_group, get_pp_process_group, get_rdp_process_group,
+    get_tp_process_group, get_world_process_group, init, is_initialized, local_rank, local_size,
+    mp_rank, mp_size, pp_rank, pp_size, rank, rdp_rank, rdp_size, size, tp_rank, tp_size,
 )
-from .runtime import dp_mesh, tp_mesh
+from .comm import (
+    RankType, allgather, barrier, broadcast, dp_barrier, dp_mesh, get_dp_group, get_mp_group,
+    get_pp_group, get_rdp_group, get_tp_group, get_world_group, mp_barrier, recv_from, send, tp_mesh,
+)
+from .state import state
+from .step import StepOutput, is_tracing, num_microbatches, step
 from . import nn
 from .tp.marks import set_tensor_parallelism, tensor_parallelism, tp_register, tp_register_with_module
 from .tp.plan import ArchSpec, ModulePlan
@@ -31,7 +36,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ArchSpec", "CheckpointError", "Config", "DistributedModel", "DistributedOptimizer", "ModulePlan",
-    "DP_GROUP", "MP_GROUP", "RDP_GROUP", "TP_GROUP", "WORLD",
+    "DP_GROUP", "MP_GROUP", "PP_GROUP", "RDP_GROUP", "TP_GROUP", "WORLD", "CommGroup", "RankType",
+    "StepOutput", "allgather", "dp_barrier", "dp_mesh", "get_dp_group", "get_mp_group", "get_pp_group",
+    "get_pp_process_group", "get_rdp_group", "get_tp_group", "get_world_group", "is_tracing", "mp_barrier",
+    "num_microbatches", "recv_from", "send", "state", "step", "tp_mesh",
     "barrier", "broadcast", "dp_rank", "dp_size", "get_dp_process_group", "get_mp_process_group",
     "get_rdp_process_group", "get_tp_process_group", "get_world_process_group", "init",
     "is_initialized", "local_rank", "local_size", "mp_rank", "mp_size", "pp_rank", "pp_size", "rank",
@@ -39,6 +47,6 @@ __all__ = [
     "tp_register", "tp_register_with_module", "tp_size", "nn",
     "last_load_report", "resume_from_checkpoint", "save_checkpoint",
     "MetaTensorError", "delay_param_initialization", "delayed_param", "load_hf_checkpoint", "model_creation",
-    "transform", "dp_mesh", "tp_mesh", "clip_grad_norm_",
+    "transform", "clip_grad_norm_",
     "patches", "set_activation_checkpointing",
 ]

@@ -10,59 +10,59 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import field
+from difflib import get_close_matches
 from typing import Any
+
+from .config_keys import ALIASES, BY_NAME, DEFAULT_ONLY, KEYS, NO_EFFECT
 
 ENV_VAR = "MODELPARALLEL_CONFIG"
 
 _PLACEMENTS = ("cluster", "spread")
 
 
-@dataclass(frozen=True)
-class Config:
-    """Parallelism settings; field names are SageMaker's so existing configs carry over."""
+def _fields() -> list[tuple[str, type, Any]]:
+    return [(k.name, k.type, field(default=k.default)) for k in KEYS] + [
+        ("world_size", int, field(default=1, compare=False))]
 
-    tensor_parallel_degree: int = 1
-    """Ranks that share one copy of each layer, each holding 1/degree of its weights."""
-    pipeline_parallel_degree: int = 1
-    """Pipeline stages. Only 1 is supported; anything else is refused."""
-    ddp: bool = True
-    """Average gradients over data-parallel replicas (the ranks with the same tp_rank)."""
-    sharded_data_parallel_degree: int = 1
-    """SageMaker v1 name for sharding parameters/gradients/optimizer state over data-parallel ranks."""
-    hybrid_shard_degree: int = 1
-    """SageMaker v2 name for the same setting; give one or the other, or both equal."""
-    fp16: bool = False
-    """Train in float16 (use a ``DistributedOptimizer`` with loss scaling)."""
-    bf16: bool = False
-    """Train in bfloat16."""
-    random_seed: int = 12345
-    """Seed set on every rank by ``init``, so every rank builds the same initial model."""
-    placement_strategy: str = "cluster"
-    """How ranks map to the (dp, tp) mesh: "cluster" puts a TP group on consecutive ranks (one
-    node first), "spread" strides it; "DPT"/"TPD"-style letter orders are also accepted."""
-    offload_activations: bool = False
-    """Keep activation-checkpointed modules' saved inputs in host memory until backward (v1 name)."""
-    sm_activation_offloading: bool = False
-    """SageMaker v2 name of ``offload_activations``."""
-    activation_loading_horizon: int = 4
-    """How many checkpointed regions ahead of backward offloaded activations are loaded back."""
-    world_size: int = field(default=1, compare=False)
-    """Filled in by ``init`` from the launcher; not a user key."""
+
+class _Derived:
+    """Quantities computed from the keys (mixed into ``Config``)."""
 
     @property
     def dp_degree(self) -> int:
-        """Data-parallel replicas: ranks that hold the same tensor-parallel shard."""
+        """Replicas of one model copy: the size of the mesh's "dp" dimension (SageMaker's
+        reduced-data-parallel group, ranks with the same tp and pp rank)."""
         return self.world_size // (self.tensor_parallel_degree * self.pipeline_parallel_degree)
 
     @property
     def shard_degree(self) -> int:
-        """The sharded-data-parallel degree, whichever of its two names was used."""
-        return max(self.sharded_data_parallel_degree, self.hybrid_shard_degree)
+        """The v1 sharded-data-parallel degree ``DistributedModel`` applies (1 = off), from
+        ``sharded_data_parallel_degree`` or an explicit ``hybrid_shard_degree`` > 1."""
+        sdp, hsd = self.sharded_data_parallel_degree, self.hybrid_shard_degree
+        return sdp if sdp > 1 else hsd if hsd > 1 else 1
+
+    @property
+    def fsdp_shard_degree(self) -> int:
+        """The v2 FSDP sharding degree: ``hybrid_shard_degree``, or every data-parallel rank
+        when it is 0 (v2's default, full sharding)."""
+        return self.hybrid_shard_degree or self.dp_degree
+
+    @property
+    def activation_offloading(self) -> bool:
+        """Whether activation offloading is asked for, under its v1 or v2 name."""
+        return self.offload_activations or self.sm_activation_offloading
+
+
+Config = dataclasses.make_dataclass(
+    "Config", _fields(), bases=(_Derived,), frozen=True,
+    namespace={"__doc__": "Parallelism settings: one field per key of ``config_keys.KEYS`` "
+                          "(SageMaker's names), plus ``world_size`` filled in by ``init``.",
+               "__module__": __name__})
 
 
 def _user_keys() -> set[str]:
-    return {f.name for f in dataclasses.fields(Config)} - {"world_size"}
+    return set(BY_NAME)
 
 
 def load_raw(config: dict | str | os.PathLike | None) -> dict[str, Any]:
@@ -82,16 +82,47 @@ def load_raw(config: dict | str | os.PathLike | None) -> dict[str, Any]:
     return data
 
 
-def _check_types(raw: dict[str, Any], problems: list[str]) -> None:
-    types = {f.name: f.type for f in dataclasses.fields(Config)}
-    for key, value in raw.items():
-        want = types[key]
-        if want == "int" and (isinstance(value, bool) or not isinstance(value, int)):
-            problems.append(f"{key} must be an integer, got {value!r}")
-        elif want == "bool" and not isinstance(value, bool):
+def _coerce(key: str, value: Any, problems: list[str]) -> Any:
+    """``value`` as the key's type (an integral float such as 5e8 counts as an int)."""
+    want = BY_NAME[key].type
+    if want is bool:
+        if not isinstance(value, bool):
             problems.append(f"{key} must be true or false, got {value!r}")
-        elif want == "str" and not isinstance(value, str):
-            problems.append(f"{key} must be a string, got {value!r}")
+        return value
+    if want is int:
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            problems.append(f"{key} must be an integer, got {value!r}")
+        return value
+    if want is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            problems.append(f"{key} must be a number, got {value!r}")
+            return value
+        return float(value)
+    if not isinstance(value, want):
+        problems.append(f"{key} must be a {want.__name__}, got {value!r}")
+    return value
+
+
+def _resolve_aliases(raw: dict[str, Any], problems: list[str]) -> dict[str, Any]:
+    out = {k: v for k, v in raw.items() if k not in ALIASES}
+    for alias, key in ALIASES.items():
+        if alias not in raw:
+            continue
+        if key in raw and raw[key] != raw[alias]:
+            problems.append(f"{alias}={raw[alias]!r} and {key}={raw[key]!r} name the same setting and disagree")
+        out.setdefault(key, raw[alias])
+    return out
+
+
+def _unknown(keys: set[str]) -> list[str]:
+    problems = []
+    for key in sorted(keys):
+        close = get_close_matches(key, sorted(_user_keys() | set(ALIASES)), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        problems.append(f"unknown config key {key!r}{hint} (every key: modelparallel.config_keys.KEYS)")
+    return problems
 
 
 def _check_placement(value: str, problems: list[str]) -> None:
@@ -106,12 +137,12 @@ def _check_placement(value: str, problems: list[str]) -> None:
 
 def _check_degrees(cfg: Config, problems: list[str]) -> None:
     tp, pp, world = cfg.tensor_parallel_degree, cfg.pipeline_parallel_degree, cfg.world_size
-    for key in ("tensor_parallel_degree", "pipeline_parallel_degree",
-                "sharded_data_parallel_degree", "hybrid_shard_degree"):
-        if getattr(cfg, key) < 1:
-            problems.append(f"{key} must be >= 1, got {getattr(cfg, key)}")
-    if pp > 1:
-        problems.append(f"pipeline_parallel_degree={pp} is not supported (pipeline parallelism: only 1)")
+    for key, low in (("tensor_parallel_degree", 1), ("pipeline_parallel_degree", 1), ("microbatches", 1),
+                     ("sharded_data_parallel_degree", 0), ("hybrid_shard_degree", 0),
+                     ("activation_loading_horizon", 1), ("context_parallel_degree", 1),
+                     ("expert_parallel_degree", 1)):
+        if getattr(cfg, key) < low:
+            problems.append(f"{key} must be >= {low}, got {getattr(cfg, key)}")
     if tp >= 1 and pp >= 1 and world % (tp * pp) != 0:
         problems.append(
             f"world size {world} is not divisible by tensor_parallel_degree {tp} x "
@@ -129,8 +160,6 @@ def _check_degrees(cfg: Config, problems: list[str]) -> None:
             f"sharded data parallel degree {shard} does not divide the data-parallel degree "
             f"{cfg.dp_degree} (world {world} / tensor_parallel_degree {tp})"
         )
-    if cfg.activation_loading_horizon < 1:
-        problems.append(f"activation_loading_horizon must be >= 1, got {cfg.activation_loading_horizon}")
     if cfg.fp16 and cfg.bf16:
         problems.append("fp16 and bf16 are both true; choose one")
 
@@ -139,21 +168,36 @@ def build_config(config: dict | str | os.PathLike | None, world_size: int) -> Co
     """Parse and validate a config for a job of ``world_size`` ranks.
 
     Raises:
-        ValueError: listing every unknown key, wrong type and inconsistent degree at once.
+        ValueError: listing every unknown key (with a suggestion), wrong type and inconsistent
+            degree at once.
+        NotImplementedError: naming each key given a non-default value that is not built.
     """
-    raw = load_raw(config)
     problems: list[str] = []
-    unknown = sorted(set(raw) - _user_keys())
-    if unknown:
-        problems.append(f"unknown config keys {unknown}; known keys are {sorted(_user_keys())}")
-    known = {k: v for k, v in raw.items() if k in _user_keys()}
+    raw = _resolve_aliases(load_raw(config), problems)
+    problems += _unknown(set(raw) - _user_keys())
     type_problems: list[str] = []
-    _check_types(known, type_problems)
+    known = {k: _coerce(k, v, type_problems) for k, v in raw.items() if k in _user_keys()}
     if type_problems:
-        raise ValueError("invalid modelparallel config:\n  - " + "\n  - ".join(problems + type_problems))
+        problems += type_problems
+        raise ValueError("invalid modelparallel config:\n  - " + "\n  - ".join(problems))
     cfg = Config(**known, world_size=world_size)
     _check_placement(cfg.placement_strategy, problems)
     _check_degrees(cfg, problems)
     if problems:
         raise ValueError("invalid modelparallel config:\n  - " + "\n  - ".join(problems))
+    _refuse_unbuilt(known)
     return cfg
+
+
+def _refuse_unbuilt(known: dict[str, Any]) -> None:
+    """Raise for keys whose non-default value would change results and is not built."""
+    refused = [f"{k}={v!r} (only {BY_NAME[k].default!r} is supported: {BY_NAME[k].doc})"
+               for k, v in known.items() if BY_NAME[k].status == DEFAULT_ONLY and v != BY_NAME[k].default]
+    if refused:
+        raise NotImplementedError("modelparallel does not implement:\n  - " + "\n  - ".join(refused))
+
+
+def without_effect(config: dict | str | os.PathLike | None) -> dict[str, Any]:
+    """The keys of a raw config that are accepted but change nothing here, with their values."""
+    raw = _resolve_aliases(load_raw(config), [])
+    return {k: v for k, v in raw.items() if k in BY_NAME and BY_NAME[k].status == NO_EFFECT}

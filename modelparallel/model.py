@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
-from . import runtime, wrapping
+from . import batch, runtime, wrapping
 from .dp import allreduce_gradients
 from .model_tp import TensorParallelMethods
 from .state_dict import LoadResult, full_state_dict, load_state_dict, local_state_dict
@@ -30,13 +33,30 @@ class DistributedModel(TensorParallelMethods, nn.Module):
             ``smp.load_hf_checkpoint``, or build it in ``smp.delay_param_initialization()`` to
             initialize each rank's shard); real on rank 0 only and meta elsewhere, each rank
             receives its shards of rank 0's weights.
+        backward_passes_per_step: gradients are averaged over data-parallel replicas once every
+            this many steps (``@smp.step`` calls, or ``backward`` calls outside a step); in
+            between they accumulate locally.
+        average_grads_across_microbatches: scale each microbatch's gradient by 1/microbatches
+            (True, for a loss that is a mean) or sum them (False, for a summed loss).
+        trace_device, trace_execution_times, trace_memory_usage: accepted, no effect (there is
+            no tracing step).
+        overlapping_allreduce, bucket_cap_mb, gradient_as_bucket_view: accepted, no effect: the
+            gradient average runs once per step in one flat buffer per dtype.
+        broadcast_buffers: accepted, no effect: every rank builds the same buffers (same seed,
+            or rank 0's weights sent to every rank) and no data-dependent buffer update is
+            synchronized.
 
     Raises:
         ValueError: if the model was already wrapped, or its plan does not fit (before any
             tensor is touched).
     """
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, trace_device: str = "gpu", trace_execution_times: bool = False,
+                 overlapping_allreduce: bool = True, backward_passes_per_step: int = 1,
+                 average_grads_across_microbatches: bool = True, bucket_cap_mb: float = 25,
+                 trace_memory_usage: bool = False, broadcast_buffers: bool = True,
+                 gradient_as_bucket_view: bool = False):
+        _check_v1_args(trace_device, backward_passes_per_step)
         if isinstance(module, DistributedModel) or module.__dict__.get("_mp_wrapped"):
             raise ValueError("DistributedModel was already applied to this model; wrap a model once")
         rt = runtime.current()
@@ -48,6 +68,7 @@ class DistributedModel(TensorParallelMethods, nn.Module):
             logger.info("replicated on every TP rank: %s", ", ".join(replicated))
         wrapping.after_shard(module, rt, state)
         self._mp_state = state
+        self._v1 = V1Options(backward_passes_per_step, average_grads_across_microbatches)
         module._mp_wrapped = True
         self.module = module
         rt.models.append(self)
@@ -61,19 +82,87 @@ class DistributedModel(TensorParallelMethods, nn.Module):
             return getattr(super().__getattr__("module"), name)
 
     def forward(self, *args, **kwargs):
+        """Run the wrapped model. With ``prescaled_batch`` false and TP > 1, the TP group
+        computes on the union of its ranks' batches and each rank gets its own rows back."""
         wrapping.check_ready(self.module, self._mp_state)
-        return self.module(*args, **kwargs)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate ``loss`` (scaled by the optimizer's loss scale, if any), then average
-        gradients over data-parallel replicas."""
         rt = runtime.current()
-        scaler = next((o.loss_scaler for o in reversed(rt.optimizers) if getattr(o, "loss_scaler", None) is not None),
-                      None)
-        scale = scaler.loss_scale if scaler is not None else 1.0
-        (loss * scale if scale != 1.0 else loss).backward()
+        if rt.config.prescaled_batch or rt.config.tensor_parallel_degree == 1:
+            return self.module(*args, **kwargs)
+        args, kwargs, rows = batch.enter(args, kwargs, rt.group(runtime.TP_GROUP))
+        return batch.exit(self.module(*args, **kwargs), rows)
+
+    def backward(self, tensors, grad_tensors=None) -> None:
+        """Backpropagate like ``torch.autograd.backward(tensors, grad_tensors)``, scaled by the
+        optimizer's loss scale (if any) and, inside ``@smp.step``, by 1/microbatches; then
+        average gradients over data-parallel replicas (inside a step: once, after its last
+        microbatch; every ``backward_passes_per_step`` steps)."""
+        rt = runtime.current()
+        scale = _loss_scale(rt)
+        if rt.step is not None and self._v1.average_grads_across_microbatches:
+            scale /= rt.step.num_microbatches
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        if grad_tensors is None or isinstance(grad_tensors, torch.Tensor):
+            grad_tensors = [grad_tensors] * (1 if grad_tensors is not None else len(tensors))
+        grads = [None if g is None else g * scale for g in grad_tensors]
+        if scale != 1.0:
+            tensors = [t * scale if g is None else t for t, g in zip(tensors, grads)]
+        torch.autograd.backward(tensors, grads)
+        if rt.step is None:
+            self._finish_backward()
+        elif self not in rt.step.models:
+            rt.step.models.append(self)
+
+    def _finish_backward(self) -> None:
+        """One backward pass (or step) done: average gradients when ``backward_passes_per_step`` says so."""
+        rt = runtime.current()
+        self._v1.passes += 1
+        if self._v1.passes % self._v1.backward_passes_per_step:
+            return
         if rt.config.ddp and not self._mp_state.fsdp:  # FSDP reduce-scatters gradients itself
-            allreduce_gradients(self.module.parameters(), rt.group(runtime.DP_GROUP), rt.config.dp_degree)
+            allreduce_gradients(self.module.parameters(), rt.group(runtime.RDP_GROUP), rt.config.dp_degree)
+
+    @property
+    def partitioned(self) -> bool:
+        """SageMaker's flag: True once the first ``@smp.step`` call has started (the shards
+        themselves exist from construction on)."""
+        return self._v1.steps > 0
+
+    def _before_step(self) -> None:
+        self._v1.steps += 1
+        if self._v1.steps == 1:
+            for hook in list(self._v1.post_partition_hooks.values()):
+                hook(self, _last_optimizer())
+
+    def _after_step(self) -> None:
+        if self._v1.steps == 1 and self._v1.post_step_hooks:
+            hooks = list(self._v1.post_step_hooks.values())
+            self._v1.post_step_hooks.clear()
+            for hook in hooks:
+                hook(self, _last_optimizer())
+
+    def register_post_partition_hook(self, hook) -> RemovableHandle | None:
+        """Run ``hook(model, optimizer)`` at the first ``@smp.step`` call, before its first
+        forward; if that call already happened, run it now."""
+        if self.partitioned:
+            hook(self, _last_optimizer())
+            return None
+        handle = RemovableHandle(self._v1.post_partition_hooks)
+        self._v1.post_partition_hooks[handle.id] = hook
+        return handle
+
+    def register_post_step_hook(self, hook) -> RemovableHandle | None:
+        """Run ``hook(model, optimizer)`` once, after the first ``@smp.step`` call completes; if
+        it already did (and an optimizer exists), run it now."""
+        if self.partitioned and _last_optimizer() is not None:
+            hook(self, _last_optimizer())
+            return None
+        handle = RemovableHandle(self._v1.post_step_hooks)
+        self._v1.post_step_hooks[handle.id] = hook
+        return handle
+
+    def get_module(self) -> nn.Module:
+        """The wrapped model (SageMaker's name for ``.module``)."""
+        return self.module
 
     def state_dict(self, gather_to_rank0: bool = False, **_) -> dict[str, torch.Tensor]:
         """The full state dict at global shapes (a collective). With ``gather_to_rank0`` only rank
@@ -100,3 +189,47 @@ class DistributedModel(TensorParallelMethods, nn.Module):
 
     def local_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         return self.module.named_parameters()
+
+    def local_buffers(self) -> Iterator[torch.Tensor]:
+        """Buffers held by this rank (every module lives on every rank of a TP group)."""
+        return self.module.buffers()
+
+    def local_named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.module.named_buffers()
+
+    def local_modules(self) -> Iterator[nn.Module]:
+        return self.module.modules()
+
+    def local_named_modules(self) -> Iterator[tuple[str, nn.Module]]:
+        return self.module.named_modules()
+
+
+@dataclass
+class V1Options:
+    """SageMaker v1 ``DistributedModel`` arguments that change behaviour, and step bookkeeping."""
+
+    backward_passes_per_step: int = 1
+    average_grads_across_microbatches: bool = True
+    passes: int = 0
+    steps: int = 0
+    post_step_hooks: OrderedDict = field(default_factory=OrderedDict)  # weakly referenced by handles
+    post_partition_hooks: OrderedDict = field(default_factory=OrderedDict)
+
+
+def _check_v1_args(trace_device: str, backward_passes_per_step: int) -> None:
+    if trace_device not in ("cpu", "gpu"):
+        raise ValueError(f"trace_device must be 'cpu' or 'gpu', got {trace_device!r}")
+    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
+            or backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
+
+
+def _last_optimizer():
+    optimizers = runtime.current().optimizers
+    return optimizers[-1] if optimizers else None
+
+
+def _loss_scale(rt) -> float:
+    scaler = next((o.loss_scaler for o in reversed(rt.optimizers) if getattr(o, "loss_scaler", None) is not None),
+                  None)
+    return scaler.loss_scale if scaler is not None else 1.0

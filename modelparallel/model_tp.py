@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from . import runtime
 from .nn.distributed.base import DistributedModule
 
 
@@ -51,17 +52,25 @@ class TensorParallelMethods:
         return _sharded(buf)
 
     def is_scaled_batch_parameter(self, param: torch.Tensor) -> bool:
-        """False: tensor-parallel ranks read the same batch, none is scaled over the group."""
-        return False
+        """True when the TP group computes on the union of its ranks' batches
+        (``prescaled_batch`` false, TP > 1): then every parameter sees the scaled batch."""
+        return _scaled_batch()
 
     def is_scaled_batch_buffer(self, buf: torch.Tensor) -> bool:
-        """False, as ``is_scaled_batch_parameter``."""
-        return False
+        """As ``is_scaled_batch_parameter``."""
+        return _scaled_batch()
 
     def default_reducer_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """``(name, param)`` of the parameters whose gradients are averaged over DP_GROUP: all."""
-        return self.module.named_parameters()
+        """``(name, param)`` of the parameters on the local batch (gradients identical over the
+        TP group, averaged over the replicas): all of them unless the batch is scaled."""
+        return iter(()) if _scaled_batch() else self.module.named_parameters()
 
     def scaled_batch_reducer_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """``(name, param)`` of the parameters reduced over RDP_GROUP for a scaled batch: none."""
-        return iter(())
+        """``(name, param)`` of the parameters on the TP group's union batch, reduced over
+        RDP_GROUP: all of them when the batch is scaled, else none."""
+        return self.module.named_parameters() if _scaled_batch() else iter(())
+
+
+def _scaled_batch() -> bool:
+    cfg = runtime.current().config
+    return not cfg.prescaled_batch and cfg.tensor_parallel_degree > 1

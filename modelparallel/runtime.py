@@ -4,9 +4,13 @@
 takes the mesh (or this handle) as an argument; the module-level ``_RUNTIME`` exists only so the
 SMP-style facade (``smp.tp_rank()``, ``smp.get_tp_process_group()``...) has something to read.
 
-Rank vocabulary. Tensor-parallel ranks share one batch, so the data-parallel group is the set of
-ranks holding the same tensor-parallel shard: ``dp_size == rdp_size == world / tp``. With pipeline
-parallelism fixed at 1, the model-parallel group is the tensor-parallel group.
+Rank vocabulary (SageMaker's): the mesh is [rdp, tp]. ``TP_GROUP``: ranks sharing one copy of
+each layer. ``RDP_GROUP`` (reduced data parallel): ranks with the same tp (and pp) rank, holding
+the same shard; gradients are averaged over it. ``DP_GROUP``: ranks with the same pp rank, so with
+pipeline degree 1 every rank, ``dp_size == world / pp``; the TP group is a subset of it, because
+with ``prescaled_batch`` false each TP rank brings its own batch. ``MP_GROUP``: the ranks that
+together hold one model copy (the TP group here). ``PP_GROUP``: ranks with the same tp and rdp
+rank (just this rank, pipeline degree being 1).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import logging
 import os
 import random
 from dataclasses import dataclass, field
+from enum import Enum
 from datetime import timedelta
 from typing import Any
 
@@ -22,11 +27,25 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .config import Config, build_config
+from .config import Config, build_config, without_effect
 
 logger = logging.getLogger("modelparallel")
 
-WORLD, DP_GROUP, TP_GROUP, RDP_GROUP, MP_GROUP = "world", "dp", "tp", "rdp", "mp"
+
+
+class CommGroup(str, Enum):
+    """SageMaker's communication groups; plain strings ("tp", "rdp"...) are accepted too."""
+
+    WORLD = "world"
+    DP_GROUP = "dp"
+    TP_GROUP = "tp"
+    RDP_GROUP = "rdp"
+    MP_GROUP = "mp"
+    PP_GROUP = "pp"
+
+
+WORLD, DP_GROUP, TP_GROUP = CommGroup.WORLD, CommGroup.DP_GROUP, CommGroup.TP_GROUP
+RDP_GROUP, MP_GROUP, PP_GROUP = CommGroup.RDP_GROUP, CommGroup.MP_GROUP, CommGroup.PP_GROUP
 
 _RUNTIME: Runtime | None = None
 
@@ -41,6 +60,9 @@ class Runtime:
     models: list = field(default_factory=list)
     optimizers: list = field(default_factory=list)
     pending_resume: Any = None
+    step: Any = None
+    """The running ``@smp.step`` call's ``StepContext``, or None outside a step."""
+    _pp_group: Any = None
 
     @property
     def tp_mesh(self) -> DeviceMesh:
@@ -50,19 +72,42 @@ class Runtime:
     def dp_mesh(self) -> DeviceMesh:
         return self.mesh["dp"]
 
-    def group(self, name: str) -> dist.ProcessGroup:
-        """The process group for WORLD, DP_GROUP, RDP_GROUP, TP_GROUP or MP_GROUP."""
-        if name == WORLD:
+    def group(self, name: str | CommGroup) -> dist.ProcessGroup:
+        """The process group for one of ``CommGroup``'s members (or its string value)."""
+        name = _group_name(name)
+        if name == WORLD or name == DP_GROUP:  # pipeline degree 1: every rank shares the pp rank
             return dist.group.WORLD
-        if name in (DP_GROUP, RDP_GROUP):
+        if name == RDP_GROUP:
             return self.mesh.get_group("dp")
         if name in (TP_GROUP, MP_GROUP):
             return self.mesh.get_group("tp")
-        raise ValueError(f"unknown group {name!r}; use one of world, dp, rdp, tp, mp")
+        if self._pp_group is None:  # only this rank; created by this rank alone
+            self._pp_group = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+        return self._pp_group
+
+    def ranks(self, name: str | CommGroup) -> list[int]:
+        """Global ranks of this rank's group ``name``, in group-rank order."""
+        name = _group_name(name)
+        grid = self.mesh.mesh  # [rdp, tp] global ranks
+        rdp, tp = self.mesh.get_local_rank("dp"), self.mesh.get_local_rank("tp")
+        if name in (WORLD, DP_GROUP):
+            return list(range(self.config.world_size))
+        if name == RDP_GROUP:
+            return grid[:, tp].tolist()
+        if name in (TP_GROUP, MP_GROUP):
+            return grid[rdp, :].tolist()
+        return [dist.get_rank()]
 
     def owned_parameter_ids(self) -> set[int]:
         """ids of every parameter of this runtime's ``DistributedModel``s (one pass, for set lookups)."""
         return {id(p) for m in self.models for p in m.module.parameters()}
+
+
+def _group_name(name: str | CommGroup) -> CommGroup:
+    try:
+        return CommGroup(name)
+    except ValueError:
+        raise ValueError(f"unknown group {name!r}; use one of {[g.value for g in CommGroup]}") from None
 
 
 def _device() -> torch.device:
@@ -134,9 +179,22 @@ def init(config: dict | str | None = None, *, timeout_s: float = 300.0) -> Runti
     _RUNTIME = Runtime(config=cfg, mesh=mesh, device=device)
     _setup_logging(dist.get_rank())
     if dist.get_rank() == 0:
-        logger.info("world %d = dp %d x tp %d on %s", cfg.world_size, cfg.dp_degree,
+        logger.info("world %d = rdp %d x tp %d on %s", cfg.world_size, cfg.dp_degree,
                     cfg.tensor_parallel_degree, device.type)
+        _log_without_effect(without_effect(config))
     return _RUNTIME
+
+
+_LOGGED_KEYS: set[str] = set()
+
+
+def _log_without_effect(keys: dict[str, Any]) -> None:
+    """Say once per process which given keys tune SageMaker machinery that does not exist here."""
+    fresh = {k: v for k, v in keys.items() if k not in _LOGGED_KEYS}
+    if fresh:
+        _LOGGED_KEYS.update(fresh)
+        logger.info("config keys accepted with no effect here: %s",
+                    ", ".join(f"{k}={v!r}" for k, v in sorted(fresh.items())))
 
 
 def current() -> Runtime:
@@ -179,16 +237,35 @@ def tp_size() -> int:
     return current().config.tensor_parallel_degree
 
 
-def dp_rank() -> int:
+def rdp_rank() -> int:
+    """Rank among the ranks holding the same shard (same tp and pp rank)."""
     return current().mesh.get_local_rank("dp")
 
 
-def dp_size() -> int:
+def rdp_size() -> int:
     return current().config.dp_degree
 
 
-rdp_rank, rdp_size = dp_rank, dp_size
-mp_rank, mp_size = tp_rank, tp_size
+def dp_rank() -> int:
+    """Rank within the data-parallel group: the ranks with this rank's pp rank (all of them at
+    pipeline degree 1). Shard data with ``dp_rank``/``dp_size`` when ``prescaled_batch`` is
+    false, with ``rdp_rank``/``rdp_size`` when it is true."""
+    return current().ranks(DP_GROUP).index(dist.get_rank())
+
+
+def dp_size() -> int:
+    cfg = current().config
+    return cfg.world_size // cfg.pipeline_parallel_degree
+
+
+def mp_rank() -> int:
+    """Rank within the ranks that together hold one model copy."""
+    return current().ranks(MP_GROUP).index(dist.get_rank())
+
+
+def mp_size() -> int:
+    cfg = current().config
+    return cfg.tensor_parallel_degree * cfg.pipeline_parallel_degree
 
 
 def pp_rank() -> int:
@@ -220,28 +297,5 @@ def get_mp_process_group() -> dist.ProcessGroup:
     return current().group(MP_GROUP)
 
 
-def barrier(group: str = WORLD) -> None:
-    """Wait until every rank of ``group`` arrives."""
-    dist.barrier(group=current().group(group))
-
-
-def broadcast(obj: Any, group: str = WORLD, src_rank: int = 0) -> Any:
-    """Send a picklable object from the group's ``src_rank`` (a rank within the group) to all of it.
-
-    Every rank of the group calls this; every rank gets the object back.
-    """
-    pg = current().group(group)
-    box = [obj]
-    dist.broadcast_object_list(box, group_src=src_rank, group=pg)
-    return box[0]
-
-
-def tp_mesh() -> DeviceMesh:
-    """The 1-D tensor-parallel mesh of this rank (what ``transform`` shards over)."""
-    return current().tp_mesh
-
-
-def dp_mesh() -> DeviceMesh:
-    """The 1-D data-parallel mesh of this rank: pass it as FSDP's ``device_mesh`` (FSDP1) or
-    ``mesh`` (``fully_shard``) after ``transform``."""
-    return current().dp_mesh
+def get_pp_process_group() -> dist.ProcessGroup:
+    return current().group(PP_GROUP)

@@ -29,7 +29,9 @@ def as_hf(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def build_pair(cls, config, tp: int, seed: int = 0):
     """(reference HF model, DistributedModel of an identical copy) at TP degree ``tp``."""
-    smp.init({"tensor_parallel_degree": tp, "random_seed": seed})
+    # the tests give every rank the same batch: SageMaker's prescaled-batch layout (with labels,
+    # logits stay vocab-sharded over the batch the TP group computed on)
+    smp.init({"tensor_parallel_degree": tp, "random_seed": seed, "prescaled_batch": True})
     torch.manual_seed(seed)
     ref = cls(config)
     dist_model = smp.DistributedModel(copy.deepcopy(ref))

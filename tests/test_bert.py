@@ -133,7 +133,7 @@ def check_training_steps(arch, tp, steps=10):
 
 def collective_counts(arch, layers):
     """Collectives of one masked-LM training step (forward with labels, backward), by kind."""
-    smp.init({"tensor_parallel_degree": 2})
+    smp.init({"tensor_parallel_degree": 2, "prescaled_batch": True})  # same batch on TP ranks
     config = tiny(arch, layers=layers)
     model = smp.DistributedModel(ARCHS[arch][1][1](config))
     ids, mask, types = batch(config)

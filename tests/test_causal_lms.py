@@ -138,7 +138,7 @@ def collective_counts(arch, layers):
     full backward hooks that hand each module a fresh copy of its input, which would stop
     GPT-J's attention and MLP from sharing their one input all-reduce.
     """
-    smp.init({"tensor_parallel_degree": 2})
+    smp.init({"tensor_parallel_degree": 2, "prescaled_batch": True})  # same batch on TP ranks
     cls, config, _, _ = ARCHS[arch]
     model = smp.DistributedModel(cls(config(layers)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -45,7 +45,7 @@ def train(model, optimizer, steps: range) -> list[float]:
     losses = []
     for step in steps:
         ids = batch(step)
-        half = ids[smp.dp_rank()::smp.dp_size()]
+        half = ids[smp.rdp_rank()::smp.rdp_size()]  # each replica (both its TP ranks) its half
         loss = model(half, labels=half).loss
         model.backward(loss)
         optimizer.step()

@@ -29,7 +29,7 @@ def _train_and_compare(ref, model, vocab, steps=10):
     """Losses of ``model`` (half batch per replica, averaged over "dp") vs ``ref`` (full batch)."""
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
-    half = slice(2 * smp.dp_rank(), 2 * smp.dp_rank() + 2)
+    half = slice(2 * smp.rdp_rank(), 2 * smp.rdp_rank() + 2)  # both TP ranks of a replica: same rows
     for step, ids in enumerate(_batches(vocab, steps)):
         want = ref(ids, labels=ids).loss
         want.backward()

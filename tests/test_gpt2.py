@@ -97,7 +97,7 @@ def check_packed_qkv_shards(tp):
 
 def collective_counts(layers):
     """All-reduce counts of one forward and one backward, per phase; gathers by kind."""
-    smp.init({"tensor_parallel_degree": 2})
+    smp.init({"tensor_parallel_degree": 2, "prescaled_batch": True})  # same batch on TP ranks
     model = smp.DistributedModel(GPT2LMHeadModel(tiny(vocab=1000, layers=layers)))
     ids, _ = _batch(1000)
     with CommDebugMode() as fwd:

@@ -104,7 +104,10 @@ def test_bad_state_dicts_refused_without_half_loading():
 
 
 def dp_tp_training(steps=3):
-    """TP=2 x DP=2: each replica sees half the batch; gradients averaged over dp equal HF's on all."""
+    """TP=2 x RDP=2: each replica (both its TP ranks) sees half the batch; gradients averaged over
+    rdp equal HF's on all. The TP ranks bringing the same rows is the prescaled-batch layout; with
+    prescaled_batch false (the default) the group computes on the union of identical halves,
+    which has the same mean loss."""
     smp.init({"tensor_parallel_degree": 2})
     torch.manual_seed(0)
     ref = GPT2LMHeadModel(cfg())
@@ -115,7 +118,7 @@ def dp_tp_training(steps=3):
         ref(batch, labels=batch).loss.backward()
         opt_ref.step()
         opt_ref.zero_grad()
-        half = batch[2 * smp.dp_rank(): 2 * smp.dp_rank() + 2]
+        half = batch[2 * smp.rdp_rank(): 2 * smp.rdp_rank() + 2]
         model.backward(model(half, labels=half).loss)
         opt.step()
         opt.zero_grad()

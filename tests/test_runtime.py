@@ -1,7 +1,9 @@
-"""The runtime: rank API, mesh layout by placement strategy, groups, broadcast, bad configs.
+"""The runtime: SageMaker's rank API, mesh layout by placement strategy, groups, object
+communication (send/recv_from/broadcast/allgather), smp.state, bad configs.
 
-A failure means modelparallel/runtime.py maps ranks to the (dp, tp) mesh wrongly or a group
-getter returns the wrong ranks.
+A failure means modelparallel/runtime.py (or comm.py, state.py) maps ranks to the [rdp, tp] mesh
+wrongly, breaks SageMaker's group definitions (TP group inside the DP group, dp_size == world /
+pp, rdp = same tp rank, mp = one model copy), or a group getter returns the wrong ranks.
 """
 
 import pytest
@@ -24,13 +26,27 @@ def _ranks(strategy):
     smp.init({"tensor_parallel_degree": 2, "placement_strategy": strategy})
     tp_members = [torch.zeros(1) for _ in range(smp.tp_size())]
     dist.all_gather(tp_members, torch.tensor([float(smp.rank())]), group=smp.get_tp_process_group())
-    value = smp.broadcast({"from": smp.rank()}, smp.TP_GROUP)
+    rdp_members = [torch.zeros(1) for _ in range(smp.rdp_size())]
+    dist.all_gather(rdp_members, torch.tensor([float(smp.rank())]), group=smp.get_rdp_process_group())
+    if smp.tp_rank() == 0:  # SageMaker's broadcast: the sender sends, receivers call recv_from
+        smp.broadcast({"from": smp.rank()}, smp.TP_GROUP)
+        value = {"from": smp.rank()}
+    else:
+        value = smp.recv_from(0, smp.RankType.TP_RANK)
     smp.barrier()
     return dict(rank=smp.rank(), size=smp.size(), tp=(smp.tp_rank(), smp.tp_size()),
                 dp=(smp.dp_rank(), smp.dp_size()), rdp=(smp.rdp_rank(), smp.rdp_size()),
                 mp=(smp.mp_rank(), smp.mp_size()), pp=(smp.pp_rank(), smp.pp_size()),
                 local=(smp.local_rank(), smp.local_size()),
-                tp_group=[int(t.item()) for t in tp_members], bcast=value["from"])
+                tp_group=[int(t.item()) for t in tp_members], rdp_group=[int(t.item()) for t in rdp_members],
+                lists=dict(tp=smp.get_tp_group(), dp=smp.get_dp_group(), rdp=smp.get_rdp_group(),
+                           mp=smp.get_mp_group(), pp=smp.get_pp_group(), world=smp.get_world_group()),
+                dp_pg=dist.get_world_size(smp.get_dp_process_group()),
+                pp_pg=dist.get_world_size(smp.get_pp_process_group()),
+                meshes=(smp.tp_mesh().mesh.tolist(), smp.dp_mesh().mesh.tolist()),
+                gathered=smp.allgather(smp.rank() * 10, smp.RDP_GROUP), bcast=value["from"],
+                state=(smp.state.tp_rank, smp.state.tp_size, smp.state.dp_rank, smp.state.dp_size,
+                       smp.state.tensor_parallel_degree, smp.state.hybrid_shard_degree, smp.state.world_size))
 
 
 @pytest.mark.parametrize("strategy, groups", [("cluster", [[0, 1], [2, 3]]), ("spread", [[0, 2], [1, 3]])])
@@ -38,12 +54,33 @@ def test_rank_api(strategy, groups):
     out = harness.run(4, _ranks, strategy)
     for r, info in enumerate(out):
         group = next(g for g in groups if r in g)
+        rdp_group = [g[group.index(r)] for g in groups]
         assert info["rank"] == r and info["size"] == 4
         assert info["tp"] == (group.index(r), 2) and info["mp"] == info["tp"]
-        assert info["dp"] == (groups.index(group), 2) and info["rdp"] == info["dp"]
+        assert info["rdp"] == (groups.index(group), 2)
+        assert info["dp"] == (r, 4)  # the TP group is inside the DP group: dp_size == world / pp
         assert info["pp"] == (0, 1) and info["local"] == (r, 4)
-        assert info["tp_group"] == group
+        assert info["tp_group"] == group and info["rdp_group"] == rdp_group
+        assert info["lists"] == dict(tp=group, dp=[0, 1, 2, 3], rdp=rdp_group, mp=group, pp=[r], world=[0, 1, 2, 3])
+        assert info["dp_pg"] == 4 and info["pp_pg"] == 1
+        assert info["meshes"] == (group, rdp_group)
+        assert info["gathered"] == [q * 10 for q in rdp_group]
         assert info["bcast"] == group[0]
+        assert info["state"] == (group.index(r), 2, groups.index(group), 2, 2, 0, 4)
+
+
+def _send_recv():
+    smp.init({})
+    if smp.rank() == 0:
+        smp.send({"to": 1}, 1, smp.RankType.WORLD_RANK)
+        return smp.recv_from(1)
+    got = smp.recv_from(0, smp.RankType.DP_RANK)
+    smp.send(["reply", got], 0)
+    return got
+
+
+def test_send_and_recv_from():
+    assert harness.run(2, _send_recv) == [["reply", {"to": 1}], {"to": 1}]
 
 
 def _bad_init():
@@ -63,3 +100,27 @@ def test_rank_api_needs_init(monkeypatch):
     monkeypatch.setattr("modelparallel.runtime._RUNTIME", None)
     with pytest.raises(RuntimeError, match="call modelparallel.init"):
         smp.tp_rank()
+
+
+def test_keys_without_effect_logged_once(monkeypatch):
+    import logging
+
+    from modelparallel import runtime
+    from modelparallel.config import without_effect
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    log = logging.getLogger("modelparallel")
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    monkeypatch.setattr(runtime, "_LOGGED_KEYS", set())
+    try:
+        cfg = {"optimize": "speed", "skip_tracing": True, "microbatches": 2}
+        runtime._log_without_effect(without_effect(cfg))
+        runtime._log_without_effect(without_effect(cfg))
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    assert seen == ["config keys accepted with no effect here: optimize='speed', skip_tracing=True"]

@@ -209,7 +209,8 @@ def _report(args, m: dict) -> None:
 def run_job(args: argparse.Namespace) -> int:
     """Train on this rank; rank 0 writes the artifacts and prints the summary."""
     dtype = getattr(args, "dtype", "fp32")
-    smp.init({"tensor_parallel_degree": args.tp, "random_seed": args.seed,
+    # the TP ranks of a replica draw the same windows: SageMaker's prescaled-batch layout
+    smp.init({"tensor_parallel_degree": args.tp, "random_seed": args.seed, "prescaled_batch": True,
               "fp16": dtype == "fp16", "bf16": dtype == "bf16"})
     tokenizer = load_tokenizer(args.model)
     train_tokens, val_tokens, info = load_data(args, tokenizer)

@@ -28,3 +28,9 @@ def translate_hf_state_dict_to_smdistributed_gptj(state_dict):
 
 
 translate_hf_gptj_state_dict_to_smdistributed_gptj = translate_hf_state_dict_to_smdistributed_gptj
+
+
+def translate_hf_gptj_state_dict_to_smdistributed(state_dict, max_seq_len=None):
+    """SageMaker's other spelling: HF GPT-J -> distributed format. ``max_seq_len`` is accepted
+    for the older two-argument call and has no effect (no mask buffer is imported)."""
+    return from_hf(TABLE, state_dict)

@@ -123,8 +123,8 @@ def craft_full_and_legacy(path: str, marker: str) -> dict:
     msgs = {"full": error_of(smp.resume_from_checkpoint, root / "full", partial=False),
             "single": error_of(smp.resume_from_checkpoint, root / "single", tag="fullmodel.pt", partial=False),
             "legacy": error_of(smp.load, str(root / "legacy.pt")),
-            "train --resume": error_of(train_job.resume, argparse.Namespace(out=root / "run", resume=True, steps=9),
-                                       None)}
+            "train --resume": error_of(train_job.resume_run,
+                                       argparse.Namespace(out=root / "run", resume_tag="step1", steps=9), None)}
     assert not os.path.exists(marker), "a payload ran"
     return msgs
 

@@ -8,30 +8,18 @@ count once in the norm. A DTensor whose placements shard it over mesh dims of to
 rank holds the same model); a plain tensor is one block held by all ``world`` ranks. So each
 rank adds ``|g|^p * pieces / world`` for its local block and one all-reduce over the world gives
 the single-process ``sum |g|^p`` (for the infinity norm: the max, which needs no weighting).
+That arithmetic lives in ``grad_clip`` (shared with ``DistributedOptimizer.clip_master_grads``);
+this module adds the user-facing checks.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor
 
-
-def _pieces(g: torch.Tensor) -> int:
-    """Number of distinct blocks ``g`` is cut into across ranks (1 for a replicated tensor)."""
-    if not isinstance(g, DTensor):
-        return 1
-    n = 1
-    for dim, placement in enumerate(g.placements):
-        if isinstance(placement, Partial):
-            raise ValueError(f"clip_grad_norm_: a gradient of shape {tuple(g.shape)} is a pending sum "
-                             f"(placements {g.placements}); reduce it before clipping")
-        if not placement.is_replicate():  # Shard, FSDP2's _StridedShard over a TP shard...
-            n *= g.device_mesh.size(dim)
-    return n
+from .grad_clip import clip_by_global_norm
 
 
 def _flattened_by_fsdp1(p: torch.Tensor) -> bool:
@@ -66,25 +54,4 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
             f"clip_grad_norm_ over {len(flat)} parameters flattened by FSDP1 (FullyShardedDataParallel): "
             "their flat shards do not record which are tensor-parallel; wrap with fully_shard (FSDP2), "
             "or at tensor_parallel_degree 1 use the FSDP module's own clip_grad_norm_")
-    grads = [p.grad for p in params if p.grad is not None]
-    norm_type = float(norm_type)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    device = grads[0].device if grads else torch.device("cpu")
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for g in grads:
-        local = (g.to_local() if isinstance(g, DTensor) else g).detach().float()
-        if local.numel() == 0:
-            continue
-        if math.isinf(norm_type):
-            total = torch.maximum(total, local.abs().max())
-        else:
-            total += local.abs().pow(norm_type).sum() * (_pieces(g) / world)
-    if world > 1:
-        dist.all_reduce(total, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM)
-    if not math.isinf(norm_type):
-        total = total.pow(1.0 / norm_type)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    with torch.no_grad():
-        for g in grads:
-            (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.dtype))
-    return total
+    return clip_by_global_norm(params, max_norm, norm_type)

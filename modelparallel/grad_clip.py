@@ -17,15 +17,19 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor import DTensor, Partial
 
 
 def _distinct_pieces(g: torch.Tensor) -> int:
+    """Distinct blocks ``g`` is cut into across ranks: every placement that is not Replicate
+    (Shard, and FSDP2's strided shard of a TP shard, which is not a Shard subclass); 1 for a
+    replicated tensor."""
     if not isinstance(g, DTensor):
         return 1
     if any(isinstance(pl, Partial) for pl in g.placements):
-        raise NotImplementedError("gradient norm of a gradient with a Partial placement (not yet reduced)")
-    return math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if isinstance(pl, Shard))
+        raise ValueError(f"gradient norm: a gradient of shape {tuple(g.shape)} is a pending sum "
+                         f"(placements {g.placements}); reduce it before clipping")
+    return math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if not pl.is_replicate())
 
 
 def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0,

@@ -7,7 +7,7 @@ its children). Sharded parameters are initialized at their full size one module 
 sliced, so a seed gives the same model at every TP degree, and the same as HF's eager
 ``initialize_weights()`` when modules are visited in HF's order (``init_all`` does).
 
-Three named steps and a guard (STYLE 6): ``get_param_init_fn`` (materialize + init),
+Three named steps and a guard: ``get_param_init_fn`` (materialize + init),
 ``get_post_param_init_fn`` (restore ties), ``validate_params_and_buffers_inited`` (raise naming
 every tensor left on meta or never written by the init method).
 """

@@ -84,25 +84,3 @@ def frozen(tensors: Iterable[torch.Tensor]):
         for t in flagged:
             with contextlib.suppress(AttributeError):
                 del t._is_hf_initialized
-
-
-def recompute_buffers(model: nn.Module, targets: dict[str, torch.Tensor]) -> list[str]:
-    """Recompute the buffers ``targets`` (qualified name -> tensor, already given storage) with
-    HF's ``_init_weights`` of their modules, leaving every other tensor untouched.
-
-    Returns:
-        The names among ``targets`` that nothing wrote (no HF model, or its init does not cover
-        them); the caller reports them.
-    """
-    init = hf_init_fn(model)
-    if init is None or not targets:
-        return sorted(targets)
-    target_ids = {id(t) for t in targets.values()}
-    others = [t for _, t in model.named_parameters(remove_duplicate=False)]
-    others += [t for _, t in model.named_buffers(remove_duplicate=False) if id(t) not in target_ids]
-    versions = {name: t._version for name, t in targets.items()}
-    holders = {name.rpartition(".")[0] for name in targets}
-    with frozen(others):
-        for path in sorted(holders):
-            init(model.get_submodule(path))
-    return sorted(name for name, t in targets.items() if t._version == versions[name])

@@ -4,7 +4,7 @@ Every rank reads only the block of each tensor it holds, so no rank ever holds t
 a block that is one byte range of the file (row shards, replicated tensors) is read straight into
 the shard's memory (``safetensors_io``); other blocks through ``safe_open(...).get_slice``, with
 the file opened per tensor so the memory map of the pages read is dropped as soon as the block
-is copied. The steps (STYLE 6): check every key and shape
+is copied. The steps: check every key and shape
 (nothing is allocated if one is wrong) -> give the loaded tensors storage -> copy each block ->
 initialize what the checkpoint does not hold (non-persistent buffers such as rotary
 ``inv_freq``, causal masks, position ids; with ``strict=False`` missing weights) with the model's

@@ -4,7 +4,8 @@ A model built on the meta device (``torch.device("meta")``, ``accelerate.init_em
 has shapes but no data, so it can be sharded before any memory is spent. The steps after
 sharding (initialize, load, sync from rank 0) all start by giving each rank's shard storage and
 end with the same guard: every parameter and buffer still on meta is named in one error, instead
-of surfacing later as garbage (PITFALLS: rotary ``inv_freq`` left empty, loss 3.6 instead of 11).
+of surfacing later as garbage (a rotary ``inv_freq`` left empty trains from a loss of 3.6
+instead of 11, with no error).
 
 Parameters get storage by ``torch.utils.swap_tensors``, so each ``Parameter`` object stays the
 same: ties (one parameter held by two modules), FSDP's references and hooks survive.

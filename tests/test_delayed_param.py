@@ -5,7 +5,7 @@ A failure means modelparallel/delayed_param.py (or hf_init.py) initializes diffe
 values differing everywhere -> the RNG stream is out of step with HF's eager build (order of
 modules, construction draws, tied weights); only at TP=2 -> the full-size-then-slice of sharded
 tensors; buffers (rotary ``inv_freq``) differing -> they were left empty after ``to_empty``, the
-bug behind "loss 3.6 instead of 11" (PITFALLS); the guard tests -> a tensor nobody initialized
+bug behind a first loss of 3.6 instead of 11; the guard tests -> a tensor nobody initialized
 passed silently.
 """
 

@@ -3,8 +3,8 @@
 A failure means modelparallel/loading.py (or meta.py / hf_init.py, which it uses) loads something
 other than what HF's own ``from_pretrained`` loads: compare which quantity differs. Logits only
 with a right ``inv_freq`` -> a block read at the wrong offset (uneven vocab shards, packed
-c_attn chunks); ``inv_freq`` wrong -> buffers were not recomputed after the meta build (PITFALLS:
-loss 3.6 instead of 11); a refusal test failing -> a bad checkpoint got (partly) loaded.
+c_attn chunks); ``inv_freq`` wrong -> buffers were not recomputed after the meta build (training
+would start from a loss of 3.6 instead of 11); a refusal test failing -> a bad checkpoint got (partly) loaded.
 """
 
 import copy

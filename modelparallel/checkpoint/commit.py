@@ -1,6 +1,6 @@
 """Crash-safe files and directories: staging, fsync, checksums, atomic commit, ``newest``, retention.
 
-The rules, each against a failure peers shipped (see shared PITFALLS, Checkpoints):
+The rules, each against a failure that half-written checkpoints are known to cause:
 
 * A checkpoint is written into a hidden staging directory (``.mp-staging-...``) and becomes
   visible only through one atomic ``rename`` after every file and ``manifest.json`` (sizes and

@@ -38,9 +38,20 @@ class _Derived:
     @property
     def shard_degree(self) -> int:
         """The v1 sharded-data-parallel degree ``DistributedModel`` applies (1 = off), from
-        ``sharded_data_parallel_degree`` or an explicit ``hybrid_shard_degree`` > 1."""
+        ``sharded_data_parallel_degree``, an explicit ``hybrid_shard_degree`` > 1, or
+        ``shard_optimizer_state`` (every rdp rank)."""
         sdp, hsd = self.sharded_data_parallel_degree, self.hybrid_shard_degree
-        return sdp if sdp > 1 else hsd if hsd > 1 else 1
+        if sdp > 1 or hsd > 1:
+            return sdp if sdp > 1 else hsd
+        return self.dp_degree if self.shard_optimizer_state else 1
+
+    @property
+    def keep_params_gathered(self) -> bool:
+        """``shard_optimizer_state`` alone asks for optimizer-state (and gradient) sharding, not
+        for parameters gathered anew in backward: FSDP then keeps each block's parameters
+        gathered from forward to backward (ZeRO-2), trading that memory for the extra gathers."""
+        return self.shard_optimizer_state and self.sharded_data_parallel_degree <= 1 \
+            and self.hybrid_shard_degree <= 1
 
     @property
     def fsdp_shard_degree(self) -> int:

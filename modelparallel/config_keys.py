@@ -66,9 +66,9 @@ KEYS: tuple[Key, ...] = (
         "SageMaker clips gradients implicitly under sharded data parallelism; here nothing is "
         "clipped implicitly (call the optimizer's ``clip_master_grads``), and another threshold "
         "is refused."),
-    Key("shard_optimizer_state", bool, False, DEFAULT_ONLY,
-        "Optimizer-state sharding over rdp ranks alone (ZeRO-1) is not built; "
-        "use sharded_data_parallel_degree."),
+    Key("shard_optimizer_state", bool, False, IMPLEMENTED,
+        "Optimizer state and gradients sharded over the rdp ranks by FSDP2, parameters kept "
+        "gathered from forward to backward (ZeRO-2; the same numerics as plain data parallelism)."),
     Key("hybrid_shard_degree", int, 0, IMPLEMENTED,
         "v2: FSDP sharding degree; 0 shards over all data-parallel ranks, 1 replicates.", "v2"),
     Key("allow_empty_shards", bool, False, NO_EFFECT,

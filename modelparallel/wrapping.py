@@ -84,7 +84,8 @@ def after_shard(module: nn.Module, rt, state: WrapState) -> None:
             initer.init_all()
         state.pending_meta = False
     state.fsdp = fsdp.shard_data_parallel(module, rt.mesh, state.spec, rt.config.shard_degree,
-                                          fsdp.mixed_precision(state.compute_dtype))
+                                          fsdp.mixed_precision(state.compute_dtype),
+                                          keep_gathered=rt.config.keep_params_gathered)
 
 
 def check_ready(module: nn.Module, state: WrapState) -> None:

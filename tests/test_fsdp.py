@@ -100,3 +100,25 @@ def fsdp_from_rank0_only():
 
 def test_fsdp_tp_weights_from_rank0_only():
     harness.run(4, fsdp_from_rank0_only)
+
+
+def shard_optimizer_state_gpt2():
+    """SageMaker's ``shard_optimizer_state``: optimizer state split over the rdp ranks (a quarter
+    of each TP-sharded weight per rank at TP=2 x rdp 2), training as plain data parallelism does."""
+    smp.init({"tensor_parallel_degree": 2, "shard_optimizer_state": True})
+    cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=1000, n_positions=32, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    ref = GPT2LMHeadModel(cfg)
+    model = smp.DistributedModel(copy.deepcopy(ref))
+    _train_and_compare(ref, model, 1000, steps=4)
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    model.backward(model(_batches(1000, 1)[0][:2], labels=_batches(1000, 1)[0][:2]).loss)
+    opt.step()
+    w = model.module.transformer.h[0].mlp.c_fc.weight
+    moment = opt.state[w]["exp_avg"]
+    assert isinstance(moment, DTensor) and moment.to_local().numel() == w.numel() // 4, moment.to_local().shape
+
+
+def test_shard_optimizer_state_splits_state_over_rdp_and_trains_like_one_process():
+    harness.run(4, shard_optimizer_state_gpt2)

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 import harness
 import modelparallel as smp
-from reference import assert_close, tolerance
+from reference import assert_close, assert_grads_on_model_scale, tolerance
 from appendix_reference import RefAttention, RefLayer, RefLMHead, RefOutput, RefTransformer
 
 SIZES = dict(num_attention_heads=4, attention_head_size=8, hidden_size=32, intermediate_size=64,
@@ -48,10 +48,7 @@ def _compare_training(model, ref, run):
     assert_close(out, want, what="output")
     out.sum().backward()
     want.sum().backward()
-    ref_params = dict(ref.named_parameters())
-    grad_tol = max(tolerance(p.grad) for p in ref.parameters())
-    for name, p in model.module.named_parameters():
-        torch.testing.assert_close(_full(p.grad), ref_params[name].grad, rtol=0, atol=grad_tol, msg=name)
+    grad_tol = assert_grads_on_model_scale(ref, model)
     for params in (model.parameters(), ref.parameters()):
         opt = torch.optim.SGD(params, lr=0.1)
         opt.step()

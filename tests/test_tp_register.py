@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 import harness
 import modelparallel as smp
 from appendix_reference import RefLayer
-from reference import assert_close, tolerance
+from reference import assert_close, assert_grads_on_model_scale
 
 CFG = dict(num_attention_heads=4, attention_head_size=8, hidden_size=32, intermediate_size=64,
            attention_dropout_prob=0.0, hidden_dropout_prob=0.0, causal_mask_size=8)
@@ -57,9 +57,6 @@ class Net(nn.Module):
         return self.head(h)
 
 
-def _full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
 
 def _same_function(model, ref, ids):
     """Outputs and gradients agree (gradients on the model's gradient scale: see
@@ -68,10 +65,7 @@ def _same_function(model, ref, ids):
     assert_close(out, want, what="output")
     out.sum().backward()
     want.sum().backward()
-    ref_params = dict(ref.named_parameters())
-    grad_tol = max(tolerance(p.grad) for p in ref.parameters())
-    for name, p in model.module.named_parameters():
-        torch.testing.assert_close(_full(p.grad), ref_params[name].grad, rtol=0, atol=grad_tol, msg=name)
+    assert_grads_on_model_scale(ref, model)
 
 
 def check_decorator_with_hooks(tp):

@@ -43,7 +43,7 @@ def _rss_kb(field: str) -> int:
 
 def _bytes_per_param(model, opt) -> dict[str, float]:
     import torch
-    from modelparallel.master_weights import local
+    from modelparallel.training.master_weights import local
 
     params = list(model.parameters())
     n = sum(local(p).numel() for p in params)

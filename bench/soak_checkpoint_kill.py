@@ -3,7 +3,7 @@
 Each trial forks a 2-rank TP=2 job that resumes from the newest checkpoint, trains and saves
 twice with retention, and kills one rank at a seeded file-system event or after a seeded delay;
 then the newest visible checkpoint must load bit-exactly and no rank may hang. The machinery is
-``tests/checkpoint_kill.py`` (the test suite runs 20 trials of it). Results go to
+``tests/checkpoint/checkpoint_kill.py`` (the test suite runs 20 trials of it). Results go to
 ``bench/results/soak_checkpoint_kill.json``.
 
     python bench/soak_checkpoint_kill.py [--trials 60] [--seed 1]
@@ -26,7 +26,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "soak_checkpoint_kill.json")
     args = p.parse_args()
-    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "checkpoint")]
     from transformers import GPT2LMHeadModel  # noqa: F401 - imported once, shared by every forked job
 
     import checkpoint_kill

@@ -11,8 +11,8 @@ from .activations import set_activation_checkpointing
 from .clip import clip_grad_norm_
 from .config import Config
 from .creation import delay_param_initialization, model_creation
-from .loading import load_hf_checkpoint
-from .meta import MetaTensorError
+from .materialize.loading import load_hf_checkpoint
+from .materialize.meta import MetaTensorError
 from .model import DistributedModel
 from .optimizer import DistributedOptimizer
 from .runtime import (

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
-from .grad_clip import clip_by_global_norm
+from .training.grad_clip import clip_by_global_norm
 
 
 def _flattened_by_fsdp1(p: torch.Tensor) -> bool:

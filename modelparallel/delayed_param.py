@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from . import hf_init, meta
+from .materialize import hf_init, meta
 from .transform import SYNCED_FROM_RANK0
 
 logger = logging.getLogger("modelparallel")

@@ -11,10 +11,12 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from . import batch, runtime, wrapping
-from .dp import allreduce_gradients
+from . import runtime
+from .materialize import wrapping
+from .training import batch
+from .training.dp import allreduce_gradients
 from .model_tp import TensorParallelMethods
-from .state_dict import LoadResult, full_state_dict, load_state_dict, local_state_dict
+from .materialize.state_dict import LoadResult, full_state_dict, load_state_dict, local_state_dict
 from .tp import walker
 
 logger = logging.getLogger("modelparallel")

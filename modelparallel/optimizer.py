@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 
 from . import runtime
-from . import optimizer_state
-from .dp import local_grad
-from .grad_clip import clip_by_global_norm
-from .loss_scaler import DynamicLossScaler, LossScaler
-from .master_weights import MasterWeights
+from .training import optimizer_state
+from .training.dp import local_grad
+from .training.grad_clip import clip_by_global_norm
+from .training.loss_scaler import DynamicLossScaler, LossScaler
+from .training.master_weights import MasterWeights
 
 logger = logging.getLogger("modelparallel")
 

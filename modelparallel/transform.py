@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from . import meta, runtime
+from . import runtime
+from .materialize import meta
 from .models import spec_for
 from .tp import marks, walker
 

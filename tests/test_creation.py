@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import harness
 import modelparallel as smp
 from reference import assert_close
-from modelparallel import meta
+from modelparallel.materialize import meta
 
 IDS = torch.tensor([[3, 17, 42, 99, 5, 0, 64, 23]])
 

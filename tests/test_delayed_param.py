@@ -16,7 +16,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 import harness
 import modelparallel as smp
-from modelparallel import meta
+from modelparallel.materialize import meta
 from reference import as_hf, assert_close
 
 IDS = torch.tensor([[3, 17, 42, 99, 5, 0, 64, 23]])

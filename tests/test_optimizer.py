@@ -15,8 +15,8 @@ from torch.distributed.tensor import DTensor
 import harness
 import modelparallel as smp
 from modelparallel import runtime
-from modelparallel.dp import local_grad
-from modelparallel.loss_scaler import DynamicLossScaler, LossScaler
+from modelparallel.training.dp import local_grad
+from modelparallel.training.loss_scaler import DynamicLossScaler, LossScaler
 from reference import tolerance
 
 LR, EPS, STEPS = 1e-4, 1e-2, 3

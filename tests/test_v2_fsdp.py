@@ -23,7 +23,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import harness
 import modelparallel as smp
-from modelparallel.dp import allreduce_gradients
+from modelparallel.training.dp import allreduce_gradients
 from reference import gathered
 
 STEPS = 10

@@ -30,7 +30,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import harness
 import modelparallel as smp
-from modelparallel import meta
+from modelparallel.materialize import meta
 from modelparallel.delayed_param import DelayedParamIniter
 from modelparallel import transform
 from reference import as_hf

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .. import state_dict as sd_mod
+from ..materialize import state_dict as sd_mod
 from . import parts
 from .full import translation
 from .parts import LoadReport

@@ -36,7 +36,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from ..optimizer_state import load_masters
+from ..training.optimizer_state import load_masters
 from .parts import LoadReport
 from .safe_load import read_dcp_metadata
 

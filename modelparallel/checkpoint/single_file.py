@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .. import state_dict as sd_mod
+from ..materialize import state_dict as sd_mod
 from . import commit, parts
 from .errors import run_phase
 from .full import translation

@@ -21,7 +21,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import harness
 import modelparallel as smp
-from modelparallel import runtime, safetensors_io
+from modelparallel import runtime
+from modelparallel.materialize import safetensors_io
 from modelparallel.checkpoint import commit
 from reference import as_hf
 

@@ -16,7 +16,7 @@ import harness
 import modelparallel as smp
 from reference import assert_close
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from custom_block import BLOCK_PLAN, Block, TinyLM  # noqa: E402
 
 

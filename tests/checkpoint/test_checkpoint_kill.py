@@ -4,7 +4,7 @@ A failure means a killed save left something visible that is not a complete chec
 newest visible checkpoint no longer loads bit-exactly, a resumed job did not get back what was
 saved, or the surviving rank hung instead of raising. The failing trial's record names the kill
 point; each rank's log is in ``<tmp>/logs/trial<N>.rank<R>.log``. The trials live in
-``tests/checkpoint_kill.py`` (a script: one driver process forks a 2-rank job per trial).
+``tests/checkpoint/checkpoint_kill.py`` (a script: one driver process forks a 2-rank job per trial).
 """
 
 import json

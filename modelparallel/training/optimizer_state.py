@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .checkpoint.legacy import to_param_layout
+from ..checkpoint.legacy import to_param_layout
 from .master_weights import local
 
 logger = logging.getLogger("modelparallel")

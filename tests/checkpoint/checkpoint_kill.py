@@ -1,7 +1,7 @@
 """Kill trials for checkpoints: SIGKILL one rank at a random point of a save or of retention,
 then check that the newest visible checkpoint loads bit-exactly and that no process hangs.
 
-Run as a script (``python tests/checkpoint_kill.py --trials 20 --seed 0 DIR``); the test suite
+Run as a script (``python tests/checkpoint/checkpoint_kill.py --trials 20 --seed 0 DIR``); the test suite
 runs a short series, ``bench/soak_checkpoint_kill.py`` a long one. The driver imports torch once
 and forks a 2-rank job (TP=2, gloo) per trial, so a trial costs well under a second of start-up.
 
@@ -306,7 +306,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from transformers import GPT2LMHeadModel  # noqa: F401 - imported once here, shared by every forked job
 
     import modelparallel  # noqa: F401

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from .tp.plan import ArchSpec, block_prefix, glob_match, join
+from ..tp.plan import ArchSpec, block_prefix, glob_match, join
 
 
 def block_modules(module: nn.Module, spec: ArchSpec | None) -> list[nn.Module]:

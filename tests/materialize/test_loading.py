@@ -16,7 +16,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 import harness
 import modelparallel as smp
 from reference import assert_close
-from modelparallel import meta
+from modelparallel.materialize import meta
 
 IDS = torch.tensor([[3, 17, 42, 99, 5, 0, 64, 23], [8, 8, 1, 77, 100, 31, 2, 9]])
 

@@ -24,8 +24,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from . import hf_init, meta, safetensors_io
-from .delayed_param import DelayedParamIniter
-from .nn.huggingface import table_for
+from ..delayed_param import DelayedParamIniter
+from ..nn.huggingface import table_for
 from .state_dict import LoadResult
 
 INDEX = "model.safetensors.index.json"
@@ -211,7 +211,7 @@ def load_hf_checkpoint(model: nn.Module, path: str | Path, strict: bool = True) 
             does not match the model's config, before anything is allocated.
         MetaTensorError: naming any parameter or buffer nothing could initialize.
     """
-    from . import runtime
+    from .. import runtime
 
     module = getattr(model, "module", model)
     device = runtime.current().device if runtime.is_initialized() else torch.device("cpu")

@@ -20,11 +20,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import creation, fsdp, meta
-from .delayed_param import DelayedParamIniter
-from .models import spec_for
-from .tp.plan import ArchSpec
-from .transform import meta_states, move, sync_from_rank0
+from .. import creation
+from ..training import fsdp
+from . import meta
+from ..delayed_param import DelayedParamIniter
+from ..models import spec_for
+from ..tp.plan import ArchSpec
+from ..transform import meta_states, move, sync_from_rank0
 
 
 @dataclass

@@ -22,6 +22,7 @@ from . import runtime
 from .materialize import meta
 from .models import spec_for
 from .tp import marks, walker
+from .training import fsdp1_tp_state
 
 logger = logging.getLogger("modelparallel")
 
@@ -168,6 +169,7 @@ def transform(model: nn.Module, device=None, dtype: torch.dtype | None = None, c
     move(model, device, dtype)
     if rt.tp_mesh.size() > 1 or _registered_or_marked(model):
         walker.parallelize(model, rt.tp_mesh, spec_for(model))
+        fsdp1_tp_state.install()  # users wrap the result in FSDP1 and resume through DCP
     if load_state_dict_from_rank0:
         meta.materialize(model, device)
         sync_from_rank0(model, full, rt.mesh)

@@ -12,11 +12,19 @@ calls it). The outermost FSDP call is checked and completed before FSDP runs any
 ``device_mesh`` or ``process_group`` that is not the data-parallel one raises naming the
 expected mesh; none at all means the data-parallel mesh. The FSDP calls auto-wrapping makes for
 submodules inherit the outermost call's arguments and pass through unchanged.
+
+Memory while FSDP1 wraps: each unit's tensors are copied into one flat parameter, then this rank's
+chunk of it is copied out. Inside a checked call, the unit's original tensors (no longer used:
+the module already reads views of the flat parameter) are released before that second copy, and
+the freed pages are handed back to the system after each unit (glibc keeps freed heap pages
+otherwise), so a rank holds its tensors plus one unit's flat parameter, never two copies of it.
 """
 
 from __future__ import annotations
 
 import contextvars
+import ctypes
+import ctypes.util
 import functools
 import inspect
 from dataclasses import dataclass
@@ -24,6 +32,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+from torch.distributed.fsdp._flat_param import FlatParamHandle
 
 _MARK = "_mp_v2_layout"
 _inside = contextvars.ContextVar("modelparallel_fsdp1_inside", default=False)
@@ -129,8 +138,47 @@ def complete(args: dict, lay: Layout) -> None:
     _apply_hybrid(args, lay)
 
 
+def _libc_trim():
+    """glibc's ``malloc_trim`` (returns freed heap pages to the system), or None elsewhere."""
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        return None
+
+
+_trim = _libc_trim()
+
+
+def _install_release() -> None:
+    """Wrap ``FlatParamHandle.shard``: inside a checked call, drop the unit's original tensors
+    before this rank's chunk is copied out, and trim the heap afterwards."""
+    shard = FlatParamHandle.shard
+    if getattr(shard, _MARK, False):
+        return
+
+    @functools.wraps(shard)
+    def releasing_shard(self):
+        if _inside.get():
+            flat = self.flat_param
+            # The flattening copied every original; the module reads views of the flat parameter
+            # from now on, so the originals' storage (shared with their DTensor wrappers, which
+            # FSDP's caller still lists) is freed in place, as FSDP frees the unsharded flat one.
+            for p in flat._params or ():
+                if p is not None and p.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
+                    p.untyped_storage().resize_(0)
+        out = shard(self)
+        if _inside.get() and _trim is not None:
+            _trim(0)
+        return out
+
+    setattr(releasing_shard, _MARK, True)
+    FlatParamHandle.shard = releasing_shard
+
+
 def install() -> None:
     """Wrap ``FullyShardedDataParallel.__init__`` (idempotent)."""
+    _install_release()
     init = FullyShardedDataParallel.__init__
     if getattr(init, _MARK, False):
         return

@@ -150,9 +150,14 @@ def _libc_trim():
 _trim = _libc_trim()
 
 
+def _trim_heap() -> None:
+    if _trim is not None:
+        _trim(0)
+
+
 def _install_release() -> None:
     """Wrap ``FlatParamHandle.shard``: inside a checked call, drop the unit's original tensors
-    before this rank's chunk is copied out, and trim the heap afterwards."""
+    before this rank's chunk is copied out, trimming the heap before and after that copy."""
     shard = FlatParamHandle.shard
     if getattr(shard, _MARK, False):
         return
@@ -167,9 +172,10 @@ def _install_release() -> None:
             for p in flat._params or ():
                 if p is not None and p.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
                     p.untyped_storage().resize_(0)
+            _trim_heap()
         out = shard(self)
-        if _inside.get() and _trim is not None:
-            _trim(0)
+        if _inside.get():
+            _trim_heap()
         return out
 
     setattr(releasing_shard, _MARK, True)

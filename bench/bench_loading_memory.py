@@ -25,7 +25,8 @@ then runs one forward pass, and the script checks that all four give the same lo
 
 Usage: ``python bench/bench_loading_memory.py``; writes ``bench/results/loading_memory.json``.
 ``--small --nproc 4`` runs a 0.3 GB Llama (hidden 1024, 4 layers, vocabulary 16000) at TP=2 x
-DP=2 into ``loading_memory_v2.json`` (FSDP then shards over two data-parallel ranks).
+DP=2 into ``loading_memory_v2.json`` (FSDP then shards over two data-parallel ranks); ``--nproc 4``
+alone runs the 1.7 GB model at TP=2 x DP=2 into ``loading_memory_nproc4.json``.
 Not a test: it takes minutes and several GB of RAM. Timings are of one run on a shared machine
 (the load average before each job is recorded).
 """
@@ -211,6 +212,7 @@ def main(methods: tuple[str, ...] = METHODS, small: bool = False, nproc: int = 2
     print("all methods give the same logits:", same)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     out = RESULTS.with_name("loading_memory_v2.json") if small else RESULTS
+    out = out if small or nproc == 2 else RESULTS.with_name(f"loading_memory_nproc{nproc}.json")
     out = out if set(methods) == set(METHODS) or small else RESULTS.with_name("loading_memory_partial.json")
     out.write_text(json.dumps({
         "model": dict(SMALL if small else SHAPE, dtype="float32", bytes=model_bytes), "tp": 2,

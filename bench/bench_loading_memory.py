@@ -212,8 +212,8 @@ def main(methods: tuple[str, ...] = METHODS, small: bool = False, nproc: int = 2
     print("all methods give the same logits:", same)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     out = RESULTS.with_name("loading_memory_v2.json") if small else RESULTS
-    out = out if small or nproc == 2 else RESULTS.with_name(f"loading_memory_nproc{nproc}.json")
     out = out if set(methods) == set(METHODS) or small else RESULTS.with_name("loading_memory_partial.json")
+    out = out if small or nproc == 2 else RESULTS.with_name(f"loading_memory_nproc{nproc}.json")
     out.write_text(json.dumps({
         "model": dict(SMALL if small else SHAPE, dtype="float32", bytes=model_bytes), "tp": 2,
         "nproc": nproc, "methods": results,

@@ -155,6 +155,14 @@ def _trim_heap() -> None:
         _trim(0)
 
 
+def _owns_storage(t, flat) -> bool:
+    """Whether ``t`` is alone in a heap storage of its own (so freeing it loses no other data;
+    a memory-mapped checkpoint tensor, or a view into a larger buffer, is left alone)."""
+    storage = t.untyped_storage()
+    return (storage.resizable() and storage.data_ptr() != flat.untyped_storage().data_ptr()
+            and storage.nbytes() == t.numel() * t.element_size() and t.storage_offset() == 0)
+
+
 def _install_release() -> None:
     """Wrap ``FlatParamHandle.shard``: inside a checked call, drop the unit's original tensors
     before this rank's chunk is copied out, trimming the heap before and after that copy."""
@@ -170,7 +178,7 @@ def _install_release() -> None:
             # from now on, so the originals' storage (shared with their DTensor wrappers, which
             # FSDP's caller still lists) is freed in place, as FSDP frees the unsharded flat one.
             for p in flat._params or ():
-                if p is not None and p.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
+                if p is not None and _owns_storage(p, flat):
                     p.untyped_storage().resize_(0)
             _trim_heap()
         out = shard(self)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from .. import runtime
 from . import parts
 
 EXPORT_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
@@ -39,7 +38,7 @@ def export_state(model, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     state = parts.model_state(model.module)
     if dtype is None:
         return state
-    masters = {id(p): m for opt in runtime.current().optimizers for p, m in opt.master_weights.pairs}
+    masters = {id(p): m for opt in model.linked_optimizers for p, m in opt.master_weights.pairs}
     params = dict(model.module.named_parameters())
     out = {}
     for key, t in state.items():

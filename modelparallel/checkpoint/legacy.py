@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import runtime
 from . import commit
@@ -63,29 +63,6 @@ def local_optimizer_state(optimizer) -> dict[str, Any]:
     state = {i: {k: v.to_local() if isinstance(v, DTensor) else v for k, v in slots.items()}
              for i, slots in inner["state"].items()}
     return {"optimizer": {**inner, "state": state}, "loss_scaler": optimizer.loss_scaler.state_dict()}
-
-
-def to_param_layout(torch_optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-    """A torch optimizer state dict whose entries for DTensor parameters are plain tensors (global
-    shape from ``smp.load`` at another degree, or this rank's shard) made DTensors like their
-    parameter: torch's own load would keep them plain, and the next step would mix the two."""
-    params = [p for g in torch_optimizer.param_groups for p in g["params"]]
-    state = {}
-    for index, slots in state_dict["state"].items():
-        p = params[int(index)]
-        state[index] = {k: _like(p, v) for k, v in slots.items()} if isinstance(p, DTensor) else slots
-    return {**state_dict, "state": state}
-
-
-def _like(param: DTensor, value: Any) -> Any:
-    if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
-        return value
-    if value.shape == param.shape:  # global: each rank slices its own shard, no communication
-        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
-    if value.shape == param.to_local().shape:  # this rank's shard, same layout
-        return DTensor.from_local(value.to(param.device), param.device_mesh, param.placements, run_check=False,
-                                  shape=param.shape, stride=param.stride())
-    return value  # e.g. Adam's scalar step: torch's load handles it
 
 
 def _encode(obj: Any, live: dict) -> Any:

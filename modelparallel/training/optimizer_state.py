@@ -16,7 +16,6 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..checkpoint.legacy import to_param_layout
 from .master_weights import local
 
 logger = logging.getLogger("modelparallel")
@@ -70,15 +69,37 @@ def load_masters(optimizer, masters: Mapping[int, torch.Tensor] | None) -> None:
         local(t).copy_(_local_piece(t, value, index))
 
 
+def to_param_layout(torch_optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A torch optimizer state dict whose entries for DTensor parameters are plain tensors (global
+    shape from ``smp.load`` at another degree, or this rank's shard) made DTensors like their
+    parameter: torch's own load would keep them plain, and the next step would mix the two."""
+    params = [p for g in torch_optimizer.param_groups for p in g["params"]]
+    state = {}
+    for index, slots in state_dict["state"].items():
+        p = params[int(index)]
+        state[index] = {k: _like(p, v) for k, v in slots.items()} if isinstance(p, DTensor) else slots
+    return {**state_dict, "state": state}
+
+
+def _like(param: DTensor, value: Any) -> Any:
+    """``value`` as a DTensor placed like ``param`` when it is ``param``'s global tensor (each
+    rank slices its own shard, no communication) or this rank's shard; anything else as is
+    (e.g. Adam's scalar step, which torch's load handles)."""
+    if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+        return value
+    if value.shape == param.shape:
+        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+    if value.shape == param.to_local().shape:
+        return DTensor.from_local(value.to(param.device), param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+    return value
+
+
 def _local_piece(master: torch.Tensor, value: torch.Tensor, index) -> torch.Tensor:
     """This rank's piece of a saved master: a DTensor's shard, a global tensor (``smp.load`` at
     another TP degree) sliced like ``master`` without communication, or a local shard as is."""
-    if isinstance(value, DTensor):
-        value = value.to_local()
     want = local(master)
-    if isinstance(master, DTensor) and tuple(value.shape) == tuple(master.shape) != tuple(want.shape):
-        value = distribute_tensor(value.to(want.device), master.device_mesh, master.placements,
-                                  src_data_rank=None).to_local()
+    value = local(_like(master, value) if isinstance(master, DTensor) else value)
     if tuple(value.shape) != tuple(want.shape):
         raise ValueError(f"saved fp32 master for parameter {index} has shape {tuple(value.shape)}; "
                          f"expected {tuple(master.shape)} (global) or {tuple(want.shape)} (this rank's shard)")

@@ -143,8 +143,8 @@ def baseline_mb() -> float:
 
 
 def touch(*modules) -> None:
-    """An in-place no-op on every local parameter and buffer shard, so memory-mapped weights
-    become resident and count in ``VmHWM``."""
+    """An in-place no-op on every local floating-point parameter and buffer shard (a read of the
+    others), so memory-mapped weights become resident and count in ``VmHWM``."""
     import torch
     from torch.distributed.tensor import DTensor
 
@@ -154,6 +154,8 @@ def touch(*modules) -> None:
                 local = t.to_local() if isinstance(t, DTensor) else t
                 if local.is_floating_point():
                     local.mul_(1)
+                else:
+                    local.sum()
 
 
 def peak_above_baseline_mb(baseline: float, *modules) -> float:

@@ -119,6 +119,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._link(owners)
 
     def _link(self, models) -> None:
+        """Link this optimizer and the models holding its parameters, each way."""
         for model in models:
             if model not in self.models:
                 self.models.append(model)

@@ -22,7 +22,8 @@ and head names.
 import torch
 
 from ..nn.huggingface.translate import KeyTable
-from ..tp.plan import ArchSpec, ModulePlan, column_row
+from ..tp.plan import ArchSpec, ModulePlan
+from ._parts import column_row
 
 ENCODER = ModulePlan(
     rules={

@@ -11,7 +11,8 @@ import and re-created on export when asked for.
 """
 
 from ..nn.huggingface.translate import KeyTable, causal_mask, masked_bias
-from ..tp.plan import LM_HEAD, ArchSpec, ModulePlan, Packed, column_row, packed_keys
+from ..tp.plan import ArchSpec, ModulePlan, Packed, packed_keys
+from ._parts import LM_HEAD, column_row
 
 PACKED = {"h.*.attn.c_attn": Packed(chunks=3, dims={"weight": 1, "bias": 0})}
 
@@ -31,14 +32,19 @@ SPEC = ArchSpec(
     loss="causal",
 )
 
+GPT_KEYS = (
+    "wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias",
+    "h.{}.ln_1.weight", "h.{}.ln_1.bias", "h.{}.ln_2.weight", "h.{}.ln_2.bias",
+    "h.{}.mlp.c_fc.weight", "h.{}.mlp.c_fc.bias", "h.{}.mlp.c_proj.weight", "h.{}.mlp.c_proj.bias",
+)
+"""Embeddings, norms and MLP keys of GPT-2's layout, which GPT-Neo keeps."""
+
 TABLE = KeyTable(
     arch="gpt2",
     base_prefix="transformer",
     base_keys=(
-        "wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias",
-        "h.{}.ln_1.weight", "h.{}.ln_1.bias", "h.{}.ln_2.weight", "h.{}.ln_2.bias",
+        *GPT_KEYS,
         "h.{}.attn.c_attn.weight", "h.{}.attn.c_attn.bias", "h.{}.attn.c_proj.weight", "h.{}.attn.c_proj.bias",
-        "h.{}.mlp.c_fc.weight", "h.{}.mlp.c_fc.bias", "h.{}.mlp.c_proj.weight", "h.{}.mlp.c_proj.bias",
     ),
     head_keys=("lm_head.weight", "score.weight", "score.bias"),
     packed=packed_keys(PACKED),

@@ -11,21 +11,13 @@ only weights (the rotary table ``embed_positions`` is recomputed).
 """
 
 from ..nn.huggingface.translate import KeyTable, causal_mask, masked_bias
-from ..tp.plan import LM_HEAD, ArchSpec, ModulePlan, column_row
+from ._parts import decoder_lm
 
-SPEC = ArchSpec(
-    model_type="gptj",
-    base=ModulePlan(
-        rules={
-            "wte": "vocab_embedding",
-            **column_row("h.*.attn", ("q_proj", "k_proj", "v_proj"), "out_proj"),
-            **column_row("h.*.mlp", ("fc_in",), "fc_out"),
-        },
-        per_rank_attrs={"h.*.attn": ("num_attention_heads",)},
-    ),
-    head=LM_HEAD,
-    divisible_config=("num_attention_heads",),
-    loss="causal",
+SPEC = decoder_lm(
+    "gptj", embedding="wte",
+    attention="h.*.attn", qkv=("q_proj", "k_proj", "v_proj"), out="out_proj",
+    mlp="h.*.mlp", up=("fc_in",), down="fc_out",
+    divisible=("num_attention_heads",), per_rank=("num_attention_heads",),
 )
 
 TABLE = KeyTable(

@@ -12,21 +12,14 @@ local layers, the causal mask restricted to a window.
 import torch
 
 from ..nn.huggingface.translate import KeyTable, causal_mask, masked_bias
-from ..tp.plan import LM_HEAD, ArchSpec, ModulePlan, column_row
+from ._parts import decoder_lm
+from .gpt2 import GPT_KEYS
 
-SPEC = ArchSpec(
-    model_type="gpt_neo",
-    base=ModulePlan(
-        rules={
-            "wte": "vocab_embedding",
-            **column_row("h.*.attn.attention", ("q_proj", "k_proj", "v_proj"), "out_proj"),
-            **column_row("h.*.mlp", ("c_fc",), "c_proj"),
-        },
-        per_rank_attrs={"h.*.attn.attention": ("num_heads",)},
-    ),
-    head=LM_HEAD,
-    divisible_config=("num_heads",),
-    loss="causal",
+SPEC = decoder_lm(
+    "gpt_neo", embedding="wte",
+    attention="h.*.attn.attention", qkv=("q_proj", "k_proj", "v_proj"), out="out_proj",
+    mlp="h.*.mlp", up=("c_fc",), down="c_proj",
+    divisible=("num_heads",), per_rank=("num_heads",),
 )
 
 
@@ -43,12 +36,10 @@ TABLE = KeyTable(
     arch="gpt_neo",
     base_prefix="transformer",
     base_keys=(
-        "wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias",
-        "h.{}.ln_1.weight", "h.{}.ln_1.bias", "h.{}.ln_2.weight", "h.{}.ln_2.bias",
+        *GPT_KEYS,
         "h.{}.attn.attention.q_proj.weight", "h.{}.attn.attention.k_proj.weight",
         "h.{}.attn.attention.v_proj.weight", "h.{}.attn.attention.out_proj.weight",
         "h.{}.attn.attention.out_proj.bias",
-        "h.{}.mlp.c_fc.weight", "h.{}.mlp.c_fc.bias", "h.{}.mlp.c_proj.weight", "h.{}.mlp.c_proj.bias",
     ),
     head_keys=("lm_head.weight", "score.weight", "score.bias"),
     tied={"lm_head.weight": "transformer.wte.weight"},

@@ -13,20 +13,13 @@ buffer the model recomputes, so nothing else is stored.
 """
 
 from ..nn.huggingface.translate import KeyTable
-from ..tp.plan import LM_HEAD, ArchSpec, ModulePlan, column_row
+from ._parts import decoder_lm
 
-SPEC = ArchSpec(
-    model_type="llama",
-    base=ModulePlan(
-        rules={
-            "embed_tokens": "vocab_embedding",
-            **column_row("layers.*.self_attn", ("q_proj", "k_proj", "v_proj"), "o_proj"),
-            **column_row("layers.*.mlp", ("gate_proj", "up_proj"), "down_proj"),
-        },
-    ),
-    head=LM_HEAD,
-    divisible_config=("num_attention_heads", "num_key_value_heads"),
-    loss="causal",
+SPEC = decoder_lm(
+    "llama", embedding="embed_tokens",
+    attention="layers.*.self_attn", qkv=("q_proj", "k_proj", "v_proj"), out="o_proj",
+    mlp="layers.*.mlp", up=("gate_proj", "up_proj"), down="down_proj",
+    divisible=("num_attention_heads", "num_key_value_heads"),
 )
 
 TABLE = KeyTable(

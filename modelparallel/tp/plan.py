@@ -92,17 +92,6 @@ class ArchSpec:
 
 VOCAB_STYLES = ("vocab_embedding", "vocab_colwise")
 
-LM_HEAD = ModulePlan(rules={"lm_head": "vocab_colwise"}, optional_rules=("lm_head",))
-"""An ``lm_head`` sharded over the vocabulary (its logits stay sharded for the loss), present
-only in the LM head classes."""
-
-
-def column_row(prefix: str, columns: tuple[str, ...], row: str) -> dict[str, str]:
-    """Rules for one Megatron pair under ``prefix``: ``columns`` column parallel (whole heads or
-    feed-forward slices per rank), then ``row`` row parallel (one all-reduce of its output)."""
-    return {**{f"{prefix}.{c}": "colwise" for c in columns}, f"{prefix}.{row}": "rowwise"}
-
-
 def without_styles(spec: ArchSpec, styles: tuple[str, ...]) -> ArchSpec:
     """``spec`` with the rules of ``styles`` removed (those modules then stay whole)."""
     strip = lambda plan: replace(plan, rules={k: v for k, v in plan.rules.items() if v not in styles})

@@ -27,11 +27,20 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def _known(model_type: str) -> _t.KeyTable:
+    table = table_for(model_type)
+    if table is None:
+        raise KeyError(f"no state-dict translation for model_type {model_type!r} (no modelparallel/models file)")
+    return table
+
+
 def to_hf_items(model_type: str, key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """One distributed-format entry of a ``model_type`` model as HF entries."""
-    return _t.to_hf_items(table_for(model_type), key, tensor)
+    """One distributed-format entry of a ``model_type`` model as HF entries (``KeyError`` for an
+    unknown architecture or key)."""
+    return _t.to_hf_items(_known(model_type), key, tensor)
 
 
 def from_hf_items(model_type: str, key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """One HF entry of a ``model_type`` model in distributed format."""
-    return _t.from_hf_items(table_for(model_type), key, tensor)
+    """One HF entry of a ``model_type`` model in distributed format (``KeyError`` for an unknown
+    architecture or key)."""
+    return _t.from_hf_items(_known(model_type), key, tensor)

@@ -1,6 +1,6 @@
 """HF <-> distributed state-dict translation for the six architectures, at TP=1, 2 and 4.
 
-A failure means a key table in modelparallel/nn/huggingface/<arch>.py (or the engine in
+A failure means a key table in modelparallel/models/<arch>.py (or the engine in nn/huggingface/
 translate.py) maps a key or a fused tensor wrongly. The reference is always an untouched HF model:
 its outputs, and its own ``load_state_dict(strict=True)``.
 """

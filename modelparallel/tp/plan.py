@@ -92,6 +92,7 @@ class ArchSpec:
 
 VOCAB_STYLES = ("vocab_embedding", "vocab_colwise")
 
+
 def without_styles(spec: ArchSpec, styles: tuple[str, ...]) -> ArchSpec:
     """``spec`` with the rules of ``styles`` removed (those modules then stay whole)."""
     strip = lambda plan: replace(plan, rules={k: v for k, v in plan.rules.items() if v not in styles})

@@ -86,8 +86,9 @@ def _collect_plan(model, plan: ModulePlan, prefix: str, tp: int, work: Work, ski
                 continue
             packed = packing(plan, rel)
             a = Assignment(path, module, style, packed.chunks if packed else 1, registered, packed)
-            if packed and packed_problem(path, module, packed):
-                work.problems.append(packed_problem(path, module, packed))
+            problem = packed and packed_problem(path, module, packed)
+            if problem:
+                work.problems.append(problem)
             _check_size(a, tp, work.problems)
             work.assignments.append(a)
     for glob, attrs in plan.per_rank_attrs.items():

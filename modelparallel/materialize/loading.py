@@ -133,7 +133,7 @@ def plan(module: nn.Module, files: dict[str, str], strict: bool) -> tuple[list[E
             missing.extend(names)
             continue
         used.add(key)
-        packed = _packed(packed_dims.get(tid), tuple(t.shape), shapes[key])
+        packed = _packed(packed_dims.get(id(t)), tuple(t.shape), shapes[key])
         if _hf_shape(t.shape, packed) != shapes[key]:
             problems.append(f"{key}: the checkpoint holds shape {shapes[key]}, the model (its config) expects "
                             f"{_hf_shape(t.shape, packed)}")

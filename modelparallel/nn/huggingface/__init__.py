@@ -7,6 +7,8 @@ a time (for streaming exports); ``table_for`` finds a ``model_type``'s key table
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from . import translate as _t
@@ -19,11 +21,18 @@ def table_for(model_type: str | None) -> _t.KeyTable | None:
     return find(model_type)
 
 
+SAGEMAKER_MODULES = ("bert", "gpt2", "gptj", "gptneo", "llama", "roberta")
+"""The modules holding SageMaker's translation names, imported on first use: they read the key
+tables from ``modelparallel.models``, whose files import this package's engine."""
+
+
 def __getattr__(name: str):
     if name == "TABLES":  # model_type -> key table, every built-in architecture
         from ...models import TABLES
 
         return TABLES
+    if name in SAGEMAKER_MODULES:
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -5,4 +5,4 @@ from ...models.bert import TABLE
 from .translate import sagemaker_functions
 
 translate_state_dict_to_hf_bert, translate_hf_state_dict_to_smdistributed_bert = sagemaker_functions(
-    TABLE, "bert")
+    TABLE, module=__name__, name="bert")

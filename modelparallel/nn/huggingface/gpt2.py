@@ -5,4 +5,4 @@ from ...models.gpt2 import TABLE
 from .translate import sagemaker_functions
 
 translate_state_dict_to_hf_gpt2, translate_hf_state_dict_to_smdistributed_gpt2 = sagemaker_functions(
-    TABLE, "gpt2")
+    TABLE, module=__name__, name="gpt2")

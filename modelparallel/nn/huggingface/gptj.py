@@ -5,7 +5,7 @@ from ...models.gptj import TABLE
 from .translate import sagemaker_functions
 
 translate_state_dict_to_hf_gptj, translate_hf_state_dict_to_smdistributed_gptj = sagemaker_functions(
-    TABLE, "gptj")
+    TABLE, module=__name__, name="gptj")
 
 
 translate_hf_gptj_state_dict_to_smdistributed_gptj = translate_hf_state_dict_to_smdistributed_gptj

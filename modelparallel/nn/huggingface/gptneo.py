@@ -5,4 +5,4 @@ from ...models.gptneo import TABLE
 from .translate import sagemaker_functions
 
 translate_state_dict_to_hf_gptneo, translate_hf_state_dict_to_smdistributed_gptneo = sagemaker_functions(
-    TABLE, "gptneo", config_arg=True)
+    TABLE, module=__name__, name="gptneo", config_arg=True)

@@ -5,4 +5,4 @@ from ...models.llama import TABLE
 from .translate import sagemaker_functions
 
 translate_state_dict_to_hf_llama, translate_hf_state_dict_to_smdistributed_llama = sagemaker_functions(
-    TABLE, "llama")
+    TABLE, module=__name__, name="llama")

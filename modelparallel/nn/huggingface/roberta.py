@@ -5,7 +5,7 @@ from ...models.roberta import TABLE
 from .translate import sagemaker_functions
 
 translate_state_dict_to_hf_roberta, translate_hf_state_dict_to_smdistributed_roberta = sagemaker_functions(
-    TABLE, "roberta")
+    TABLE, module=__name__, name="roberta")
 
 
 translate_state_dict_to_smdistributed = translate_hf_state_dict_to_smdistributed_roberta

@@ -165,7 +165,7 @@ def masked_bias(value: float) -> Callable[[int, int], torch.Tensor]:
     return lambda max_seq_len, layer, config=None: torch.tensor(value)
 
 
-def sagemaker_functions(table: KeyTable, name: str, config_arg: bool = False) -> tuple[Callable, Callable]:
+def sagemaker_functions(table: KeyTable, name: str, module: str, config_arg: bool = False) -> tuple[Callable, Callable]:
     """SageMaker's pair of translation functions for one architecture, generated from its table:
     ``translate_state_dict_to_hf_<name>(state_dict, max_seq_len=None, [config=None,]
     legacy_buffers=False)`` and ``translate_hf_state_dict_to_smdistributed_<name>(state_dict)``.
@@ -173,6 +173,8 @@ def sagemaker_functions(table: KeyTable, name: str, config_arg: bool = False) ->
     Args:
         table: the architecture's key table.
         name: the architecture's name in SageMaker's function names (``gptneo``).
+        module: the module that binds them under those names (so they pickle by reference, as
+            functions passed to other processes must).
         config_arg: whether the export takes the model ``config`` (GPT-Neo's local-window masks).
 
     Returns:
@@ -188,6 +190,7 @@ def sagemaker_functions(table: KeyTable, name: str, config_arg: bool = False) ->
     def import_(state_dict):
         return from_hf(table, state_dict)
 
+    export.__module__ = import_.__module__ = module
     export.__name__ = export.__qualname__ = f"translate_state_dict_to_hf_{name}"
     export.__doc__ = (f"Distributed-format {table.arch} state dict (``DistributedModel.state_dict()``) -> HF "
                       f"state dict; see ``to_hf``." + (" Give the model ``config`` with ``max_seq_len`` for "

@@ -15,7 +15,7 @@ def column_row(prefix: str, columns: tuple[str, ...], row: str) -> dict[str, str
 
 def decoder_lm(model_type: str, embedding: str, attention: str, qkv: tuple[str, ...], out: str, mlp: str,
                up: tuple[str, ...], down: str, divisible: tuple[str, ...],
-               per_rank: tuple[str, ...] = ()) -> ArchSpec:
+               per_rank: tuple[str, ...] = (), **plan_fields) -> ArchSpec:
     """A decoder-only LM with separate q/k/v projections: vocab-parallel ``embedding``, each
     block's attention and MLP a Megatron pair, the ``lm_head`` vocab-parallel, causal loss.
 
@@ -27,6 +27,7 @@ def decoder_lm(model_type: str, embedding: str, attention: str, qkv: tuple[str, 
         mlp, up, down: the same for the feed-forward.
         divisible: config head counts the degree must divide.
         per_rank: attributes of the attention module its forward reshapes with (divided per rank).
+        plan_fields: any other ``ModulePlan`` field of the base plan.
 
     Returns:
         The architecture's ``ArchSpec``.
@@ -36,6 +37,7 @@ def decoder_lm(model_type: str, embedding: str, attention: str, qkv: tuple[str, 
         base=ModulePlan(
             rules={embedding: "vocab_embedding", **column_row(attention, qkv, out), **column_row(mlp, up, down)},
             per_rank_attrs={attention: per_rank} if per_rank else {},
+            **plan_fields,
         ),
         head=LM_HEAD,
         divisible_config=divisible,

@@ -15,7 +15,7 @@ HF ties ``cls.predictions.decoder.bias`` to ``cls.predictions.bias``, which
 decoder's vocabulary sharding.
 """
 
-from ..tp.plan import ArchSpec, ModulePlan
+from ..tp.plan import ArchSpec, ModulePlan, SharedInput
 
 ENCODER = ModulePlan(
     rules={
@@ -27,6 +27,7 @@ ENCODER = ModulePlan(
         "encoder.layer.*.intermediate.dense": "colwise",
         "encoder.layer.*.output.dense": "rowwise",
     },
+    shared_inputs={"encoder.layer.*.attention.self": SharedInput(arg="hidden_states")},  # q, k, v
 )
 """The BERT-family base model (also RoBERTa's: same module tree)."""
 

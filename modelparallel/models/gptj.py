@@ -8,7 +8,7 @@ so a rank's heads rotate exactly as in the full model. ``GPTJAttention`` reshape
 only read in ``__init__``. The LM head is untied and has a bias, sharded with its rows.
 """
 
-from ..tp.plan import ArchSpec, ModulePlan
+from ..tp.plan import ArchSpec, ModulePlan, SharedInput
 
 SPEC = ArchSpec(
     model_type="gptj",
@@ -23,6 +23,7 @@ SPEC = ArchSpec(
             "h.*.mlp.fc_out": "rowwise",
         },
         per_rank_attrs={"h.*.attn": ("num_attention_heads",)},
+        shared_inputs={"h.*": SharedInput(output_of="ln_1")},  # q, k, v and fc_in read ln_1's output
     ),
     head=ModulePlan(rules={"lm_head": "vocab_colwise"}, optional_rules=("lm_head",)),
     divisible_config=("num_attention_heads",),

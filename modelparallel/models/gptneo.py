@@ -7,7 +7,7 @@ unscaled in HF and stays so. The module reshapes with ``num_heads`` (``head_dim`
 becomes per rank. The LM head is tied to ``wte``; both are sharded over the vocabulary.
 """
 
-from ..tp.plan import ArchSpec, ModulePlan
+from ..tp.plan import ArchSpec, ModulePlan, SharedInput
 
 SPEC = ArchSpec(
     model_type="gpt_neo",
@@ -22,6 +22,7 @@ SPEC = ArchSpec(
             "h.*.mlp.c_proj": "rowwise",
         },
         per_rank_attrs={"h.*.attn.attention": ("num_heads",)},
+        shared_inputs={"h.*.attn.attention": SharedInput(arg="hidden_states")},  # q, k, v
     ),
     head=ModulePlan(rules={"lm_head": "vocab_colwise"}, optional_rules=("lm_head",)),
     divisible_config=("num_heads",),

@@ -10,7 +10,7 @@ attribute needs rewriting. The KV-head check must come from the config: ``k_proj
 the base model, per head, and stays whole. The LM head may be tied to ``embed_tokens`` or not.
 """
 
-from ..tp.plan import ArchSpec, ModulePlan
+from ..tp.plan import ArchSpec, ModulePlan, SharedInput
 
 SPEC = ArchSpec(
     model_type="llama",
@@ -25,6 +25,8 @@ SPEC = ArchSpec(
             "layers.*.mlp.up_proj": "colwise",
             "layers.*.mlp.down_proj": "rowwise",
         },
+        shared_inputs={"layers.*.self_attn": SharedInput(arg="hidden_states"),  # q, k, v
+                       "layers.*.mlp": SharedInput(arg="x")},  # gate, up
     ),
     head=ModulePlan(rules={"lm_head": "vocab_colwise"}, optional_rules=("lm_head",)),
     divisible_config=("num_attention_heads", "num_key_value_heads"),

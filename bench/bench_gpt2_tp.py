@@ -136,7 +136,8 @@ def run_smp_worker(warmup: int, steps: int) -> dict | None:
     import modelparallel as smp
 
     base = common.baseline_mb()
-    smp.init({"tensor_parallel_degree": int(os.environ["WORLD_SIZE"]), "random_seed": SEED})
+    smp.init({"tensor_parallel_degree": int(os.environ["WORLD_SIZE"]), "random_seed": SEED,
+              "prescaled_batch": True})  # every rank the same batch, as the TP=1 baseline
     model, x = smp.DistributedModel(build_model()), make_batch()
     opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR))
     comms = count_collectives(model, x) if smp.tp_size() > 1 else None

@@ -22,7 +22,7 @@ and head names.
 import torch
 
 from ..nn.huggingface.translate import KeyTable
-from ..tp.plan import ArchSpec, ModulePlan
+from ..tp.plan import ArchSpec, ModulePlan, SharedInput
 from ._parts import column_row
 
 ENCODER = ModulePlan(
@@ -31,6 +31,7 @@ ENCODER = ModulePlan(
         **column_row("encoder.layer.*.attention", ("self.query", "self.key", "self.value"), "output.dense"),
         **column_row("encoder.layer.*", ("intermediate.dense",), "output.dense"),
     },
+    shared_inputs={"encoder.layer.*.attention.self": SharedInput(arg="hidden_states")},  # q, k, v
 )
 """The BERT-family base model (also RoBERTa's: same module tree)."""
 

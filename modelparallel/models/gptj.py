@@ -11,6 +11,7 @@ only weights (the rotary table ``embed_positions`` is recomputed).
 """
 
 from ..nn.huggingface.translate import KeyTable, causal_mask, masked_bias
+from ..tp.plan import SharedInput
 from ._parts import decoder_lm
 
 SPEC = decoder_lm(
@@ -18,6 +19,7 @@ SPEC = decoder_lm(
     attention="h.*.attn", qkv=("q_proj", "k_proj", "v_proj"), out="out_proj",
     mlp="h.*.mlp", up=("fc_in",), down="fc_out",
     divisible=("num_attention_heads",), per_rank=("num_attention_heads",),
+    shared_inputs={"h.*": SharedInput(output_of="ln_1")},  # q, k, v and fc_in read ln_1's output
 )
 
 TABLE = KeyTable(

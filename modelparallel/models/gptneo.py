@@ -12,6 +12,7 @@ local layers, the causal mask restricted to a window.
 import torch
 
 from ..nn.huggingface.translate import KeyTable, causal_mask, masked_bias
+from ..tp.plan import SharedInput
 from ._parts import decoder_lm
 from .gpt2 import GPT_KEYS
 
@@ -20,6 +21,7 @@ SPEC = decoder_lm(
     attention="h.*.attn.attention", qkv=("q_proj", "k_proj", "v_proj"), out="out_proj",
     mlp="h.*.mlp", up=("c_fc",), down="c_proj",
     divisible=("num_heads",), per_rank=("num_heads",),
+    shared_inputs={"h.*.attn.attention": SharedInput(arg="hidden_states")},  # q, k, v
 )
 
 

@@ -13,6 +13,7 @@ buffer the model recomputes, so nothing else is stored.
 """
 
 from ..nn.huggingface.translate import KeyTable
+from ..tp.plan import SharedInput
 from ._parts import decoder_lm
 
 SPEC = decoder_lm(
@@ -20,6 +21,8 @@ SPEC = decoder_lm(
     attention="layers.*.self_attn", qkv=("q_proj", "k_proj", "v_proj"), out="o_proj",
     mlp="layers.*.mlp", up=("gate_proj", "up_proj"), down="down_proj",
     divisible=("num_attention_heads", "num_key_value_heads"),
+    shared_inputs={"layers.*.self_attn": SharedInput(arg="hidden_states"),  # q, k, v
+                   "layers.*.mlp": SharedInput(arg="x")},  # gate, up
 )
 
 TABLE = KeyTable(

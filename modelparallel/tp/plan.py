@@ -34,6 +34,24 @@ class Packed:
 
 
 @dataclass(frozen=True)
+class SharedInput:
+    """The one tensor every column-parallel layer under a module reads (q, k and v off one norm;
+    gate and up). Megatron's ``f`` operator is applied to it once, on its way in, so its gradient is
+    all-reduced once for all of these layers rather than once per layer (PyTorch's
+    ``PrepareModuleInput`` on the parent module plays the same part). Exactly one field is set.
+
+    Attributes:
+        arg: the module's ``forward`` argument holding the tensor (positional or keyword).
+        output_of: or the child module (path relative to the module) whose output it is, for
+            blocks whose column-parallel layers sit in several children (GPT-J's attention and
+            MLP both read ``ln_1``'s output). That output must feed only those layers.
+    """
+
+    arg: str = ""
+    output_of: str = ""
+
+
+@dataclass(frozen=True)
 class ModulePlan:
     """How to shard one module tree (a base model, a head, or a user-registered block).
 
@@ -48,6 +66,8 @@ class ModulePlan:
             computes with, tied to a parameter a rule shards (BERT's ``cls.predictions.bias``, HF's
             alias of the MLM decoder's bias). They are re-pointed to the sharded parameter instead
             of being refused as a tie split between sharded and replicated modules.
+        shared_inputs: glob of a module -> the ``SharedInput`` all column-parallel layers under
+            it read; those layers then skip their own ``f``.
     """
 
     rules: dict[str, str]
@@ -55,6 +75,7 @@ class ModulePlan:
     per_rank_attrs: dict[str, tuple[str, ...]] = field(default_factory=dict)
     optional_rules: tuple[str, ...] = ()
     tied_holders: tuple[str, ...] = ()
+    shared_inputs: dict[str, SharedInput] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

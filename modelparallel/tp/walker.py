@@ -10,6 +10,7 @@ any other); a distributed module's plan is collected from the module itself (``t
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass, field
 
@@ -21,8 +22,9 @@ from transformers.pytorch_utils import Conv1D
 
 from . import marks
 from .loss import install_vocab_parallel_loss
-from .plan import (VOCAB_STYLES, ArchSpec, ModulePlan, Packed, block_prefix, first_match, glob_match, join, packing,
-                   to_glob, without_styles)
+from .local import install_shared_input
+from .plan import (VOCAB_STYLES, ArchSpec, ModulePlan, Packed, SharedInput, block_prefix, first_match, glob_match,
+                   join, packing, to_glob, without_styles)
 from .styles import ALLOWS_UNEVEN, SUPPORTED_TYPES, build_style, packed_problem, sharded_size
 from .substitute import substitute
 
@@ -49,6 +51,7 @@ class Work:
     rewrites: list[tuple[str, nn.Module, str, int]] = field(default_factory=list)
     registered: list[tuple[str, nn.Module, marks.Registration]] = field(default_factory=list)
     holders: set[tuple[int, str]] = field(default_factory=set)
+    shared: list[tuple[str, nn.Module, SharedInput]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     loss: str | None = None  # the architecture's LM loss kind for this head class (None: by class name)
 
@@ -100,12 +103,46 @@ def _collect_plan(model, plan: ModulePlan, prefix: str, tp: int, work: Work, ski
                                          f"tensor_parallel_degree {tp}")
                 work.rewrites.append((join(prefix, rel), rel_modules[rel], attr, value // tp))
     _collect_holders(plan, rel_modules, work)
+    _collect_shared(plan, prefix, rel_modules, live, work)
     blocks = {b for b in map(block_prefix, plan.rules) if b}
     for rel, module in rel_modules.items():
         in_block = any(glob_match(b, ".".join(rel.split(".")[: len(b.split("."))])) for b in blocks)
         if in_block and isinstance(module, _SHARDABLE) and live(rel) and not first_match(plan.rules, rel):
             work.problems.append(f"{join(prefix, rel)} ({type(module).__name__}) is inside a planned block "
                                  "but no rule covers it")
+
+
+_READS_SHARED = ("colwise", "packed_colwise")
+
+
+def _collect_shared(plan: ModulePlan, prefix: str, rel_modules: dict[str, nn.Module], live, work: Work) -> None:
+    """Match and check a plan's shared-input rules: the argument or child must exist and
+    column-parallel layers must sit below."""
+    for glob, shared in plan.shared_inputs.items():
+        matched = [rel for rel in rel_modules if glob_match(glob, rel)]
+        if not matched:
+            work.problems.append(f"shared input rule {glob!r} matches no module")
+        for rel in filter(live, matched):
+            module, path = rel_modules[rel], join(prefix, rel)
+            if bool(shared.arg) == bool(shared.output_of):
+                work.problems.append(f"{path}: a SharedInput names exactly one of arg and output_of")
+            elif shared.arg and shared.arg not in inspect.signature(module.forward).parameters:
+                work.problems.append(f"{path}: {type(module).__name__}.forward has no argument {shared.arg!r}")
+            elif shared.output_of and join(rel, shared.output_of) not in rel_modules:
+                work.problems.append(f"{path}: no child {shared.output_of!r} for the shared input")
+            elif not any(a.path.startswith(path + ".") and a.style in _READS_SHARED for a in work.assignments):
+                work.problems.append(f"{path}: shared input rule but no column-parallel layer below it")
+            else:
+                work.shared.append((path, module, shared))
+
+
+def _shared_input_apply(work: Work, tp_mesh: DeviceMesh) -> None:
+    """Apply ``f`` once per shared input; the column-parallel layers below skip their own."""
+    for path, module, shared in work.shared:
+        install_shared_input(module, shared, tp_mesh)
+        for a in work.assignments:
+            if a.path.startswith(path + ".") and a.style in _READS_SHARED:
+                a.module._mp_shared_input = True
 
 
 def _collect_holders(plan: ModulePlan, rel_modules: dict[str, nn.Module], work: Work) -> None:
@@ -205,6 +242,7 @@ def apply(model: nn.Module, tp_mesh: DeviceMesh, work: Work) -> None:
     groups = _tied_groups(model)
     for a in work.assignments:
         parallelize_module(a.module, tp_mesh, build_style(a.style, a.module, a.packed or a.chunks))
+    _shared_input_apply(work, tp_mesh)
     for _, module, attr, value in work.rewrites:
         setattr(module, attr, value)
     for path, module, reg in work.registered:

@@ -20,9 +20,10 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from .materialize import hf_init, meta
+from .tp.layout import copy_shard
 from .transform import SYNCED_FROM_RANK0
 
 logger = logging.getLogger("modelparallel")
@@ -142,9 +143,7 @@ class DelayedParamIniter:
                 continue
             self._unwritten.discard(qname)
             if isinstance(target, DTensor):
-                with torch.no_grad():
-                    target.to_local().copy_(distribute_tensor(
-                        full.detach(), target.device_mesh, target.placements, src_data_rank=None).to_local())
+                copy_shard(target, full.detach())
 
     @staticmethod
     def _scratch(table: dict, name: str, separate: bool) -> torch.Tensor:

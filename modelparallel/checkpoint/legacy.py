@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import runtime
+from ..tp.layout import assemble, distribute_like, local_part
 from . import commit
 from .safe_load import from_plain, to_plain, torch_load
 
@@ -60,7 +61,7 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
 def local_optimizer_state(optimizer) -> dict[str, Any]:
     """A ``DistributedOptimizer``'s state with DTensor entries as this rank's local shards."""
     inner = optimizer.optimizer.state_dict()
-    state = {i: {k: v.to_local() if isinstance(v, DTensor) else v for k, v in slots.items()}
+    state = {i: {k: local_part(v) for k, v in slots.items()}
              for i, slots in inner["state"].items()}
     return {"optimizer": {**inner, "state": state}, "loss_scaler": optimizer.loss_scaler.state_dict()}
 
@@ -81,7 +82,7 @@ def _like(param: DTensor, value: Any) -> Any:
     if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
         return value
     if value.shape == param.shape:  # global: each rank slices its own shard, no communication
-        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+        return distribute_like(value, param)
     if value.shape == param.to_local().shape:  # this rank's shard, same layout
         return DTensor.from_local(value.to(param.device), param.device_mesh, param.placements, run_check=False,
                                   shape=param.shape, stride=param.stride())
@@ -178,10 +179,7 @@ def _decode(objs: list[Any], same_layout: bool) -> Any:
         pieces = sorted(objs, key=lambda r: r["coordinate"])
         if first["shard_dim"] < 0:
             return first["local"]
-        out = torch.cat([r["local"] for r in pieces], dim=first["shard_dim"])
-        if list(out.shape) != first["global_shape"]:
-            raise ValueError(f"shards of a {first['global_shape']} tensor reassemble to {list(out.shape)}")
-        return out
+        return assemble([r["local"] for r in pieces], first["shard_dim"], first["global_shape"])
     if isinstance(first, dict):
         out = copy.copy(first)
         out.update((k, _decode([o[k] for o in objs], same_layout)) for k in first)

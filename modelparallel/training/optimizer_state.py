@@ -14,10 +14,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from ..checkpoint.legacy import to_param_layout
-from .master_weights import local
+from ..tp.layout import local_part, shard_of
 
 logger = logging.getLogger("modelparallel")
 
@@ -67,7 +67,7 @@ def load_masters(optimizer, masters: Mapping[int, torch.Tensor] | None) -> None:
         p, t = pairs[int(index)]
         if t is p:
             raise ValueError(f"saved fp32 master for parameter {index}, which is not half precision here")
-        local(t).copy_(_local_piece(t, value, index))
+        local_part(t).copy_(_local_piece(t, value, index))
 
 
 def _local_piece(master: torch.Tensor, value: torch.Tensor, index) -> torch.Tensor:
@@ -75,10 +75,9 @@ def _local_piece(master: torch.Tensor, value: torch.Tensor, index) -> torch.Tens
     another TP degree) sliced like ``master`` without communication, or a local shard as is."""
     if isinstance(value, DTensor):
         value = value.to_local()
-    want = local(master)
+    want = local_part(master)
     if isinstance(master, DTensor) and tuple(value.shape) == tuple(master.shape) != tuple(want.shape):
-        value = distribute_tensor(value.to(want.device), master.device_mesh, master.placements,
-                                  src_data_rank=None).to_local()
+        value = shard_of(value, master)
     if tuple(value.shape) != tuple(want.shape):
         raise ValueError(f"saved fp32 master for parameter {index} has shape {tuple(value.shape)}; "
                          f"expected {tuple(master.shape)} (global) or {tuple(want.shape)} (this rank's shard)")

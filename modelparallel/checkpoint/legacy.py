@@ -24,7 +24,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import runtime
-from ..tp.layout import assemble, distribute_like, local_part
+from ..tp.layout import assemble
 from . import commit
 from .safe_load import from_plain, to_plain, torch_load
 
@@ -56,37 +56,6 @@ def _record(local: torch.Tensor, like: DTensor) -> dict:
 def _own_storage(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself, or a copy if it views a larger storage (torch.save writes whole storages)."""
     return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
-
-
-def local_optimizer_state(optimizer) -> dict[str, Any]:
-    """A ``DistributedOptimizer``'s state with DTensor entries as this rank's local shards."""
-    inner = optimizer.optimizer.state_dict()
-    state = {i: {k: local_part(v) for k, v in slots.items()}
-             for i, slots in inner["state"].items()}
-    return {"optimizer": {**inner, "state": state}, "loss_scaler": optimizer.loss_scaler.state_dict()}
-
-
-def to_param_layout(torch_optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-    """A torch optimizer state dict whose entries for DTensor parameters are plain tensors (global
-    shape from ``smp.load`` at another degree, or this rank's shard) made DTensors like their
-    parameter: torch's own load would keep them plain, and the next step would mix the two."""
-    params = [p for g in torch_optimizer.param_groups for p in g["params"]]
-    state = {}
-    for index, slots in state_dict["state"].items():
-        p = params[int(index)]
-        state[index] = {k: _like(p, v) for k, v in slots.items()} if isinstance(p, DTensor) else slots
-    return {**state_dict, "state": state}
-
-
-def _like(param: DTensor, value: Any) -> Any:
-    if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
-        return value
-    if value.shape == param.shape:  # global: each rank slices its own shard, no communication
-        return distribute_like(value, param)
-    if value.shape == param.to_local().shape:  # this rank's shard, same layout
-        return DTensor.from_local(value.to(param.device), param.device_mesh, param.placements, run_check=False,
-                                  shape=param.shape, stride=param.stride())
-    return value  # e.g. Adam's scalar step: torch's load handles it
 
 
 def _encode(obj: Any, live: dict) -> Any:

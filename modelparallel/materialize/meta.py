@@ -19,7 +19,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..tp.layout import block_slices, local_block, local_part, rank_coordinate  # noqa: F401 - the rank-0 sync reads them here
+from ..tp.layout import from_local_like, local_part
+from ..tp.layout import block_slices, local_block, rank_coordinate  # noqa: F401 - the rank-0 sync reads them here
 
 
 class MetaTensorError(RuntimeError):
@@ -66,9 +67,7 @@ def empty_like_on(t: torch.Tensor, device: torch.device, dtype: torch.dtype | No
     storage for this rank's shard only."""
     dtype = dtype or t.dtype
     if isinstance(t, DTensor):
-        local = torch.empty(t.to_local().shape, dtype=dtype, device=device)
-        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape,
-                                  stride=t.stride())
+        return from_local_like(torch.empty(t.to_local().shape, dtype=dtype, device=device), t)
     return torch.empty(t.shape, dtype=dtype, device=device)
 
 

@@ -87,6 +87,13 @@ def distribute_like(full: torch.Tensor, like: DTensor) -> DTensor:
     return distribute(full.to(like.device), like.device_mesh, like.placements)
 
 
+def from_local_like(local: torch.Tensor, like: DTensor) -> DTensor:
+    """A DTensor laid out like ``like`` whose shard on this rank is ``local`` (same local shape;
+    any dtype). No communication and no check across ranks."""
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride())
+
+
 def shard_of(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """This rank's piece of ``full`` for ``like``: the local shard a DTensor ``like`` holds (no
     communication), or ``full`` itself for a plain tensor."""

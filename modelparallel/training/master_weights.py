@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..tp.layout import local_part
+from ..tp.layout import from_local_like, local_part
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -77,8 +77,7 @@ def _fp32_copy(p: torch.Tensor) -> nn.Parameter:
     with torch.no_grad():
         if isinstance(p, DTensor):
             shard = p.to_local().to(torch.float32, copy=True)
-            t = DTensor.from_local(shard, p.device_mesh, p.placements, run_check=False,
-                                   shape=p.shape, stride=p.stride())
+            t = from_local_like(shard, p)
         else:
             t = p.detach().to(torch.float32, copy=True)
     return nn.Parameter(t, requires_grad=p.requires_grad)
@@ -156,9 +155,7 @@ class MasterWeights:
             g32 = local_part(g).to(torch.float32)
             if scale != 1.0:
                 g32.mul_(inv)
-            t.grad = (DTensor.from_local(g32, t.device_mesh, t.placements, run_check=False,
-                                         shape=t.shape, stride=t.stride())
-                      if isinstance(t, DTensor) else g32)
+            t.grad = from_local_like(g32, t) if isinstance(t, DTensor) else g32
 
     @torch.no_grad()
     def masters_to_params(self) -> None:

@@ -50,7 +50,7 @@ PARAM_KEYED = (STATE, MASTERS)
 
 def param_names(module: nn.Module) -> dict[int, str]:
     """id(parameter) -> its first name (a tied parameter is saved once, as in the model part)."""
-    return {id(p): n for n, p in reversed(list(module.named_parameters(remove_duplicate=False)))}
+    return {id(p): n for n, p in module.named_parameters()}
 
 
 def optimizer_state(module: nn.Module, optimizer) -> dict[str, Any]:

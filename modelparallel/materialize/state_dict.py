@@ -49,6 +49,10 @@ class LoadReport(_Keys):
             return same
         return same and self.mismatched_shapes == other.mismatched_shapes
 
+    def __ne__(self, other) -> bool:
+        same = self.__eq__(other)
+        return same if same is NotImplemented else not same
+
     __hash__ = None
 
     @property

@@ -2,14 +2,16 @@
 
 DTensor's ``Shard(dim)`` splits a dimension like ``torch.chunk``: pieces of ceil(size / parts),
 the last ones shorter or empty (a vocabulary of 50257 at TP=4 gives 12565, 12565, 12565, 12562).
-Everything here follows DTensor's own rule: ranges and blocks come from DTensor's helper, and a
-full tensor becomes a shard through ``distribute_tensor`` without communication
-(``src_data_rank=None``: every rank slices the full tensor it already holds). Nothing else in
-the package computes a shard's extent.
+Everything here follows DTensor's own rule: a block (any placements, any mesh coordinate) comes
+from DTensor's helper, a one-dimensional range is that rule written out, and a full tensor
+becomes a shard through ``distribute_tensor`` without communication (``src_data_rank=None``:
+every rank slices the full tensor it already holds). Nothing else in the package computes a
+shard's extent.
 
-Also here, because every layer needs them and they concern the same question (what one rank
-holds of which tensor): a rank's local part of a tensor or gradient, and the names that share
-one tensor (tied parameters).
+Also here, because every layer needs them and they answer the same question (what one rank
+holds of which tensor, under which name): a rank's local part of a tensor or gradient, the names
+that share one tensor (tied parameters), and the prefix a head model puts before its base
+model's names.
 """
 
 from __future__ import annotations

@@ -138,9 +138,8 @@ def save(path: Path, tag: str, model, user_content: Any, translate_if_full: bool
         found["shards"] = _plan(state, translate, prefix, max_shard_bytes or MAX_SHARD_BYTES)
         if rank != 0:
             return None
-        found["content"] = parts.serialize_user_content(user_content, trust_user_content)
-        lock.acquire()
-        return commit.new_staging(path, tag).name
+        staged, found["content"] = parts.stage(path, tag, lock, user_content, trust_user_content)
+        return staged
 
     try:
         staging = path / run_phase("full save (prepare)", prepare)[0]

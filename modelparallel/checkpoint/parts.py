@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from ..compat import flatten_state_dict, set_element
 from ..materialize.state_dict import LoadReport
 from ..tp.layout import tie_groups
+from . import commit
 from .errors import cause
 from .fastread import ContiguousSavePlanner, FastReader, SafeLoadPlanner
 from .safe_load import check_loadable, from_plain, read_dcp_metadata, to_plain, torch_load
@@ -111,6 +112,16 @@ def serialize_user_content(obj: Any, trusted: bool = False) -> bytes:
         torch.save(obj, buf)
         return buf.getvalue()
     return check_loadable(to_plain(obj), "user_content")
+
+
+def stage(path: Path, name: str, lock, user_content: Any, trusted: bool) -> tuple[str, bytes]:
+    """Global rank 0's share of a save's first phase, in this order: the user content serialized
+    (an object a checkpoint cannot store is refused before anything on disk changes), the
+    directory's writer lock (``commit.DirectoryLock``) taken, a fresh staging directory for
+    ``name`` made. Returns (the staging directory's name, the user content's bytes)."""
+    content = serialize_user_content(user_content, trusted)
+    lock.acquire()
+    return commit.new_staging(path, name).name, content
 
 
 def write_bytes(path: Path, data: bytes) -> None:

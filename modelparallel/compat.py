@@ -21,4 +21,11 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 # ``flatten_state_dict`` recorded; DCP's planners do the same and export no public helper.
 from torch.distributed.checkpoint._traverse import set_element
 
-__all__ = ["compute_local_shape_and_global_offset", "flatten_state_dict", "set_element"]
+# FSDP1 loads optimizer state through this module's ``_gather_state_dict``, which gathers a TP
+# shard's state to the global tensor; the FSDP1 x TP resume wraps it to keep the TP-local block.
+# PyTorch has no hook for it, so the module itself is patched (the function is imported only so
+# that a rename fails here).
+from torch.distributed.fsdp import _optim_utils as fsdp_optim_utils
+from torch.distributed.fsdp._optim_utils import _gather_state_dict  # noqa: F401 - checked, patched on the module
+
+__all__ = ["compute_local_shape_and_global_offset", "flatten_state_dict", "fsdp_optim_utils", "set_element"]

@@ -177,12 +177,22 @@ def init(config: dict | str | None = None, *, timeout_s: float = 300.0) -> Runti
     torch.manual_seed(cfg.random_seed)
     random.seed(cfg.random_seed)
     _RUNTIME = Runtime(config=cfg, mesh=mesh, device=device)
+    _fsdp1_layout(cfg, mesh)
     _setup_logging(dist.get_rank())
     if dist.get_rank() == 0:
         logger.info("world %d = rdp %d x tp %d on %s", cfg.world_size, cfg.dp_degree,
                     cfg.tensor_parallel_degree, device.type)
         _log_without_effect(without_effect(config))
     return _RUNTIME
+
+
+def _fsdp1_layout(cfg: Config, mesh: DeviceMesh) -> None:
+    """The data-parallel layout a user's own FSDP1 call gets (SageMaker v2 scripts wrap the
+    model themselves after ``init``)."""
+    from .training import fsdp1_v2
+
+    fsdp1_v2.install()
+    fsdp1_v2.configure(fsdp1_v2.Layout(mesh["dp"], cfg.tensor_parallel_degree, cfg.hybrid_shard_degree))
 
 
 _LOGGED_KEYS: set[str] = set()

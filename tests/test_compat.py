@@ -37,7 +37,7 @@ def test_private_names_exist():
     for module, name in names:
         try:
             if not hasattr(importlib.import_module(module), name):
-                missing.append(f"{module}.{name}")
+                importlib.import_module(f"{module}.{name}")  # a submodule not loaded yet
         except ImportError as e:
             missing.append(f"{module}.{name} ({e})")
     assert not missing, (f"torch {torch.__version__} no longer provides {', '.join(missing)}; "
@@ -46,7 +46,7 @@ def test_private_names_exist():
 
 def test_compat_exports_each_name():
     compat = importlib.import_module("modelparallel.compat")
-    assert all(callable(getattr(compat, name)) for name in compat.__all__)
+    assert all(getattr(compat, name, None) is not None for name in compat.__all__)
 
 
 def test_only_compat_imports_private_names():

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from torch import nn
 
 from . import hf_init, meta, safetensors_io
-from ..delayed_param import DelayedParamIniter
+from .init_engine import InitEngine
 from ..nn.huggingface import table_for
 from ..tp.layout import base_prefix, block_of, block_slices, local_part, tie_groups
 from .state_dict import LoadReport
@@ -217,7 +217,7 @@ def load_hf_checkpoint(model: nn.Module, path: str | Path, strict: bool = True) 
                 dst.copy_(read_block(h, e.key, target, e.packed))
     if meta.has_meta(module):  # non-persistent buffers, and missing weights when not strict
         with hf_init.frozen(loaded):
-            initer = DelayedParamIniter(module)
+            initer = InitEngine(module, device=device)
             with initer.validate_params_and_buffers_inited():
                 initer.init_all(match_eager=False)
     meta.check_no_meta(module, "after loading the checkpoint")

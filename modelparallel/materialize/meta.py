@@ -20,7 +20,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..tp.layout import from_local_like, local_part
-from ..tp.layout import block_slices, local_block, rank_coordinate  # noqa: F401 - the rank-0 sync reads them here
 
 
 class MetaTensorError(RuntimeError):

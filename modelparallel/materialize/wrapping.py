@@ -7,7 +7,7 @@ take the same path and no rank waits in a collective the others skip. The outcom
 
 * all real: as before (move to the device, shard);
 * rank 0 real, others meta: everything to meta, shard, then rank 0 sends each rank its blocks;
-* all meta, built in a delayed-init context: shard, then ``DelayedParamIniter.init_all``;
+* all meta, built in a delayed-init context: shard, then ``InitEngine.init_all``;
 * all meta otherwise: shard and stay on meta until ``smp.load_hf_checkpoint`` (forward refuses);
 * any other mix: refused on every rank, naming the ranks.
 """
@@ -20,13 +20,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import creation
-from ..training import fsdp
-from . import meta
-from ..delayed_param import DelayedParamIniter
 from ..models import spec_for
 from ..tp.plan import ArchSpec
-from ..transform import meta_states, move, sync_from_rank0
+from ..training import fsdp
+from . import creation_options as creation
+from . import meta
+from .init_engine import InitEngine
+from .rank0_sync import meta_states, move, sync_from_rank0
 
 
 @dataclass
@@ -81,7 +81,7 @@ def after_shard(module: nn.Module, rt, state: WrapState) -> None:
         sync_from_rank0(module, state.full_on_rank0, rt.mesh)
         state.full_on_rank0.clear()
     elif state.pending_meta and state.options is not None and state.options.delayed:
-        initer = DelayedParamIniter(module)
+        initer = InitEngine(module, device=rt.device)
         with initer.validate_params_and_buffers_inited():
             initer.init_all()
         state.pending_meta = False

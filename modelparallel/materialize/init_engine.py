@@ -1,0 +1,199 @@
+"""The initialization engine behind ``DelayedParamIniter``: give a meta-device model's tensors
+storage and run the model's own initialization on them, module by module.
+
+Sharded parameters are initialized at their full size one module at a time and sliced, so a seed
+gives the same model at every TP degree, and the same as HF's eager ``initialize_weights()`` when
+modules are visited in HF's order (``init_all``). Used by the public ``DelayedParamIniter`` (an
+FSDP ``param_init_fn``), by ``DistributedModel`` for models built in a delayed-init context, and
+by the checkpoint loader for buffers a checkpoint does not hold.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ..tp.layout import copy_shard, local_part, tied_parameters
+from . import hf_init, meta
+
+logger = logging.getLogger("modelparallel")
+
+__all__ = ["InitEngine"]
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+class InitEngine:
+    """Initialize the meta parameters and buffers of ``model`` in place, module by module.
+
+    Args:
+        model: a model built on the meta device, sharded or not; tensors already holding data
+            are left untouched.
+        init_method_using_config: ``fn(module)`` initializing one module's own parameters and
+            buffers. Default: the HF model's ``_init_weights`` (which also recomputes rotary
+            ``inv_freq``, position ids and causal masks), else each module's ``reset_parameters``.
+        verbose: log each module as it is initialized.
+        device: where materialized tensors live.
+    """
+
+    def __init__(self, model: nn.Module, init_method_using_config: Callable[[nn.Module], None] | None = None,
+                 verbose: bool = False, device: torch.device = torch.device("cpu")):
+        self.model = model
+        self.device = device
+        self.init_fn = init_method_using_config or hf_init.default_init_fn(model)
+        self.verbose = verbose
+        self.ties = [[(mod, name) for _, mod, name in group] for group in tied_parameters(model)]
+        self._unwritten: set[str] = set()
+        self._mine: dict[int, str] = {}
+        self._names = {id(m): path for path, m in model.named_modules(remove_duplicate=False)}
+
+    # ---- step 1: materialize and initialize one module --------------------------------------
+
+    def get_param_init_fn(self) -> Callable[[nn.Module], None]:
+        """``fn(module)``: give ``module``'s own meta tensors storage and initialize them. HF inits
+        that re-initialize a direct child's tensor from the parent (GPT-2's scaled ``c_proj``)
+        are honoured when the child was materialized first, as in HF's order (``init_all``)."""
+        return self._init_module
+
+    def _init_module(self, module: nn.Module) -> None:
+        path = self._names.get(id(module), type(module).__name__)
+        tables = (module._parameters, module._buffers)
+        own = [(tb, n) for tb in tables for n, t in tb.items() if meta.is_meta(t)]
+        # a tie materialized by an earlier holder: HF's eager build draws for it here too (before
+        # tying, on a separate tensor) and discards the draw; do the same to keep the RNG stream
+        again = [(tb, n) for tb in tables for n, t in tb.items() if t is not None and id(t) in self._mine]
+        meta.materialize(module, self.device, recurse=False)
+        for table, name in own:
+            self._mine[id(table[name])] = _join(path, name)
+        children = [(tb, n) for child in module.children() for tb in (child._parameters, child._buffers)
+                    for n, t in tb.items() if t is not None and id(t) in self._mine]
+        slots = [(tb, n, "own") for tb, n in own] + [(tb, n, "discard") for tb, n in again]
+        slots += [(tb, n, "child") for tb, n in children]
+        if slots:
+            self._run(module, slots)
+        if self.verbose and own:
+            logger.info("modelparallel: initialized %s (%s)", path or "<root>", ", ".join(n for _, n in own))
+
+    def _run(self, module: nn.Module, slots) -> None:
+        """Call the init method with every slot swapped for the tensor it should write, then put
+        the real tensors back and copy each written shard in."""
+        targets = [table[name] for table, name, _ in slots]
+        scratch = [self._scratch(table, name, kind == "discard") for table, name, kind in slots]
+        versions = [s._version for s in scratch]
+        try:
+            self.init_fn(module)
+        finally:
+            for (table, name, _), target in zip(slots, targets):
+                table[name] = target
+        for (_, _, kind), target, full, version in zip(slots, targets, scratch, versions):
+            qname = self._mine[id(target)]
+            if kind == "discard":
+                continue
+            if full._version == version:
+                if kind == "own":
+                    self._unwritten.add(qname)
+                continue
+            self._unwritten.discard(qname)
+            if isinstance(target, DTensor):
+                copy_shard(target, full.detach())
+
+    @staticmethod
+    def _scratch(table: dict, name: str, separate: bool) -> torch.Tensor:
+        """The tensor the init method writes: a sharded (or ``separate``) tensor is replaced, for
+        the call, by a plain full-size one (so HF's init draws the same numbers as for the
+        unsharded model, at any TP degree); a plain tensor is written where it is."""
+        t = table[name]
+        if not (separate or isinstance(t, DTensor)):
+            return t
+        full = torch.empty(t.shape, dtype=t.dtype, device=local_part(t).device)
+        table[name] = nn.Parameter(full, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else full
+        return table[name]
+
+    @staticmethod
+    def _replay_draws(mod: nn.Module) -> None:
+        """Draw, and discard, what ``mod``'s constructor drew (``nn.Linear``'s kaiming init)."""
+        if not callable(getattr(mod, "reset_parameters", None)) or not mod._parameters:
+            return
+        saved = dict(mod._parameters)
+        try:
+            for name, p in saved.items():
+                if p is not None:
+                    mod._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=False)
+            with torch.no_grad():
+                mod.reset_parameters()
+        finally:
+            mod._parameters.update(saved)
+
+    def init_all(self, match_eager: bool = True) -> None:
+        """Initialize every module in HF's order, then restore ties: each (nested) HF model runs
+        its init pass, children before parents, right after it is built, as its ``post_init``
+        does in an eager build.
+
+        With ``match_eager``, the random draws of module constructors are replayed (and
+        discarded) where the eager build makes them, so after the same ``torch.manual_seed`` the
+        model equals HF's eager one wherever constructors draw through ``reset_parameters``
+        (``nn.Linear`` / ``nn.Embedding`` models such as Llama; HF's ``Conv1D`` draws in its
+        ``__init__``, so GPT-2 matches in distribution only). It costs one more init's compute.
+        """
+        done: set[int] = set()
+
+        def init_pass(mod: nn.Module) -> None:
+            for child in mod.children():
+                init_pass(child)
+            if id(mod) not in done:
+                done.add(id(mod))
+                self._init_module(mod)
+
+        def build(mod: nn.Module) -> None:
+            for child in mod.children():
+                build(child)
+            if match_eager:
+                self._replay_draws(mod)
+            if mod is self.model or hf_init.is_hf_model(mod):
+                init_pass(mod)
+
+        build(self.model)
+        self.get_post_param_init_fn()(self.model)
+
+    # ---- step 2: ties ------------------------------------------------------------------------
+
+    def get_post_param_init_fn(self) -> Callable[[nn.Module], None]:
+        """``fn(module)``: point every holder of a tie (recorded at construction) at one
+        parameter again, in case materialization replaced one of them."""
+        def retie(_module: nn.Module | None = None) -> None:
+            for group in self.ties:
+                keep = getattr(*group[0])
+                for mod, name in group[1:]:
+                    if getattr(mod, name) is not keep:
+                        mod._parameters[name] = keep
+        return retie
+
+    # ---- the guard ---------------------------------------------------------------------------
+
+    def count_num_params(self) -> int:
+        """Number of parameters of the whole (unsharded) model, each tied tensor counted once."""
+        return sum(p.numel() for p in self.model.parameters())
+
+    @contextlib.contextmanager
+    def validate_params_and_buffers_inited(self, enabled: bool = True):
+        """Run the block (which initializes the model), then raise naming every parameter or
+        buffer still on meta or never written by the init method."""
+        yield
+        if not enabled:
+            return
+        problems = []
+        left = meta.meta_names(self.model)
+        if left:
+            problems.append(f"still on the meta device: {', '.join(left)}")
+        if self._unwritten:
+            problems.append("given storage but never written by the init method: "
+                            + ", ".join(sorted(self._unwritten)))
+        if problems:
+            raise meta.MetaTensorError("delayed parameter initialization incomplete:\n  - " + "\n  - ".join(problems))

@@ -1,0 +1,152 @@
+"""SageMaker v2's contract for the user's own PyTorch FSDP1 (``FullyShardedDataParallel``) call.
+
+A v2 script wraps its model with FSDP itself after ``init`` and leaves the data-parallel layout
+to the library: FSDP must shard over the ranks holding the same tensor-parallel shard (never
+across TP ranks), and ``hybrid_shard_degree`` decides how: 0 (the default) or the data-parallel
+degree shards over all of them, 1 replicates (``NO_SHARD``), and N in between shards inside
+groups of N consecutive data-parallel ranks and replicates across the groups (``HYBRID_SHARD``),
+whatever ``sharding_strategy`` the call names (``_HYBRID_SHARD_ZERO2`` is kept).
+
+``install`` wraps FSDP1's constructor once; ``configure`` gives it the running layout (``init``
+calls it). The outermost FSDP call is checked and completed before FSDP runs any collective: a
+``device_mesh`` or ``process_group`` that is not the data-parallel one raises naming the
+expected mesh; none at all means the data-parallel mesh. The FSDP calls auto-wrapping makes for
+submodules inherit the outermost call's arguments and pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+
+_MARK = "_mp_v2_layout"
+_inside = contextvars.ContextVar("modelparallel_fsdp1_inside", default=False)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the outermost FSDP1 call must shard over."""
+
+    dp_mesh: DeviceMesh
+    tp_size: int
+    hybrid_shard_degree: int
+
+
+_layout: list[Layout] = []
+_hsdp_meshes: dict[tuple, DeviceMesh] = {}
+
+
+def configure(layout: Layout | None) -> None:
+    """Set (or clear, with None) the layout FSDP1 calls are checked against."""
+    _layout[:] = [layout] if layout is not None else []
+
+
+def _ranks(mesh: DeviceMesh) -> list[int]:
+    return mesh.mesh.flatten().tolist()
+
+
+def _describe(mesh: DeviceMesh) -> str:
+    return f"a {mesh.ndim}-D mesh {mesh.mesh_dim_names} over ranks {mesh.mesh.tolist()}"
+
+
+def _expected(lay: Layout) -> str:
+    return (f"smp.dp_mesh() (the 1-D \"dp\" mesh over ranks {_ranks(lay.dp_mesh)}, the ranks holding this "
+            "rank's tensor-parallel shard)")
+
+
+def _check_mesh(mesh: DeviceMesh, strategy, lay: Layout) -> bool:
+    """Whether ``mesh`` is the data-parallel mesh (False: the user's own 2-D hybrid mesh over
+    exactly the data-parallel ranks, kept as given); raise for anything else."""
+    dp = _ranks(lay.dp_mesh)
+    if mesh.ndim == 1 and _ranks(mesh) == dp:
+        return True
+    hybrid = strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+    if mesh.ndim == 2 and hybrid and sorted(_ranks(mesh)) == sorted(dp) and lay.tp_size == 1:
+        return False
+    raise ValueError(f"FullyShardedDataParallel(device_mesh=...) got {_describe(mesh)}; expected {_expected(lay)}")
+
+
+def _check_group(group, lay: Layout) -> None:
+    ranks = dist.get_process_group_ranks(group)
+    if ranks != _ranks(lay.dp_mesh):
+        raise ValueError(f"FullyShardedDataParallel(process_group=...) got a group over ranks {ranks}; "
+                         f"expected the data-parallel group (smp.get_rdp_process_group()) or {_expected(lay)}")
+
+
+def _hsdp_mesh(lay: Layout) -> DeviceMesh:
+    """("replicate", "shard") over the data-parallel ranks, shard groups of consecutive ranks."""
+    dp, n = _ranks(lay.dp_mesh), lay.hybrid_shard_degree
+    key = (tuple(dp), n)
+    if key not in _hsdp_meshes:
+        layout = lay.dp_mesh.mesh.reshape(len(dp) // n, n)
+        _hsdp_meshes[key] = DeviceMesh(lay.dp_mesh.device_type, layout, mesh_dim_names=("replicate", "shard"))
+    return _hsdp_meshes[key]
+
+
+def _apply_hybrid(args: dict, lay: Layout) -> None:
+    n, d = lay.hybrid_shard_degree, lay.dp_mesh.size()
+    if n in (0, d):
+        return
+    if n == 1:
+        args["sharding_strategy"] = ShardingStrategy.NO_SHARD
+        return
+    if lay.tp_size > 1:
+        raise NotImplementedError(
+            f"hybrid_shard_degree={n} below the data-parallel degree {d} with tensor_parallel_degree="
+            f"{lay.tp_size} (hybrid sharding composed with TP under FSDP1) is not implemented; use "
+            f"hybrid_shard_degree 0 or {d}, or tensor_parallel_degree 1")
+    if args.get("sharding_strategy") != ShardingStrategy._HYBRID_SHARD_ZERO2:
+        args["sharding_strategy"] = ShardingStrategy.HYBRID_SHARD
+    args["device_mesh"], args["process_group"] = _hsdp_mesh(lay), None
+
+
+def complete(args: dict, lay: Layout) -> None:
+    """Check the mesh / group arguments of an outermost FSDP1 call against ``lay`` and fill in
+    the data-parallel layout (in place).
+
+    Raises:
+        ValueError: a ``device_mesh`` or ``process_group`` other than the data-parallel one.
+        NotImplementedError: hybrid sharding below the data-parallel degree together with TP.
+    """
+    mesh, group = args.get("device_mesh"), args.get("process_group")
+    if mesh is not None:
+        if not _check_mesh(mesh, args.get("sharding_strategy"), lay):
+            return
+    elif isinstance(group, tuple):
+        return  # the user's own (shard, replicate) groups for hybrid sharding
+    elif group is not None:
+        _check_group(group, lay)
+        if lay.tp_size > 1:  # FSDP1 flattens TP shards only when given the mesh
+            args["device_mesh"], args["process_group"] = lay.dp_mesh, None
+    elif lay.tp_size > 1:
+        args["device_mesh"] = lay.dp_mesh
+    _apply_hybrid(args, lay)
+
+
+def install() -> None:
+    """Wrap ``FullyShardedDataParallel.__init__`` (idempotent)."""
+    init = FullyShardedDataParallel.__init__
+    if getattr(init, _MARK, False):
+        return
+    signature = inspect.signature(init)
+
+    @functools.wraps(init)
+    def checked_init(self, *args, **kwargs):
+        if _inside.get() or not _layout:
+            return init(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
+        complete(bound.arguments, _layout[0])
+        token = _inside.set(True)
+        try:
+            return init(*bound.args, **bound.kwargs)
+        finally:
+            _inside.reset(token)
+
+    setattr(checked_init, _MARK, True)
+    FullyShardedDataParallel.__init__ = checked_init

@@ -1,0 +1,97 @@
+"""The user's own FSDP1 call after ``smp.init``, as SageMaker v2 scripts write it: checked
+against the data-parallel mesh, and laid out by ``hybrid_shard_degree``.
+
+A failure of the hybrid test means ``hybrid_shard_degree`` did not reach FSDP (parameters
+sharded over all 4 ranks, or not at all) or the hybrid layout averages gradients wrong (losses
+off the single process from step 2). A failure of the mesh tests means a wrong mesh reached
+FSDP (which would then shard across tensor-parallel ranks or fail deep inside PyTorch) or that
+the default, no mesh at all, is not the data-parallel one.
+"""
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import ShardingStrategy
+from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+from transformers import LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+import harness
+import modelparallel as smp
+from test_v2_fsdp import llama_cfg, train_and_compare
+
+POLICY = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
+
+
+def built(config):
+    smp.init(config)
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(llama_cfg())
+    return ref, smp.transform(copy.deepcopy(ref))
+
+
+def flat_shards(model):
+    """(local flat shard, numel of the unit's original parameters) of every FSDP unit."""
+    return [(m._flat_param.detach().clone(), sum(s.numel() for s in m._flat_param._shapes))
+            for m in FSDP.fsdp_modules(model) if m._flat_param is not None]
+
+
+def hybrid_two_of_four():
+    ref, model = built({"tensor_parallel_degree": 1, "hybrid_shard_degree": 2})
+    model = FSDP(model, auto_wrap_policy=POLICY, device_id=torch.device("cpu"), use_orig_params=True)
+    assert model.sharding_strategy == ShardingStrategy.HYBRID_SHARD
+    rank = dist.get_rank()
+    for local, total in flat_shards(model):
+        assert local.numel() == -(-total // 2), f"rank {rank}: {local.numel()} of {total}, not a half"
+        pieces = [torch.empty_like(local) for _ in range(4)]
+        dist.all_gather(pieces, local)
+        # shard groups {0, 1} and {2, 3}: rank r's half is replicated on r ^ 2, the other half on r ^ 1
+        assert torch.equal(pieces[rank], pieces[rank ^ 2]) and not torch.equal(pieces[rank], pieces[rank ^ 1])
+    train_and_compare(ref, model)
+
+
+def test_hybrid_shard_degree_2_of_4_shards_in_pairs_and_trains_like_one_process():
+    harness.run(4, hybrid_two_of_four)
+
+
+def replicate_when_one():
+    _, model = built({"tensor_parallel_degree": 1, "hybrid_shard_degree": 1})
+    model = FSDP(model, auto_wrap_policy=POLICY, device_id=torch.device("cpu"), use_orig_params=True)
+    assert model.sharding_strategy == ShardingStrategy.NO_SHARD
+    for local, total in flat_shards(model):
+        assert local.numel() == total
+
+
+def test_hybrid_shard_degree_1_replicates():
+    harness.run(2, replicate_when_one)
+
+
+def wrong_meshes_refused():
+    _, model = built({"tensor_parallel_degree": 2})
+    root = smp.tp_mesh()._get_root_mesh()
+    wrong = [dict(device_mesh=smp.tp_mesh()), dict(device_mesh=root),
+             dict(process_group=smp.get_tp_process_group())]
+    for kwargs in wrong:
+        with pytest.raises(ValueError, match=r"expected .*smp\.dp_mesh\(\)"):
+            FSDP(model, device_id=torch.device("cpu"), use_orig_params=True, **kwargs)
+    assert all(not isinstance(m, FSDP) for m in model.modules()), "a refused call left FSDP units behind"
+
+
+def test_wrong_mesh_refused_naming_dp_mesh():
+    harness.run(4, wrong_meshes_refused)
+
+
+def no_mesh_means_dp(tp, world):
+    ref, model = built({"tensor_parallel_degree": tp})
+    model = FSDP(model, auto_wrap_policy=POLICY, device_id=torch.device("cpu"), use_orig_params=True)
+    dp = smp.dp_mesh().mesh.tolist()
+    assert dist.get_process_group_ranks(model.process_group) == dp
+    train_and_compare(ref, model, steps=3)
+
+
+def test_fsdp1_without_mesh_shards_over_dp_at_tp2():
+    harness.run(4, no_mesh_means_dp, 2, 4)

@@ -75,23 +75,23 @@ def _shapes(files: dict[str, str]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _packed(table, key: str, model_shape: tuple, ckpt_shape: tuple) -> tuple[int, int] | None:
-    """(dim, chunks) if the model stores ``ckpt_shape`` with one dim split in two (a fused q|k|v
-    kept per chunk), from the architecture's key table, else inferred from the shapes."""
-    if len(model_shape) != len(ckpt_shape) + 1:
+def _packed_dims(module: nn.Module) -> dict[int, int]:
+    """id(tensor) -> the dim a packed style split in two, for every packed parameter of
+    ``module``: the dims of the architecture's ``Packed`` descriptor, which the style records."""
+    out = {}
+    for mod in module.modules():
+        for name, dim in mod.__dict__.get("_mp_packed_dims", {}).items():
+            if getattr(mod, name, None) is not None:
+                out[id(getattr(mod, name))] = dim
+    return out
+
+
+def _packed(dim: int | None, model_shape: tuple, ckpt_shape: tuple) -> tuple[int, int] | None:
+    """(dim, chunks) when the model stores ``ckpt_shape`` with fused dim ``dim`` split per chunk
+    (None for a checkpoint that already holds the split layout)."""
+    if dim is None or len(model_shape) != len(ckpt_shape) + 1:
         return None
-    if table is not None:
-        try:
-            _, template, _ = table.match(key)
-            if template in table.packed:
-                return table.packed[template]
-        except KeyError:
-            pass
-    for d in range(len(ckpt_shape)):
-        if (model_shape[:d] == ckpt_shape[:d] and model_shape[d + 2:] == ckpt_shape[d + 1:]
-                and model_shape[d] * model_shape[d + 1] == ckpt_shape[d]):
-            return d, model_shape[d]
-    return None
+    return dim, model_shape[dim]
 
 
 def _hf_shape(shape: tuple, packed) -> tuple:
@@ -119,6 +119,7 @@ def plan(module: nn.Module, files: dict[str, str], strict: bool) -> tuple[list[E
     naming every problem before anything is allocated."""
     shapes = _shapes(files)
     table = table_for(getattr(getattr(module, "config", None), "model_type", None))
+    packed_dims = _packed_dims(module)
     state = module.state_dict(keep_vars=True)
     entries, problems, missing, used = [], [], [], set()
     for names in tie_groups(state.items()):
@@ -128,7 +129,7 @@ def plan(module: nn.Module, files: dict[str, str], strict: bool) -> tuple[list[E
             missing.extend(names)
             continue
         used.add(key)
-        packed = _packed(table, key, tuple(t.shape), shapes[key])
+        packed = _packed(packed_dims.get(id(t)), tuple(t.shape), shapes[key])
         if _hf_shape(t.shape, packed) != shapes[key]:
             problems.append(f"{key}: the checkpoint holds shape {shapes[key]}, the model (its config) expects "
                             f"{_hf_shape(t.shape, packed)}")

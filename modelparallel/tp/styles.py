@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from transformers.pytorch_utils import Conv1D
 
 from .embedding import VocabParallelEmbedding
+from .plan import Packed
 
 STYLE_NAMES = ("colwise", "rowwise", "packed_colwise", "vocab_embedding", "vocab_colwise", "colwise_gather")
 """colwise / rowwise: Megatron's column- and row-parallel linear layers. packed_colwise: a fused
@@ -143,36 +144,55 @@ class _PackedLinear(nn.Linear):
         return nn.functional.linear(x, weight, bias)
 
 
+def output_dims(module: nn.Module) -> dict[str, int]:
+    """Where a module type keeps its outputs: ``Conv1D``'s weight is [in, out], ``nn.Linear``'s [out, in]."""
+    return {"weight": 1 if isinstance(module, Conv1D) else 0, "bias": 0}
+
+
+def packed_problem(path: str, module: nn.Module, packed: Packed) -> str | None:
+    """Why ``packed`` cannot describe ``module`` (a fused dim that is not its output), or None."""
+    want = output_dims(module)
+    wrong = {n: d for n, d in (packed.dims or {}).items() if want.get(n) != d}
+    if wrong:
+        return (f"{path}: packed dims {wrong} are not the output dims of a {type(module).__name__} "
+                f"({ {n: want[n] for n in wrong if n in want} })")
+    return None
+
+
 class PackedColwise(ParallelStyle):
     """Column parallel for a projection that fuses ``chunks`` equal outputs (q, k and v).
 
     A plain Shard of the fused dimension would give rank 0 all of q and part of k. Instead the
     weight is stored with an explicit chunk dimension and sharded inside every chunk. The stored
     (global) tensor is the HF tensor reshaped, so it does not depend on the degree and reshards.
+    The split dims come from the plan's ``Packed`` descriptor (a bare count: the module type's
+    output dims) and stay on the module as ``_mp_packed_dims``, where the loader reads them.
     """
 
-    def __init__(self, chunks: int):
+    def __init__(self, chunks: int | Packed):
         super().__init__()
-        self.chunks = chunks
+        self.packed = chunks if isinstance(chunks, Packed) else Packed(chunks)
+        self.chunks = self.packed.chunks
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        k = self.chunks
-        if isinstance(module, Conv1D):
-            _replace(module, "weight", module.weight.unflatten(1, (k, -1)), [Shard(2)], device_mesh)
-            _replace(module, "bias", module.bias.unflatten(0, (k, -1)), [Shard(1)], device_mesh)
-            module.__class__ = _PackedConv1D
-        elif isinstance(module, nn.Linear):
-            _replace(module, "weight", module.weight.unflatten(0, (k, -1)), [Shard(1)], device_mesh)
-            if module.bias is not None:
-                _replace(module, "bias", module.bias.unflatten(0, (k, -1)), [Shard(1)], device_mesh)
-            module.__class__ = _PackedLinear
-        else:
+        if not isinstance(module, (Conv1D, nn.Linear)):
             raise NotImplementedError(f"packed_colwise supports nn.Linear and Conv1D, not {type(module).__name__}")
+        problem = packed_problem(type(module).__name__, module, self.packed)
+        if problem:
+            raise ValueError(problem)
+        dims = self.packed.dims or output_dims(module)
+        for name, d in dims.items():
+            if getattr(module, name, None) is not None:
+                split = getattr(module, name).unflatten(d, (self.chunks, -1))
+                _replace(module, name, split, [Shard(d + 1)], device_mesh)
+        module.__dict__["_mp_packed_dims"] = dict(dims)
+        module.__class__ = _PackedConv1D if isinstance(module, Conv1D) else _PackedLinear
         return module
 
 
-def build_style(name: str, module: nn.Module, chunks: int = 1) -> ParallelStyle:
-    """The ``ParallelStyle`` for style ``name`` applied to ``module``.
+def build_style(name: str, module: nn.Module, chunks: int | Packed = 1) -> ParallelStyle:
+    """The ``ParallelStyle`` for style ``name`` applied to ``module`` (``chunks``: a packed
+    module's ``Packed`` descriptor or chunk count).
 
     Raises:
         ValueError: for an unknown style name.
@@ -183,7 +203,7 @@ def build_style(name: str, module: nn.Module, chunks: int = 1) -> ParallelStyle:
     return style
 
 
-def _new_style(name: str, conv: bool, chunks: int) -> ParallelStyle:
+def _new_style(name: str, conv: bool, chunks: int | Packed) -> ParallelStyle:
     if name == "colwise":
         return ColwiseConv1D() if conv else ColwiseParallelShared()
     if name == "rowwise":

@@ -22,9 +22,9 @@ from transformers.pytorch_utils import Conv1D
 from . import marks
 from .layout import base_prefix, shard_range, tied_parameters
 from .loss import install_vocab_parallel_loss
-from .plan import (VOCAB_STYLES, ArchSpec, ModulePlan, block_prefix, first_match, glob_match, join, to_glob,
-                   without_styles)
-from .styles import ALLOWS_UNEVEN, SUPPORTED_TYPES, build_style, sharded_size
+from .plan import (VOCAB_STYLES, ArchSpec, ModulePlan, Packed, block_prefix, first_match, glob_match, join, packing,
+                   to_glob, without_styles)
+from .styles import ALLOWS_UNEVEN, SUPPORTED_TYPES, build_style, packed_problem, sharded_size
 from .substitute import substitute
 
 logger = logging.getLogger("modelparallel")
@@ -39,6 +39,7 @@ class Assignment:
     style: str
     chunks: int = 1
     registered: bool = False
+    packed: Packed | None = None
 
 
 @dataclass
@@ -50,6 +51,7 @@ class Work:
     registered: list[tuple[str, nn.Module, marks.Registration]] = field(default_factory=list)
     holders: set[tuple[int, str]] = field(default_factory=set)
     problems: list[str] = field(default_factory=list)
+    loss: str | None = None  # the architecture's LM loss kind for this head class (None: by class name)
 
 
 def _check_size(a: Assignment, tp: int, problems: list[str]) -> None:
@@ -83,7 +85,11 @@ def _collect_plan(model, plan: ModulePlan, prefix: str, tp: int, work: Work, ski
             if not isinstance(module, SUPPORTED_TYPES.get(style, ())):
                 work.problems.append(f"{path}: style {style!r} cannot shard a {type(module).__name__}")
                 continue
-            a = Assignment(path, module, style, plan.packed.get(first_match(plan.packed, rel) or "", 1), registered)
+            packed = packing(plan, rel)
+            a = Assignment(path, module, style, packed.chunks if packed else 1, registered, packed)
+            problem = packed and packed_problem(path, module, packed)
+            if problem:
+                work.problems.append(problem)
             _check_size(a, tp, work.problems)
             work.assignments.append(a)
     for glob, attrs in plan.per_rank_attrs.items():
@@ -136,6 +142,7 @@ def collect(model: nn.Module, spec: ArchSpec | None, tp: int) -> Work:
     skip = tuple(path for path, _, _ in work.registered)
     if spec is not None and marks.is_enabled(model, ""):
         _check_config(model, spec, tp, work.problems)
+        work.loss = spec.loss_for(type(model))
         _collect_plan(model, spec.base, base_prefix(model), tp, work, skip)
         _collect_plan(model, spec.head, "", tp, work, skip)
     _check_ties(model, work)
@@ -183,14 +190,14 @@ def apply(model: nn.Module, tp_mesh: DeviceMesh, work: Work) -> None:
     """Carry out checked ``work``: shard, rewrite per-rank sizes, restore ties, install the loss."""
     groups = tied_parameters(model)
     for a in work.assignments:
-        parallelize_module(a.module, tp_mesh, build_style(a.style, a.module, a.chunks))
+        parallelize_module(a.module, tp_mesh, build_style(a.style, a.module, a.packed or a.chunks))
     for _, module, attr, value in work.rewrites:
         setattr(module, attr, value)
     for path, module, reg in work.registered:
         _apply_registered(model, tp_mesh, path, module, reg)
     _retie(groups)
     if any(a.style == "vocab_colwise" and not a.registered for a in work.assignments):
-        install_vocab_parallel_loss(model)
+        install_vocab_parallel_loss(model, work.loss)
 
 
 def replicated_paths(model: nn.Module, work: Work) -> list[str]:

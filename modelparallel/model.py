@@ -16,7 +16,7 @@ from .materialize import wrapping
 from .training import batch
 from .training.dp import allreduce_gradients
 from .model_tp import TensorParallelMethods
-from .materialize.state_dict import LoadResult, full_state_dict, load_state_dict, local_state_dict
+from .materialize.state_dict import LoadReport, full_state_dict, load_state_dict, local_state_dict
 from .tp import walker
 
 logger = logging.getLogger("modelparallel")
@@ -193,7 +193,7 @@ class DistributedModel(TensorParallelMethods, nn.Module):
         wrapping.check_ready(self.module, self._mp_state)
         return local_state_dict(self.module)
 
-    def load_state_dict(self, state_dict, same_partition_load: bool = False, strict: bool = True) -> LoadResult:
+    def load_state_dict(self, state_dict, same_partition_load: bool = False, strict: bool = True) -> LoadReport:
         """Load a full state dict (any TP degree saved it) or this rank's local one.
 
         ``same_partition_load=True`` takes the fast path for a local state dict saved with the

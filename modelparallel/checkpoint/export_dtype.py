@@ -45,8 +45,3 @@ def export_state(model, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
         src = masters.get(id(params.get(key)), t).detach()
         out[key] = src.to(dtype) if src.is_floating_point() and src.dtype != dtype else src
     return out
-
-
-def exported_dtype(state: dict[str, torch.Tensor]) -> torch.dtype | None:
-    """The dtype a config should name: that of the first floating-point tensor."""
-    return next((t.dtype for t in state.values() if t.is_floating_point()), None)

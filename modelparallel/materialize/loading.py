@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from . import hf_init, meta, safetensors_io
 from .init_engine import InitEngine
 from ..nn.huggingface import table_for
-from .state_dict import LoadResult
+from ..tp.layout import base_prefix, block_of, block_slices, local_part, tie_groups
+from .state_dict import LoadReport
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -104,30 +104,26 @@ def _hf_shape(shape: tuple, packed) -> tuple:
 def _candidates(module: nn.Module, key: str) -> list[str]:
     """Checkpoint keys that may hold model key ``key`` (a head model's checkpoint read into its
     base model, or the reverse, differ by the base-model prefix)."""
-    prefix = getattr(module, "base_model_prefix", "")
+    inner, declared = base_prefix(module), getattr(module, "base_model_prefix", "")
     out = [key]
-    if prefix and isinstance(getattr(module, prefix, None), nn.Module):
-        if key.startswith(prefix + "."):
-            out.append(key[len(prefix) + 1:])
-    elif prefix:
-        out.append(f"{prefix}.{key}")
+    if inner:
+        if key.startswith(inner + "."):
+            out.append(key[len(inner) + 1:])
+    elif declared:
+        out.append(f"{declared}.{key}")
     return out
 
 
-def plan(module: nn.Module, files: dict[str, str], strict: bool) -> tuple[list[Entry], LoadResult]:
+def plan(module: nn.Module, files: dict[str, str], strict: bool) -> tuple[list[Entry], LoadReport]:
     """Match every model tensor with its checkpoint tensor and check shapes; raise ``ValueError``
     naming every problem before anything is allocated."""
     shapes = _shapes(files)
     table = table_for(getattr(getattr(module, "config", None), "model_type", None))
     packed_dims = _packed_dims(module)
-    groups: dict[int, list[str]] = {}
-    tensors: dict[int, torch.Tensor] = {}
-    for name, t in module.state_dict(keep_vars=True).items():
-        groups.setdefault(id(t), []).append(name)
-        tensors[id(t)] = t
+    state = module.state_dict(keep_vars=True)
     entries, problems, missing, used = [], [], [], set()
-    for tid, names in groups.items():
-        t = tensors[tid]
+    for names in tie_groups(state.items()):
+        t = state[names[0]]
         key = next((c for n in names for c in _candidates(module, n) if c in shapes), None)
         if key is None:
             missing.extend(names)
@@ -143,7 +139,7 @@ def plan(module: nn.Module, files: dict[str, str], strict: bool) -> tuple[list[E
         problems.insert(0, f"missing keys {sorted(missing)}; unexpected keys {unexpected}")
     if problems:
         raise ValueError("cannot load the checkpoint:\n  - " + "\n  - ".join(problems))
-    return entries, LoadResult(sorted(missing), unexpected)
+    return entries, LoadReport(sorted(missing), unexpected)
 
 
 def _ignored(module: nn.Module, table, key: str) -> bool:
@@ -162,23 +158,16 @@ def _ignored(module: nn.Module, table, key: str) -> bool:
     return key.rpartition(".")[2] in buffers
 
 
-def block_of(target: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(shape, offset) of the part of ``target``'s global tensor this rank holds."""
-    if isinstance(target, DTensor):
-        return meta.local_block(target)
-    return tuple(target.shape), (0,) * target.dim()
-
-
 def read_block(handle, key: str, target: torch.Tensor, packed) -> torch.Tensor:
     """This rank's block of checkpoint tensor ``key`` for ``target`` (a DTensor's local shard, or
     the whole tensor), reading only that block; a fused dim is read chunk by chunk."""
     shape, offset = block_of(target)
     sl = handle.get_slice(key)
     if packed is None:
-        return sl[meta.block_slices(shape, offset)]
+        return sl[block_slices(shape, offset)]
     d, n = packed[0], target.shape[packed[0] + 1]
-    head = meta.block_slices(shape[:d], offset[:d])
-    tail = meta.block_slices(shape[d + 2:], offset[d + 2:])
+    head = block_slices(shape[:d], offset[:d])
+    tail = block_slices(shape[d + 2:], offset[d + 2:])
     pieces = [sl[(*head, slice(c * n + offset[d + 1], c * n + offset[d + 1] + shape[d + 1]), *tail)]
               for c in range(offset[d], offset[d] + shape[d])]
     return torch.stack(pieces, d) if pieces else torch.empty(shape)
@@ -201,7 +190,7 @@ def _give_storage(module: nn.Module, target: torch.Tensor, device) -> torch.Tens
     return new
 
 
-def load_hf_checkpoint(model: nn.Module, path: str | Path, strict: bool = True) -> LoadResult:
+def load_hf_checkpoint(model: nn.Module, path: str | Path, strict: bool = True) -> LoadReport:
     """Load the HF safetensors checkpoint at ``path`` into ``model``, each rank reading only its
     shards. ``model`` may be a ``DistributedModel``, a model sharded by ``smp.transform`` or a
     plain one, built on the meta device (expected: nothing is allocated before the read) or not.
@@ -222,7 +211,7 @@ def load_hf_checkpoint(model: nn.Module, path: str | Path, strict: bool = True) 
         for e in entries:
             target = _give_storage(module, e.target, device)
             loaded.append(target)
-            dst = target.to_local() if isinstance(target, DTensor) else target
+            dst = local_part(target)
             if e.packed is None and safetensors_io.read_into(e.file, e.key, dst, *block_of(target)):
                 continue  # one byte range read straight into the shard
             with safe_open(e.file, framework="pt") as h:

@@ -18,13 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-
-def shard_range(size: int, parts: int, index: int) -> tuple[int, int]:
-    """[start, end) of shard ``index`` when ``size`` rows are split like ``torch.chunk`` (DTensor's
-    Shard): ceil(size/parts) per shard, the last ones shorter."""
-    per = -(-size // parts)
-    start = min(index * per, size)
-    return start, min(start + per, size)
+from .layout import shard_range
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

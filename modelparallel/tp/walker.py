@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from transformers.pytorch_utils import Conv1D
 
 from . import marks
+from .layout import base_prefix, shard_range, tied_parameters
 from .loss import install_vocab_parallel_loss
 from .local import install_shared_input
 from .plan import (VOCAB_STYLES, ArchSpec, ModulePlan, Packed, SharedInput, block_prefix, first_match, glob_match,
@@ -59,10 +60,10 @@ class Work:
 def _check_size(a: Assignment, tp: int, problems: list[str]) -> None:
     what, n = sharded_size(a.style, a.module, a.chunks)
     if a.style in ALLOWS_UNEVEN:
-        per = -(-n // tp)
-        if (tp - 1) * per >= n:
+        first, last = shard_range(n, tp, 0), shard_range(n, tp, tp - 1)
+        if last[0] == last[1]:
             problems.append(f"{a.path}: {what} = {n} is too small for tensor_parallel_degree {tp} "
-                            f"(a shard of {per} leaves the last rank empty)")
+                            f"(a shard of {first[1] - first[0]} leaves the last rank empty)")
     elif n % tp:
         problems.append(f"{a.path}: {what} = {n} is not divisible by tensor_parallel_degree {tp}")
 
@@ -153,11 +154,6 @@ def _collect_holders(plan: ModulePlan, rel_modules: dict[str, nn.Module], work: 
                 work.holders.add((id(module), name))
 
 
-def _base_prefix(model: nn.Module) -> str:
-    prefix = getattr(model, "base_model_prefix", "")
-    return prefix if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
-
-
 def _check_config(model: nn.Module, spec: ArchSpec, tp: int, problems: list[str]) -> None:
     config = model.config
     for attr in spec.divisible_config:
@@ -184,25 +180,15 @@ def collect(model: nn.Module, spec: ArchSpec | None, tp: int) -> Work:
     if spec is not None and marks.is_enabled(model, ""):
         _check_config(model, spec, tp, work.problems)
         work.loss = spec.loss_for(type(model))
-        _collect_plan(model, spec.base, _base_prefix(model), tp, work, skip)
+        _collect_plan(model, spec.base, base_prefix(model), tp, work, skip)
         _collect_plan(model, spec.head, "", tp, work, skip)
     _check_ties(model, work)
     return work
 
 
-def _tied_groups(model: nn.Module) -> list[list[tuple[str, nn.Module, str]]]:
-    """Parameters shared by several modules (e.g. GPT-2's ``wte`` and ``lm_head``)."""
-    holders: dict[int, dict[tuple[int, str], tuple[str, nn.Module, str]]] = {}
-    for mpath, mod in model.named_modules(remove_duplicate=False):
-        for name, p in mod._parameters.items():
-            if p is not None:
-                holders.setdefault(id(p), {})[(id(mod), name)] = (mpath, mod, name)
-    return [list(h.values()) for h in holders.values() if len(h) > 1]
-
-
 def _check_ties(model: nn.Module, work: Work) -> None:
     styled = {id(a.module): a.style for a in work.assignments}
-    for group in _tied_groups(model):
+    for group in tied_parameters(model):
         styles = {styled.get(id(mod)) for _, mod, name in group if (id(mod), name) not in work.holders}
         if len(styles) > 1 and None in styles:
             paths = ", ".join(join(p, n) for p, _, n in group)
@@ -239,7 +225,7 @@ def _apply_registered(model: nn.Module, tp_mesh: DeviceMesh, path: str, module: 
 
 def apply(model: nn.Module, tp_mesh: DeviceMesh, work: Work) -> None:
     """Carry out checked ``work``: shard, rewrite per-rank sizes, restore ties, install the loss."""
-    groups = _tied_groups(model)
+    groups = tied_parameters(model)
     for a in work.assignments:
         parallelize_module(a.module, tp_mesh, build_style(a.style, a.module, a.packed or a.chunks))
     _shared_input_apply(work, tp_mesh)

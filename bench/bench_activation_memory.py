@@ -1,6 +1,6 @@
 """Activation memory of a tiny GPT-2 at TP=2: plain, activation-checkpointed, checkpointed + offloaded.
 
-For each variant one torchrun job of 2 ranks (one thread each) builds the same GPT-2 (n_embd 256,
+For each variant one job of 2 ranks (``common.spawn``, one thread each) builds the same GPT-2 (n_embd 256,
 6 layers, 8 heads, vocabulary 8192, batch 4 x 256 tokens, fp32, dropout off) as a
 ``smp.DistributedModel`` and runs forward + backward steps. Per rank it reports:
 
@@ -23,13 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
+
+import common
 
 SHAPE = dict(n_embd=256, n_layer=6, n_head=8, vocab_size=8192, n_positions=256)
 BATCH, SEQ, SEED = 4, 256, 0
@@ -38,14 +35,6 @@ VARIANTS = {
     "checkpointed": {"checkpoint": True},
     "checkpointed_offloaded": {"checkpoint": True, "offload_activations": True},
 }
-RESULTS = Path(__file__).resolve().parent / "results" / "activation_memory.json"
-
-
-def rss_mb(field: str) -> float:
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def saved_bytes_counter(model):
@@ -66,9 +55,9 @@ def saved_bytes_counter(model):
     return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), seen
 
 
-def run_worker(variant: str, steps: int, result: str) -> None:
+def run_worker(variant: str, steps: int) -> dict:
+    """One rank of one variant: its measurements."""
     import torch
-    import torch.distributed as dist
     from transformers import GPT2Config, GPT2LMHeadModel
 
     import modelparallel as smp
@@ -84,7 +73,7 @@ def run_worker(variant: str, steps: int, result: str) -> None:
         smp.set_activation_checkpointing(model.module.transformer.h)
     ids = torch.randint(0, SHAPE["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(SEED))
     offloader = offloader_for(smp.runtime.current().config)
-    rss_before = rss_mb("VmRSS")
+    rss_before = common.status_mb("VmRSS")
     times, saved, offloaded, losses = [], 0, 0, []
     for step in range(steps):
         start = time.perf_counter()
@@ -101,37 +90,20 @@ def run_worker(variant: str, steps: int, result: str) -> None:
     # the offloader's hooks take the region inputs before the counting hooks see them: add them back
     mine = {"saved_mb": (saved + offloaded) / 2**20, "offloaded_mb": offloaded / 2**20,
             "kept_for_device_mb": saved / 2**20,
-            "peak_rss_mb": rss_mb("VmHWM"), "rss_rise_mb": rss_mb("VmHWM") - rss_before,
+            "peak_rss_mb": common.status_mb("VmHWM"), "rss_rise_mb": common.status_mb("VmHWM") - rss_before,
             "step_s": statistics.median(times), "first_loss": losses[0]}
-    ranks = [None] * dist.get_world_size()
-    dist.all_gather_object(ranks, mine)
-    if dist.get_rank() == 0:
-        Path(result).write_text(json.dumps(ranks))
-
-
-def launch(variant: str, steps: int) -> list[dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        result = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-               str(Path(__file__).resolve()), "--worker", variant, "--result", str(result), "--steps", str(steps)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-        subprocess.run(cmd, env=env, check=True)
-        return json.loads(result.read_text())
+    return mine
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--worker", choices=sorted(VARIANTS))
-    parser.add_argument("--result")
     args = parser.parse_args()
-    if args.worker:
-        run_worker(args.worker, args.steps, args.result)
-        return
     out = {"shape": SHAPE, "batch": BATCH, "seq": SEQ, "tp": 2, "steps": args.steps,
-           "load_average_at_start": list(os.getloadavg()), "variants": {}}
+           "load_average_at_start": common.load_average(), "variants": {}}
     for variant in VARIANTS:
-        out["variants"][variant] = {"ranks": launch(variant, args.steps), "load_average_1min_after": os.getloadavg()[0]}
+        out["variants"][variant] = {"ranks": common.spawn(run_worker, 2, variant, args.steps),
+                                    "load_average_1min_after": common.load_average()[0]}
         print(variant, json.dumps(out["variants"][variant]), flush=True)
     plain = out["variants"]["plain"]["ranks"][0]
     for variant, res in out["variants"].items():
@@ -140,8 +112,7 @@ def main() -> None:
         res["kept_for_device_ratio_vs_plain"] = r0["kept_for_device_mb"] / plain["kept_for_device_mb"]
         res["step_time_ratio_vs_plain"] = r0["step_s"] / plain["step_s"]
         res["first_loss_abs_diff_vs_plain"] = abs(r0["first_loss"] - plain["first_loss"])
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=2) + "\n")
+    common.write_result("activation_memory", out)
     print(json.dumps({v: {k: r[k] for k in r if k != "ranks"} for v, r in out["variants"].items()}, indent=2))
 
 

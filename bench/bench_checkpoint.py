@@ -22,35 +22,25 @@ one's bytes on disk over its time. Warm loads read from the page cache for both.
 reset through ``/proc/self/clear_refs``), compared with the largest tensor (target: <= 2x).
 
 Usage: ``python bench/bench_checkpoint.py [--preset medium|small|tiny] [--repeats 4]``; starts its
-two ranks with torchrun and writes ``bench/results/checkpoint.json``. Run it on a quiet machine:
-the 1-minute load average after the run is recorded.
+two ranks with torchrun (``common.torchrun``) and writes ``bench/results/checkpoint.json``. Run it
+on a quiet machine: the 1-minute load average after the run is recorded.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
-import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import common
+
 PRESETS = {"medium": dict(n_embd=1024, n_layer=24, n_head=16, vocab_size=50257, n_positions=1024),
            "small": dict(n_embd=768, n_layer=12, n_head=12, vocab_size=50257, n_positions=1024),
            "tiny": dict(n_embd=64, n_layer=2, n_head=4, vocab_size=1001, n_positions=64)}
-RESULTS = Path(__file__).resolve().parent / "results" / "checkpoint.json"
-
-
-def _status_kb(field: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
 
 
 def _dir_bytes(path: Path) -> int:
@@ -60,16 +50,13 @@ def _dir_bytes(path: Path) -> int:
 def _timed(fn) -> float:
     """Seconds of ``fn()`` on the slowest rank (a collective), starting with nothing left for the
     disk to write: earlier runs' write-back and deletions would otherwise land in this timing."""
-    import torch
     import torch.distributed as dist
 
     os.sync()
     dist.barrier()
     start = time.perf_counter()
     fn()
-    t = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    return common.slowest([time.perf_counter() - start])[0]
 
 
 def _evict(directory: Path) -> None:
@@ -153,37 +140,29 @@ def _partial_runs(model, optimizer, work: Path, repeats: int) -> dict:
 
 
 def _full_export(model, work: Path) -> dict:
-    import torch
-    import torch.distributed as dist
-
     import modelparallel as smp
 
     largest = max(t.numel() * t.element_size() for t in model.module.state_dict().values())
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # memory freed earlier but kept by malloc would hide growth
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
-    base = _status_kb("VmRSS")
+    base = common.reset_peak()
     seconds = _timed(lambda: smp.save_checkpoint(work / "full", "export", partial=False))
-    above = torch.tensor([(_status_kb("VmHWM") - base) * 1024.0], dtype=torch.float64)
-    dist.all_reduce(above, op=dist.ReduceOp.MAX)
-    return {"seconds": seconds, "largest_tensor_bytes": largest, "peak_rss_above_baseline_bytes": above.item(),
-            "ratio_to_largest_tensor": above.item() / largest, "bytes": _dir_bytes(work / "full" / "export")}
+    above = common.slowest([(common.status_mb("VmHWM") - base) * 2**20])[0]
+    return {"seconds": seconds, "largest_tensor_bytes": largest, "peak_rss_above_baseline_bytes": above,
+            "ratio_to_largest_tensor": above / largest, "bytes": _dir_bytes(work / "full" / "export")}
 
 
 def worker(args) -> None:
-    import torch
     import torch.distributed as dist
 
     import modelparallel as smp
 
-    torch.set_num_threads(1)
+    common.one_thread()
     model, optimizer = _build(args.preset)
     # DTensor parameters report their global numel; tied weights are counted once
     result = {"preset": args.preset, "parameters": sum(p.numel() for p in model.module.parameters())}
     result["partial"] = _partial_runs(model, optimizer, Path(args.work), args.repeats)
     result["full_export"] = _full_export(model, Path(args.work))
     if smp.rank() == 0:
-        Path(args.result).write_text(json.dumps(result))
+        common.report(result)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -191,13 +170,8 @@ def worker(args) -> None:
 def launch(args) -> dict:
     work = Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir))
     try:
-        result = work / "result.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-               str(Path(__file__).resolve()), "--worker", "--work", str(work), "--result", str(result),
-               "--preset", args.preset, "--repeats", str(args.repeats)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-        subprocess.run(cmd, env=env, check=True)
-        return json.loads(result.read_text())
+        argv = ["--worker", "--work", str(work), "--preset", args.preset, "--repeats", str(args.repeats)]
+        return common.torchrun(__file__, 2, argv)[0]
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -223,18 +197,15 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="where the checkpoints are written (default: the temp dir)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
-    ap.add_argument("--result", help=argparse.SUPPRESS)
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--out", type=Path, default=None, help="default: bench/results/checkpoint.json")
     args = ap.parse_args()
     if args.worker:
         worker(args)
         return
     result = launch(args)
-    result["load_average_1min_after"] = os.getloadavg()[0]
+    result["load_average_1min_after"] = common.load_average()[0]
     report(result)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.out}")
+    common.write_result("checkpoint", result, args.out)
 
 
 if __name__ == "__main__":

@@ -11,29 +11,26 @@ attention's and the MLP's row-parallel projection) and two backward (before the 
 ones), plus a constant for the vocab-parallel embedding and loss.
 
 Usage: ``python bench/bench_gpt2_tp.py [--steps 5] [--warmup 2]``; writes
-``bench/results/gpt2_tp.json``. The TP=2 (and modelparallel TP=1) runs are started with torchrun
-by this script itself.
+``bench/results/gpt2_tp.json``. The TP=2 (and modelparallel TP=1) runs are started by this script
+itself (``common.spawn``). Peak memory is the resident peak above the post-import baseline, after
+touching every parameter.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import re
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 import warnings
 from collections import defaultdict
 from pathlib import Path
 
+import common
+
 SHAPE = dict(n_embd=1024, n_layer=4, n_head=16, vocab_size=50257, n_positions=1024)
 BATCH, SEQ, LR, SEED = 4, 256, 1e-4, 0
-RESULTS = Path(__file__).resolve().parent / "results" / "gpt2_tp.json"
 
 
 def build_model():
@@ -71,17 +68,12 @@ def time_steps(step, warmup: int, steps: int, barrier=lambda: None, progress: st
     return times, first_loss
 
 
-def peak_rss_mb() -> float:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-
-
 def run_hf_reference(args) -> dict:
     """The TP=1 baseline: plain ``GPT2LMHeadModel`` and ``torch.optim.AdamW``, one thread."""
     import torch
 
-    torch.set_num_threads(1)
+    common.one_thread()
+    base = common.baseline_mb()
     model, x = build_model(), make_batch()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
 
@@ -94,7 +86,7 @@ def run_hf_reference(args) -> dict:
 
     times, loss0 = time_steps(step, args.warmup, args.steps, progress="hf tp=1")
     return {"times_s": times, "median_s": statistics.median(times), "min_s": min(times), "first_loss": loss0,
-            "threads": torch.get_num_threads(), "peak_rss_mb": peak_rss_mb()}
+            "threads": torch.get_num_threads(), "peak_rss_mb": common.peak_above_baseline_mb(base, model)}
 
 
 def kind_of(op) -> str:
@@ -136,15 +128,16 @@ def count_collectives(model, x) -> dict:
             "global_op_counts": {str(k): v for k, v in mode.get_comm_counts().items()}}
 
 
-def run_smp_worker(args) -> None:
-    """One rank of a modelparallel run (under torchrun); rank 0 writes the result to ``args.result``."""
+def run_smp_worker(warmup: int, steps: int) -> dict | None:
+    """One rank of a modelparallel run; rank 0 returns the result."""
     import torch
     import torch.distributed as dist
 
     import modelparallel as smp
 
-    torch.set_num_threads(1)
-    smp.init({"tensor_parallel_degree": int(os.environ["WORLD_SIZE"]), "random_seed": SEED})
+    base = common.baseline_mb()
+    smp.init({"tensor_parallel_degree": int(os.environ["WORLD_SIZE"]), "random_seed": SEED,
+              "prescaled_batch": True})  # every rank the same batch, as the TP=1 baseline
     model, x = smp.DistributedModel(build_model()), make_batch()
     opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR))
     comms = count_collectives(model, x) if smp.tp_size() > 1 else None
@@ -157,51 +150,27 @@ def run_smp_worker(args) -> None:
         return loss.item()
 
     tag = f"smp tp={smp.tp_size()}" if smp.rank() == 0 else ""
-    times, loss0 = time_steps(step, args.warmup, args.steps, barrier=dist.barrier, progress=tag)
-    slowest = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank ends
-    rss = torch.tensor([peak_rss_mb()], dtype=torch.float64)
-    dist.all_reduce(rss, op=dist.ReduceOp.MAX)
-    if smp.rank() == 0:
-        times = slowest.tolist()
-        Path(args.result).write_text(json.dumps({
-            "times_s": times, "median_s": statistics.median(times), "min_s": min(times), "first_loss": loss0,
-            "tp": smp.tp_size(),
-            "threads_per_rank": torch.get_num_threads(), "peak_rss_mb_per_rank": rss.item(),
-            "collectives": comms}))
-    dist.barrier()
-    dist.destroy_process_group()
+    times, loss0 = time_steps(step, warmup, steps, barrier=dist.barrier, progress=tag)
+    times = common.slowest(times)
+    rss = common.slowest([common.peak_above_baseline_mb(base, model)])[0]
+    if smp.rank() != 0:
+        return None
+    return {"times_s": times, "median_s": statistics.median(times), "min_s": min(times), "first_loss": loss0,
+            "tp": smp.tp_size(), "threads_per_rank": torch.get_num_threads(), "peak_rss_mb_per_rank": rss,
+            "collectives": comms}
 
 
 def launch_smp(args, nproc: int) -> dict:
-    """Run this script's worker on ``nproc`` ranks (one thread each) with torchrun."""
-    with tempfile.TemporaryDirectory() as tmp:
-        result = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
-               str(Path(__file__).resolve()), "--worker", "--result", str(result),
-               "--steps", str(args.steps), "--warmup", str(args.warmup)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-        subprocess.run(cmd, env=env, check=True)
-        return json.loads(result.read_text())
+    """Run the modelparallel worker on ``nproc`` ranks (one thread each)."""
+    return common.spawn(run_smp_worker, nproc, args.warmup, args.steps)[0]
 
 
 def with_load(fn, *args) -> dict:
     """``fn``'s result plus the 1-minute load average after it: this benchmark wants the cores to
     itself, and a load above the core count means something else shared them while it ran."""
     result = fn(*args)
-    result["load_average_1min_after"] = os.getloadavg()[0]
+    result["load_average_1min_after"] = common.load_average()[0]
     return result
-
-
-def machine_info() -> dict:
-    import torch
-    import transformers
-
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
-    return {"cpu": cpu, "cpu_count": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "load_average_at_start": list(os.getloadavg())}
 
 
 def summarize(hf: dict, tp1: dict | None, tp2: dict) -> dict:
@@ -250,27 +219,21 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--skip-smp-tp1", action="store_true", help="skip modelparallel at TP=1 (wrapper overhead)")
-    p.add_argument("--out", type=Path, default=RESULTS)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--out", type=Path, default=None, help="default: bench/results/gpt2_tp.json")
     args = p.parse_args()
-    if args.worker:
-        return run_smp_worker(args)
-    info = machine_info()
-    print(f"torch {info['torch']}, {info['cpu_count']} cores ({info['cpu']}), load {info['load_average_at_start']}")
+    info = common.machine()
+    print(f"torch {info['torch']}, {info['cores']} cores ({info['cpu']}), load {info['load_average']}")
     t0 = time.time()
     hf = with_load(run_hf_reference, args)
     tp2 = with_load(launch_smp, args, 2)  # right after the baseline: the pair that matters most
     tp1 = None if args.skip_smp_tp1 else with_load(launch_smp, args, 1)
-    info["load_average_at_end"] = list(os.getloadavg())
     s = summarize(hf, tp1, tp2)
     print_table(hf, tp1, tp2, s)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "machine": info, "shape": {**SHAPE, "batch": BATCH, "seq": SEQ, "dtype": "float32", "dropout": 0.0},
+    common.write_result("gpt2_tp", {
+        "load_average_at_start": info["load_average"],
+        "shape": {**SHAPE, "batch": BATCH, "seq": SEQ, "dtype": "float32", "dropout": 0.0},
         "steps": args.steps, "warmup": args.warmup, "hf_tp1": hf, "smp_tp1": tp1, "smp_tp2": tp2,
-        "summary": s, "bench_wall_time_s": time.time() - t0}, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
+        "summary": s, "bench_wall_time_s": time.time() - t0}, args.out)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ fp32, bf16 (fp32 master weights) and fp16 (fp32 masters + dynamic loss scaling).
 
 One step is forward + backward + ``DistributedOptimizer`` (AdamW) step on a GPT-2 of n_embd 512,
 4 layers, vocabulary 8192, batch 4 x 128 tokens, one thread per rank. Each precision runs in its
-own ``torchrun`` (2 ranks) so that the peak resident memory (``VmHWM`` minus the resident size
+own 2-rank job (``common.spawn``) so that the peak resident memory (``VmHWM`` minus the resident size
 after imports) is that precision's alone. Bytes per parameter are counted from the tensors
 themselves on rank 0 (local shards): model weights, gradients (as left by backward), fp32
 masters, optimizer state (AdamW's two moments).
@@ -18,27 +18,14 @@ Usage: ``python bench/bench_mixed_precision.py [--steps 4] [--warmup 2]``; write
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
+
+import common
 
 SHAPE = dict(n_embd=512, n_layer=4, n_head=8, vocab_size=8192, n_positions=256)
 BATCH, SEQ, SEED = 4, 128, 0
-RESULTS = Path(__file__).resolve().parent / "results" / "mixed_precision.json"
 DTYPES = ("fp32", "bf16", "fp16")
-
-
-def _rss_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1])
-    return 0
 
 
 def _bytes_per_param(model, opt) -> dict[str, float]:
@@ -54,14 +41,14 @@ def _bytes_per_param(model, opt) -> dict[str, float]:
             "master": size(masters) / n, "optimizer_state": size(state) / n}
 
 
-def worker(dtype: str, warmup: int, steps: int, out: str) -> None:
+def worker(dtype: str, warmup: int, steps: int) -> dict | None:
+    """One rank of one precision's job; rank 0 returns the measurements."""
     import torch
     import transformers
 
     import modelparallel as smp
 
-    torch.set_num_threads(1)
-    base_kb = _rss_kb("VmRSS")
+    base = common.baseline_mb()
     smp.init({"tensor_parallel_degree": 2, "fp16": dtype == "fp16", "bf16": dtype == "bf16"})
     torch.manual_seed(SEED)
     cfg = transformers.GPT2Config(**SHAPE, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -84,44 +71,26 @@ def worker(dtype: str, warmup: int, steps: int, out: str) -> None:
         losses.append(loss.item())
         if i >= warmup:
             times.append(elapsed)
-    peak_mb = (_rss_kb("VmHWM") - base_kb) / 1024
-    if smp.rank() == 0:
-        Path(out).write_text(json.dumps({
-            "dtype": dtype, "step_s": times, "median_step_s": statistics.median(times), "losses": losses,
-            "peak_mb_above_imports": peak_mb, "bytes_per_param": per_param,
-            "loss_scale": opt.loss_scaler.loss_scale}))
+    peak_mb = common.peak_above_baseline_mb(base, model)
+    if smp.rank() != 0:
+        return None
+    return {"dtype": dtype, "step_s": times, "median_step_s": statistics.median(times), "losses": losses,
+            "peak_mb_above_imports": peak_mb, "bytes_per_param": per_param, "loss_scale": opt.loss_scaler.loss_scale}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--worker", choices=DTYPES)
-    p.add_argument("--out")
     args = p.parse_args()
-    if args.worker:
-        worker(args.worker, args.warmup, args.steps, args.out)
-        return
-    torchrun = Path(sys.executable).with_name("torchrun")
-    load_before = os.getloadavg()
-    runs = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for dtype in DTYPES:
-            out = Path(tmp) / f"{dtype}.json"
-            env = {**os.environ, "OMP_NUM_THREADS": "1"}
-            subprocess.run([str(torchrun), "--nproc-per-node", "2", __file__, "--worker", dtype,
-                            "--warmup", str(args.warmup), "--steps", str(args.steps), "--out", str(out)],
-                           check=True, env=env)
-            runs[dtype] = json.loads(out.read_text())
+    load_before = common.load_average()
+    runs = {dtype: common.spawn(worker, 2, dtype, args.warmup, args.steps)[0] for dtype in DTYPES}
     base = runs["fp32"]
     for r in runs.values():
         r["step_time_vs_fp32"] = r["median_step_s"] / base["median_step_s"]
         r["peak_memory_vs_fp32"] = r["peak_mb_above_imports"] / base["peak_mb_above_imports"]
     result = {"shape": SHAPE, "batch": BATCH, "seq": SEQ, "tp": 2, "steps": args.steps,
-              "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "cpus": os.cpu_count(),
-              "runs": runs}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=1))
+              "load_average_before": load_before, "runs": runs}
     print("| dtype | step (s, median) | vs fp32 | peak MB/rank | vs fp32 | bytes/param: weights, grads, "
           "master, optimizer state |")
     print("|---|---|---|---|---|---|")
@@ -130,7 +99,7 @@ def main() -> None:
         print(f"| {d} | {r['median_step_s']:.3f} | {r['step_time_vs_fp32']:.2f}x | {r['peak_mb_above_imports']:.0f} "
               f"| {r['peak_memory_vs_fp32']:.2f}x | {b['weights']:.0f}, {b['grads']:.0f}, {b['master']:.0f}, "
               f"{b['optimizer_state']:.0f} |")
-    print(f"load average before {load_before}, after {result['loadavg_after']}")
+    common.write_result("mixed_precision", result)
 
 
 if __name__ == "__main__":

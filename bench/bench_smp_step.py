@@ -15,19 +15,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import os
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
+import common
 import modelparallel as smp
 
-RESULTS = Path(__file__).resolve().parent / "results" / "smp_step.json"
 BATCH, SEQ, VOCAB = 8, 128, 8192
 
 
@@ -80,12 +76,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    common.one_thread()
     torch.manual_seed(0)
     ref = GPT2LMHeadModel(GPT2Config(n_embd=256, n_layer=4, n_head=8, vocab_size=VOCAB, n_positions=SEQ,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    load_before = os.getloadavg()
+    load_before = common.load_average()
     times, first_loss = {}, {}
     for mb in (1, 4):
         runs = {f"plain_phase{mb}": plain_runner(ref), f"smp_step_mb{mb}": smp_runner(ref, mb)}
@@ -103,9 +99,7 @@ def main() -> None:
                     times[name].append(dt)
     medians = {name: statistics.median(t) for name, t in times.items()}
     result = {
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                    "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
-        "torch": torch.__version__, "batch": BATCH, "seq": SEQ, "vocab": VOCAB,
+        "load_average_before": load_before, "batch": BATCH, "seq": SEQ, "vocab": VOCAB,
         "times_s": times, "median_s": medians,
         "ratio_vs_plain": {**{f"smp_step_mb{mb}": medians[f"smp_step_mb{mb}"] / medians[f"plain_phase{mb}"]
                               for mb in (1, 4)},
@@ -113,13 +107,11 @@ def main() -> None:
         "ratio_step_mb1_vs_smp_loop": medians["smp_step_mb1"] / medians["smp_loop_no_step"],
         "first_loss": first_loss,
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2))
     for name in times:
         ratio = result["ratio_vs_plain"].get(name)
         print(f"{name:14s} median {medians[name]:.3f} s  {'' if ratio is None else f'x{ratio:.3f} vs plain  '}"
               f"first loss {first_loss[name]:.4f}")
-    print(f"load average before {load_before}, after {os.getloadavg()} on {os.cpu_count()} cores")
+    common.write_result("smp_step", result)
 
 
 if __name__ == "__main__":

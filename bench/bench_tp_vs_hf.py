@@ -9,8 +9,14 @@ and peak RSS above the post-import baseline, per rank, after every parameter was
 Part 2 (efficiency): each of the six architectures at a similar size, TP=1 (plain HF model, one
 process, one thread) vs modelparallel TP=2: efficiency = t1 / (2 * t2).
 
-Usage: ``python bench/bench_tp_vs_hf.py [--steps 5] [--warmup 2] [--skip-archs]``; writes
-``bench/results/tp_vs_hf.json``. Each measurement runs in its own process(es), launched here.
+``--baseline-ref REV`` adds a "before" column: the TP=2 runs are repeated, in the same run, with
+the package imported from a ``git worktree`` of ``REV`` (the benchmark code stays this one), so
+before/after come from one machine state. ``--quick`` shrinks every model (hidden 256, 2 layers,
+vocab 2048, batch 2 x 128) for iteration; its results go to ``tp_vs_hf_quick.json``.
+
+Usage: ``python bench/bench_tp_vs_hf.py [--steps 5] [--warmup 2] [--skip-archs] [--archs llama,gpt2]
+[--quick] [--baseline-ref main]``; writes ``bench/results/tp_vs_hf.json``. Each measurement runs in
+its own process(es), launched here; load averages are recorded before and after.
 """
 
 from __future__ import annotations
@@ -51,28 +57,52 @@ def rss_mb(field: str = "VmRSS") -> float:
     return float("nan")
 
 
-def build(arch: str, device: str = "cpu"):
+QUICK = dict(batch=2, seq=128, vocab=2048)
+QUICK_SHAPE = {"hidden_size": 256, "n_embd": 256, "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2,
+               "num_attention_heads": 4, "n_head": 4, "num_heads": 4, "num_key_value_heads": 4,
+               "intermediate_size": 704, "attention_types": [[["global", "local"], 1]]}
+"""The ``--quick`` sizes (hidden 256, 2 layers, 4 heads; Llama MLP 704, BERT's 1024 = 4 x hidden):
+the same models, small enough to iterate on a busy machine."""
+
+
+def shape_of(arch: str, quick: bool = False) -> dict:
+    """Config keyword arguments of ``arch``'s benchmark model (the ``--quick`` one if asked)."""
+    shape = dict(ARCHS[arch][2])
+    if quick:
+        shape = {k: QUICK_SHAPE.get(k, v) for k, v in shape.items()}
+        if arch in ("bert", "roberta"):
+            shape["intermediate_size"] = 4 * shape["hidden_size"]
+    return shape
+
+
+def sizes(quick: bool = False) -> tuple[int, int, int]:
+    """(batch, sequence, vocabulary) of the benchmark."""
+    return (QUICK["batch"], QUICK["seq"], QUICK["vocab"]) if quick else (BATCH, SEQ, VOCAB)
+
+
+def build(arch: str, device: str = "cpu", quick: bool = False):
     import torch
     import transformers
 
-    cfg_name, cls_name, shape = ARCHS[arch]
-    cfg = getattr(transformers, cfg_name)(vocab_size=VOCAB, **shape, **NO_DROPOUT)
+    cfg_name, cls_name, _ = ARCHS[arch]
+    cfg = getattr(transformers, cfg_name)(vocab_size=sizes(quick)[2], **shape_of(arch, quick), **NO_DROPOUT)
     torch.manual_seed(0)
     with torch.device(device):
         return getattr(transformers, cls_name)(cfg)
 
 
-def batch():
+def batch(quick: bool = False):
     import torch
 
-    return torch.randint(5, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    b, s, v = sizes(quick)
+    return torch.randint(5, v, (b, s), generator=torch.Generator().manual_seed(0))
 
 
-def timed_steps(model, warmup: int, steps: int, sync=lambda: None) -> list[float]:
+def timed_steps(model, warmup: int, steps: int, sync=lambda: None, quick: bool = False) -> list[float]:
     import torch
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids, times = batch(), []
+    ids, times = batch(quick), []
     for i in range(warmup + steps):
         sync()
         t0 = time.perf_counter()
@@ -109,57 +139,113 @@ def worker(args) -> None:
     if args.method == "hf_auto":
         model = transformers.AutoModelForCausalLM.from_pretrained(args.ckpt, tp_plan="auto")
     elif args.method == "ours_ckpt":
-        smp.init({"tensor_parallel_degree": 2})
+        smp.init({"tensor_parallel_degree": 2, "prescaled_batch": True})  # same batch on both ranks, as TP=1 and HF
         with torch.device("meta"):
-            model = smp.DistributedModel(build("llama"))
+            model = smp.DistributedModel(build("llama", quick=args.quick))
         smp.load_hf_checkpoint(model, args.ckpt)
     elif args.method == "ours":
-        smp.init({"tensor_parallel_degree": 2})
-        model = smp.DistributedModel(build(args.arch))
+        smp.init({"tensor_parallel_degree": 2, "prescaled_batch": True})  # same batch on both ranks, as TP=1 and HF
+        model = smp.DistributedModel(build(args.arch, quick=args.quick))
     else:
-        model = build(args.arch)
+        model = build(args.arch, quick=args.quick)
     touch(model)
     loaded = rss_mb("VmHWM") - base
     sync = dist.barrier if dist.is_initialized() else (lambda: None)
-    times = timed_steps(model, args.warmup, args.steps, sync)
+    times = timed_steps(model, args.warmup, args.steps, sync, args.quick)
     rank = dist.get_rank() if dist.is_initialized() else 0
     row = dict(rank=rank, method=args.method, arch=args.arch, step_s=statistics.median(times), times=times,
                load_peak_mb=loaded, peak_mb=rss_mb("VmHWM") - base)
     Path(args.result_dir, f"rank{rank}.json").write_text(json.dumps(row))  # one file per rank: no interleaving
 
 
-def launch(method: str, arch: str, nproc: int, args, ckpt: str = "") -> list[dict]:
-    result_dir = tempfile.mkdtemp(prefix="bench-tp-")
-    cmd = [sys.executable, __file__, "--worker", "--method", method, "--arch", arch, "--ckpt", ckpt,
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--result-dir", result_dir]
+def command(script: str, nproc: int, extra: list[str]) -> list[str]:
+    """``python script extra`` in one process, or under torchrun with ``nproc`` ranks."""
     if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] + cmd[1:]
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                script] + extra
+    return [sys.executable, script] + extra
+
+
+def package_env(source: str = "") -> dict:
+    """Environment of a worker: one thread, offline; ``source`` (a checkout) supplies ``modelparallel``."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if source:
+        env["PYTHONPATH"] = source
+    return env
+
+
+def baseline_checkout(ref: str) -> str:
+    """A detached ``git worktree`` of ``ref`` (the "before" package), made once per run."""
+    root = Path(__file__).resolve().parent.parent
+    dest = Path(tempfile.mkdtemp(prefix="bench-baseline-")) / "src"
+    subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", str(dest), ref], check=True,
+                   capture_output=True)
+    return str(dest)
+
+
+def drop_checkout(path: str) -> None:
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", path], capture_output=True)
+
+
+def launch(method: str, arch: str, nproc: int, args, ckpt: str = "", source: str = "") -> list[dict]:
+    result_dir = tempfile.mkdtemp(prefix="bench-tp-")
+    extra = ["--worker", "--method", method, "--arch", arch, "--ckpt", ckpt, "--steps", str(args.steps),
+             "--warmup", str(args.warmup), "--result-dir", result_dir] + (["--quick"] if args.quick else [])
+    out = subprocess.run(command(__file__, nproc, extra), env=package_env(source), capture_output=True, text=True)
     rows = [json.loads(f.read_text()) for f in Path(result_dir).glob("rank*.json")]
     if out.returncode or len(rows) != nproc:
         raise RuntimeError(f"{method}/{arch} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
-    print(f"  {method:9s} {arch:8s} step {statistics.median(r['step_s'] for r in rows):.3f} s, "
-          f"peak {max(r['peak_mb'] for r in rows):.0f} MB", flush=True)
+    print(f"  {method:9s} {arch:8s} {'(before) ' if source else ''}step "
+          f"{statistics.median(r['step_s'] for r in rows):.3f} s, peak {max(r['peak_mb'] for r in rows):.0f} MB, "
+          f"load {os.getloadavg()[0]:.1f}", flush=True)
     return sorted(rows, key=lambda r: r["rank"])
 
 
-def llama_side_by_side(args) -> dict:
+def llama_side_by_side(args, before: str = "") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        build("llama").save_pretrained(tmp)
+        build("llama", quick=args.quick).save_pretrained(tmp)
         hf, ours = launch("hf_auto", "llama", 2, args, tmp), launch("ours_ckpt", "llama", 2, args, tmp)
+        old = launch("ours_ckpt", "llama", 2, args, tmp, source=before) if before else None
     t_hf, t_ours = (max(r["step_s"] for r in rows) for rows in (hf, ours))
-    return dict(hf_tp_auto=hf, modelparallel=ours, step_ratio_ours_over_hf=t_ours / t_hf,
-                peak_ratio_ours_over_hf=max(r["peak_mb"] for r in ours) / max(r["peak_mb"] for r in hf))
+    out = dict(hf_tp_auto=hf, modelparallel=ours, step_ratio_ours_over_hf=t_ours / t_hf,
+               peak_ratio_ours_over_hf=max(r["peak_mb"] for r in ours) / max(r["peak_mb"] for r in hf))
+    if old:
+        out.update(before=old, step_ratio_before_over_hf=max(r["step_s"] for r in old) / t_hf,
+                   peak_ratio_before_over_hf=max(r["peak_mb"] for r in old) / max(r["peak_mb"] for r in hf))
+    return out
 
 
-def efficiency(args) -> dict:
+def efficiency(args, before: str = "") -> dict:
     out = {}
-    for arch in ARCHS:
+    for arch in args.archs:
         t1 = launch("hf", arch, 1, args)[0]["step_s"]
         t2 = max(r["step_s"] for r in launch("ours", arch, 2, args))
         out[arch] = dict(tp1_hf_s=t1, tp2_s=t2, speedup=t1 / t2, efficiency=t1 / (2 * t2))
+        if before:
+            t0 = max(r["step_s"] for r in launch("ours", arch, 2, args, source=before))
+            out[arch].update(tp2_before_s=t0, efficiency_before=t1 / (2 * t0))
     return out
+
+
+def print_tables(result: dict) -> None:
+    """The README's tables (markdown)."""
+    r = result["llama"]
+    print(f"Llama TP=2, ours / HF tp_plan=auto: step time {r['step_ratio_ours_over_hf']:.3f}x, "
+          f"peak RSS {r['peak_ratio_ours_over_hf']:.3f}x"
+          + (f" (before: {r['step_ratio_before_over_hf']:.3f}x, {r['peak_ratio_before_over_hf']:.3f}x)"
+             if "before" in r else ""))
+    eff = result.get("efficiency", {})
+    if not eff:
+        return
+    before = any("tp2_before_s" in e for e in eff.values())
+    print("\n| arch | TP=1 HF, s | " + ("TP=2 before, s | efficiency before | " if before else "")
+          + "TP=2 ours, s | efficiency |")
+    print("|---|---|" + ("---|---|" if before else "") + "---|---|")
+    for arch, e in eff.items():
+        old = f"{e['tp2_before_s']:.3f} | {e['efficiency_before']:.3f} | " if before else ""
+        print(f"| {arch} | {e['tp1_hf_s']:.3f} | {old}{e['tp2_s']:.3f} | {e['efficiency']:.3f} |")
+    print(f"\nload average at start {result['load_average_at_start']}, at end {result['load_average_at_end']}")
 
 
 def main() -> None:
@@ -167,6 +253,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--skip-archs", action="store_true", help="only the Llama side-by-side run")
+    ap.add_argument("--archs", default=",".join(ARCHS), help="comma-separated architectures for the efficiency table")
+    ap.add_argument("--quick", action="store_true", help="small models (see QUICK), for iteration")
+    ap.add_argument("--baseline-ref", default="", help="git revision whose package gives the 'before' column")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--method", default="", help=argparse.SUPPRESS)
     ap.add_argument("--arch", default="llama", help=argparse.SUPPRESS)
@@ -177,18 +266,27 @@ def main() -> None:
         return worker(args)
     import torch
 
-    result = dict(torch=torch.__version__, cores=os.cpu_count(), batch=BATCH, seq=SEQ, vocab=VOCAB,
-                  llama=llama_side_by_side(args))
-    if not args.skip_archs:
-        result["efficiency"] = efficiency(args)
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2))
-    r = result["llama"]
-    print(f"Llama TP=2, ours / HF tp_plan=auto: step time {r['step_ratio_ours_over_hf']:.3f}x, "
-          f"peak RSS {r['peak_ratio_ours_over_hf']:.3f}x")
-    for arch, e in result.get("efficiency", {}).items():
-        print(f"{arch:8s} TP=1 {e['tp1_hf_s']:.3f} s  TP=2 {e['tp2_s']:.3f} s  efficiency {e['efficiency']:.3f}")
-    print(f"wrote {RESULTS}")
+    args.archs = [a for a in args.archs.split(",") if a]
+    unknown = sorted(set(args.archs) - set(ARCHS))
+    if unknown:
+        ap.error(f"unknown architectures {unknown}; known: {', '.join(ARCHS)}")
+    b, s, v = sizes(args.quick)
+    result = dict(torch=torch.__version__, cores=os.cpu_count(), batch=b, seq=s, vocab=v, quick=args.quick,
+                  baseline_ref=args.baseline_ref, load_average_at_start=list(os.getloadavg()))
+    before = baseline_checkout(args.baseline_ref) if args.baseline_ref else ""
+    try:
+        result["llama"] = llama_side_by_side(args, before)
+        if not args.skip_archs:
+            result["efficiency"] = efficiency(args, before)
+    finally:
+        if before:
+            drop_checkout(before)
+    result["load_average_at_end"] = list(os.getloadavg())
+    out = RESULTS.with_name("tp_vs_hf_quick.json") if args.quick else RESULTS
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print_tables(result)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

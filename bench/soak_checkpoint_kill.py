@@ -17,6 +17,8 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported: the driver forks
 
+import common  # noqa: E402 - imports nothing heavy
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -24,7 +26,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trials", type=int, default=60)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "soak_checkpoint_kill.json")
+    p.add_argument("--json", type=Path, default=common.RESULTS_DIR / "soak_checkpoint_kill.json")
     args = p.parse_args()
     sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "checkpoint")]
     from transformers import GPT2LMHeadModel  # noqa: F401 - imported once, shared by every forked job
@@ -35,6 +37,7 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="soak-ckpt-")
     code = checkpoint_kill.main([work, "--trials", str(args.trials), "--seed", str(args.seed),
                                  "--json", str(args.json)])
+    print(f"load average after the trials: {common.load_average()}")
     if code == 0:
         import shutil
 

@@ -28,31 +28,22 @@ class RankType(str, Enum):
     PP_RANK = "pp"
 
 
-def get_world_group() -> list[int]:
-    return current().ranks(WORLD)
+def _members(group: CommGroup, name: str, what: str):
+    """The getter SageMaker names ``name``: the global ranks of this rank's ``group``."""
+    def members() -> list[int]:
+        return current().ranks(group)
+
+    members.__name__ = members.__qualname__ = name
+    members.__doc__ = f"Global ranks of {what}, in group-rank order."
+    return members
 
 
-def get_tp_group() -> list[int]:
-    """Global ranks of this rank's tensor-parallel group."""
-    return current().ranks(TP_GROUP)
-
-
-def get_dp_group() -> list[int]:
-    """Global ranks holding replicas of the same model partition as this rank."""
-    return current().ranks(DP_GROUP)
-
-
-def get_rdp_group() -> list[int]:
-    return current().ranks(RDP_GROUP)
-
-
-def get_mp_group() -> list[int]:
-    """Global ranks over which this rank's model replica is partitioned."""
-    return current().ranks(MP_GROUP)
-
-
-def get_pp_group() -> list[int]:
-    return current().ranks(PP_GROUP)
+get_world_group = _members(WORLD, "get_world_group", "the job")
+get_tp_group = _members(TP_GROUP, "get_tp_group", "this rank's tensor-parallel group")
+get_dp_group = _members(DP_GROUP, "get_dp_group", "the ranks holding replicas of this rank's model partition")
+get_rdp_group = _members(RDP_GROUP, "get_rdp_group", "the ranks holding the same shard as this rank")
+get_mp_group = _members(MP_GROUP, "get_mp_group", "the ranks over which this rank's model replica is partitioned")
+get_pp_group = _members(PP_GROUP, "get_pp_group", "this rank's pipeline group (only itself)")
 
 
 def tp_mesh() -> DeviceMesh:

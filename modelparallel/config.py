@@ -14,11 +14,9 @@ from dataclasses import field
 from difflib import get_close_matches
 from typing import Any
 
-from .config_keys import ALIASES, BY_NAME, DEFAULT_ONLY, KEYS, NO_EFFECT
+from .config_keys import ALIASES, BY_NAME, DEFAULT_ONLY, KEYS, NO_EFFECT, PLACEMENTS
 
 ENV_VAR = "MODELPARALLEL_CONFIG"
-
-_PLACEMENTS = ("cluster", "spread")
 
 
 def _fields() -> list[tuple[str, type, Any]]:
@@ -60,6 +58,12 @@ class _Derived:
         return self.hybrid_shard_degree or self.dp_degree
 
     @property
+    def scaled_batch(self) -> bool:
+        """Whether the tensor-parallel group computes on the union of its ranks' batches
+        (``prescaled_batch`` false and TP > 1): each TP rank brought its own batch."""
+        return not self.prescaled_batch and self.tensor_parallel_degree > 1
+
+    @property
     def activation_offloading(self) -> bool:
         """Whether activation offloading is asked for, under its v1 or v2 name."""
         return self.offload_activations or self.sm_activation_offloading
@@ -70,10 +74,6 @@ Config = dataclasses.make_dataclass(
     namespace={"__doc__": "Parallelism settings: one field per key of ``config_keys.KEYS`` "
                           "(SageMaker's names), plus ``world_size`` filled in by ``init``.",
                "__module__": __name__})
-
-
-def _user_keys() -> set[str]:
-    return set(BY_NAME)
 
 
 def load_raw(config: dict | str | os.PathLike | None) -> dict[str, Any]:
@@ -130,14 +130,14 @@ def _resolve_aliases(raw: dict[str, Any], problems: list[str]) -> dict[str, Any]
 def _unknown(keys: set[str]) -> list[str]:
     problems = []
     for key in sorted(keys):
-        close = get_close_matches(key, sorted(_user_keys() | set(ALIASES)), n=1)
+        close = get_close_matches(key, sorted(set(BY_NAME) | set(ALIASES)), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         problems.append(f"unknown config key {key!r}{hint} (every key: modelparallel.config_keys.KEYS)")
     return problems
 
 
 def _check_placement(value: str, problems: list[str]) -> None:
-    if value in _PLACEMENTS:
+    if value in PLACEMENTS:
         return
     if sorted(value.upper()) != ["D", "P", "T"]:
         problems.append(
@@ -148,12 +148,9 @@ def _check_placement(value: str, problems: list[str]) -> None:
 
 def _check_degrees(cfg: Config, problems: list[str]) -> None:
     tp, pp, world = cfg.tensor_parallel_degree, cfg.pipeline_parallel_degree, cfg.world_size
-    for key, low in (("tensor_parallel_degree", 1), ("pipeline_parallel_degree", 1), ("microbatches", 1),
-                     ("sharded_data_parallel_degree", 0), ("hybrid_shard_degree", 0),
-                     ("activation_loading_horizon", 1), ("context_parallel_degree", 1),
-                     ("expert_parallel_degree", 1)):
-        if getattr(cfg, key) < low:
-            problems.append(f"{key} must be >= {low}, got {getattr(cfg, key)}")
+    for key in KEYS:
+        if key.minimum is not None and getattr(cfg, key.name) < key.minimum:
+            problems.append(f"{key.name} must be >= {key.minimum}, got {getattr(cfg, key.name)}")
     if tp >= 1 and pp >= 1 and world % (tp * pp) != 0:
         problems.append(
             f"world size {world} is not divisible by tensor_parallel_degree {tp} x "
@@ -185,9 +182,9 @@ def build_config(config: dict | str | os.PathLike | None, world_size: int) -> Co
     """
     problems: list[str] = []
     raw = _resolve_aliases(load_raw(config), problems)
-    problems += _unknown(set(raw) - _user_keys())
+    problems += _unknown(set(raw) - set(BY_NAME))
     type_problems: list[str] = []
-    known = {k: _coerce(k, v, type_problems) for k, v in raw.items() if k in _user_keys()}
+    known = {k: _coerce(k, v, type_problems) for k, v in raw.items() if k in BY_NAME}
     if type_problems:
         problems += type_problems
         raise ValueError("invalid modelparallel config:\n  - " + "\n  - ".join(problems))

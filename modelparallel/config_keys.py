@@ -30,20 +30,22 @@ class Key:
     doc: str
     api: str = "v1"
     """Which SageMaker API has the key: "v1", "v2" or "v1+v2"."""
+    minimum: int | None = None
+    """The smallest value accepted (numbers only); None: no bound."""
 
 
 KEYS: tuple[Key, ...] = (
     # --- layout ------------------------------------------------------------------------------
     Key("tensor_parallel_degree", int, 1, IMPLEMENTED,
-        "Ranks sharing one copy of each layer, each holding 1/degree of its weights.", "v1+v2"),
+        "Ranks sharing one copy of each layer, each holding 1/degree of its weights.", "v1+v2", minimum=1),
     Key("pipeline_parallel_degree", int, 1, DEFAULT_ONLY,
-        "Pipeline stages (alias ``partitions``); pipelining is not built, so only 1."),
+        "Pipeline stages (alias ``partitions``); pipelining is not built, so only 1.", minimum=1),
     Key("placement_strategy", str, "cluster", IMPLEMENTED,
         "Rank order: \"cluster\" (= \"DPT\"), \"spread\" (= \"TPD\") or any order of D, P, T."),
     Key("random_seed", int, 12345, IMPLEMENTED, "Seed set on every rank by ``init``.", "v1+v2"),
     # --- batches -----------------------------------------------------------------------------
     Key("microbatches", int, 1, IMPLEMENTED,
-        "``@smp.step`` splits each batch into this many microbatches and accumulates gradients."),
+        "``@smp.step`` splits each batch into this many microbatches and accumulates gradients.", minimum=1),
     Key("prescaled_batch", bool, False, IMPLEMENTED,
         "False: every rank of a TP group brings its own batch and the group computes on their "
         "union. True: the TP ranks of a group bring the same batch."),
@@ -56,7 +58,7 @@ KEYS: tuple[Key, ...] = (
     Key("horovod", bool, False, DEFAULT_ONLY, "Horovod data parallelism is not built."),
     Key("sharded_data_parallel_degree", int, 1, IMPLEMENTED,
         "Shard parameters, gradients and optimizer state over the reduced-data-parallel ranks "
-        "(FSDP2); 0 and 1 mean off."),
+        "(FSDP2); 0 and 1 mean off.", minimum=0),
     Key("sdp_reduce_bucket_size", int, 500_000_000, NO_EFFECT, "FSDP2 buckets per module."),
     Key("sdp_param_persistence_threshold", int, 1_000_000, NO_EFFECT,
         "Every parameter of a sharded module is sharded."),
@@ -70,12 +72,12 @@ KEYS: tuple[Key, ...] = (
         "Optimizer state and gradients sharded over the rdp ranks by FSDP2, parameters kept "
         "gathered from forward to backward (ZeRO-2; the same numerics as plain data parallelism)."),
     Key("hybrid_shard_degree", int, 0, IMPLEMENTED,
-        "v2: FSDP sharding degree; 0 shards over all data-parallel ranks, 1 replicates.", "v2"),
+        "v2: FSDP sharding degree; 0 shards over all data-parallel ranks, 1 replicates.", "v2", minimum=0),
     Key("allow_empty_shards", bool, False, NO_EFFECT,
         "v2: uneven and empty shards are always allowed here.", "v2"),
     Key("fsdp_cache_flush_warnings", bool, True, NO_EFFECT, "v2: CUDA allocator warnings.", "v2"),
-    Key("context_parallel_degree", int, 1, DEFAULT_ONLY, "v2: context parallelism is not built.", "v2"),
-    Key("expert_parallel_degree", int, 1, DEFAULT_ONLY, "v2: expert parallelism is not built.", "v2"),
+    Key("context_parallel_degree", int, 1, DEFAULT_ONLY, "v2: context parallelism is not built.", "v2", minimum=1),
+    Key("expert_parallel_degree", int, 1, DEFAULT_ONLY, "v2: expert parallelism is not built.", "v2", minimum=1),
     # --- precision ---------------------------------------------------------------------------
     Key("fp16", bool, False, IMPLEMENTED, "Train in float16 with a loss-scaling optimizer."),
     Key("bf16", bool, False, IMPLEMENTED, "Train in bfloat16."),
@@ -87,7 +89,7 @@ KEYS: tuple[Key, ...] = (
     Key("offload_activations", bool, False, IMPLEMENTED,
         "Checkpointed activations are kept in host memory until backward."),
     Key("activation_loading_horizon", int, 4, IMPLEMENTED,
-        "How many checkpointed modules ahead activations are brought back.", "v1+v2"),
+        "How many checkpointed modules ahead activations are brought back.", "v1+v2", minimum=1),
     Key("sm_activation_offloading", bool, False, IMPLEMENTED, "v2 name of offload_activations.", "v2"),
     # --- SageMaker's tracer and pipeline scheduler -------------------------------------------
     Key("pipeline", str, "interleaved", NO_EFFECT, "Pipeline schedule; no pipeline here."),
@@ -106,5 +108,8 @@ KEYS: tuple[Key, ...] = (
 
 ALIASES = {"partitions": "pipeline_parallel_degree"}
 """Other spellings SageMaker accepts for a key."""
+
+PLACEMENTS = {"cluster": "DPT", "spread": "TPD"}
+"""``placement_strategy``'s names for orders of the letters D, P, T (slowest-varying first)."""
 
 BY_NAME = {k.name: k for k in KEYS}

@@ -16,7 +16,7 @@ from .materialize import wrapping
 from .training import batch
 from .training.dp import allreduce_gradients
 from .model_tp import TensorParallelMethods
-from .materialize.state_dict import LoadResult, full_state_dict, load_state_dict, local_state_dict
+from .materialize.state_dict import LoadReport, full_state_dict, load_state_dict, local_state_dict
 from .tp import walker
 
 logger = logging.getLogger("modelparallel")
@@ -71,6 +71,7 @@ class DistributedModel(TensorParallelMethods, nn.Module):
         wrapping.after_shard(module, rt, state)
         self._mp_state = state
         self._v1 = V1Options(backward_passes_per_step, average_grads_across_microbatches)
+        self._mp_optimizers: list = []  # DistributedOptimizers holding this model's parameters, newest last
         module._mp_wrapped = True
         self.module = module
         rt.models.append(self)
@@ -88,7 +89,7 @@ class DistributedModel(TensorParallelMethods, nn.Module):
         computes on the union of its ranks' batches and each rank gets its own rows back."""
         wrapping.check_ready(self.module, self._mp_state)
         rt = runtime.current()
-        if rt.config.prescaled_batch or rt.config.tensor_parallel_degree == 1:
+        if not rt.config.scaled_batch:
             return self.module(*args, **kwargs)
         args, kwargs, rows = batch.enter(args, kwargs, rt.group(runtime.TP_GROUP))
         return batch.exit(self.module(*args, **kwargs), rows)
@@ -99,7 +100,8 @@ class DistributedModel(TensorParallelMethods, nn.Module):
         average gradients over data-parallel replicas (inside a step: once, after its last
         microbatch; every ``backward_passes_per_step`` steps)."""
         rt = runtime.current()
-        scale = _loss_scale(rt)
+        optimizer = self._optimizer()
+        scale = optimizer.loss_scaler.loss_scale if optimizer is not None else 1.0
         if rt.step is not None and self._v1.average_grads_across_microbatches:
             scale /= rt.step.num_microbatches
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
@@ -133,20 +135,20 @@ class DistributedModel(TensorParallelMethods, nn.Module):
         self._v1.steps += 1
         if self._v1.steps == 1:
             for hook in list(self._v1.post_partition_hooks.values()):
-                hook(self, _last_optimizer())
+                hook(self, self._optimizer())
 
     def _after_step(self) -> None:
         if self._v1.steps == 1 and self._v1.post_step_hooks:
             hooks = list(self._v1.post_step_hooks.values())
             self._v1.post_step_hooks.clear()
             for hook in hooks:
-                hook(self, _last_optimizer())
+                hook(self, self._optimizer())
 
     def register_post_partition_hook(self, hook) -> RemovableHandle | None:
         """Run ``hook(model, optimizer)`` at the first ``@smp.step`` call, before its first
         forward; if that call already happened, run it now."""
         if self.partitioned:
-            hook(self, _last_optimizer())
+            hook(self, self._optimizer())
             return None
         handle = RemovableHandle(self._v1.post_partition_hooks)
         self._v1.post_partition_hooks[handle.id] = hook
@@ -155,12 +157,26 @@ class DistributedModel(TensorParallelMethods, nn.Module):
     def register_post_step_hook(self, hook) -> RemovableHandle | None:
         """Run ``hook(model, optimizer)`` once, after the first ``@smp.step`` call completes; if
         it already did (and an optimizer exists), run it now."""
-        if self.partitioned and _last_optimizer() is not None:
-            hook(self, _last_optimizer())
+        if self.partitioned and self._optimizer() is not None:
+            hook(self, self._optimizer())
             return None
         handle = RemovableHandle(self._v1.post_step_hooks)
         self._v1.post_step_hooks[handle.id] = hook
         return handle
+
+    def link_optimizer(self, optimizer) -> None:
+        """Record a ``DistributedOptimizer`` holding some of this model's parameters (it calls
+        this when built): the newest one's loss scale scales ``backward`` and hooks receive it."""
+        if optimizer not in self._mp_optimizers:
+            self._mp_optimizers.append(optimizer)
+
+    @property
+    def linked_optimizers(self) -> tuple:
+        """The ``DistributedOptimizer``s holding this model's parameters, newest last."""
+        return tuple(self._mp_optimizers)
+
+    def _optimizer(self):
+        return self._mp_optimizers[-1] if self._mp_optimizers else None
 
     def get_module(self) -> nn.Module:
         """The wrapped model (SageMaker's name for ``.module``)."""
@@ -177,7 +193,7 @@ class DistributedModel(TensorParallelMethods, nn.Module):
         wrapping.check_ready(self.module, self._mp_state)
         return local_state_dict(self.module)
 
-    def load_state_dict(self, state_dict, same_partition_load: bool = False, strict: bool = True) -> LoadResult:
+    def load_state_dict(self, state_dict, same_partition_load: bool = False, strict: bool = True) -> LoadReport:
         """Load a full state dict (any TP degree saved it) or this rank's local one.
 
         ``same_partition_load=True`` takes the fast path for a local state dict saved with the
@@ -225,13 +241,3 @@ def _check_v1_args(trace_device: str, backward_passes_per_step: int) -> None:
             or backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
 
-
-def _last_optimizer():
-    optimizers = runtime.current().optimizers
-    return optimizers[-1] if optimizers else None
-
-
-def _loss_scale(rt) -> float:
-    scaler = next((o.loss_scaler for o in reversed(rt.optimizers) if getattr(o, "loss_scaler", None) is not None),
-                  None)
-    return scaler.loss_scale if scaler is not None else 1.0

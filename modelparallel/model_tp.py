@@ -72,5 +72,4 @@ class TensorParallelMethods:
 
 
 def _scaled_batch() -> bool:
-    cfg = runtime.current().config
-    return not cfg.prescaled_batch and cfg.tensor_parallel_degree > 1
+    return runtime.current().config.scaled_batch

@@ -68,7 +68,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         rt = runtime.current()
         if isinstance(optimizer, DistributedOptimizer):
             raise ValueError("the optimizer is already a DistributedOptimizer; wrap a torch optimizer once")
-        _check_owned((p for g in optimizer.param_groups for p in g["params"]), rt)
+        owners = _owners((p for g in optimizer.param_groups for p in g["params"]), rt.models)
         scaler = _make_scaler(1.0 if static_loss_scale is None else static_loss_scale,
                               dynamic_loss_scale, dynamic_loss_args)
         self.master_weights = MasterWeights(optimizer)
@@ -76,6 +76,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.loss_scaler = scaler
         self.overflow = False
         self._grads_ready = False
+        self.models: list = []
+        """The ``DistributedModel``s whose parameters this optimizer holds, linked both ways."""
+        self._link(owners)
         rt.optimizers.append(self)
         if rt.pending_resume is not None:  # smp.resume_from_checkpoint ran before this optimizer existed
             rt.pending_resume.on_optimizer(self)
@@ -110,9 +113,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         (half-precision ones get fp32 masters like the others)."""
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        _check_owned(params, runtime.current())
+        owners = _owners(params, runtime.current().models)
         self.optimizer.add_param_group({**param_group, "params": params})
         self.master_weights.adopt_group(self.optimizer.param_groups[-1])
+        self._link(owners)
+
+    def _link(self, models) -> None:
+        """Link this optimizer and the models holding its parameters, each way."""
+        for model in models:
+            if model not in self.models:
+                self.models.append(model)
+            model.link_optimizer(self)
 
     # ---- the training step ------------------------------------------------------------------
 
@@ -219,15 +230,21 @@ def _make_scaler(static_loss_scale: float, dynamic: bool, args: Mapping[str, Any
     return LossScaler(static_loss_scale)
 
 
-def _check_owned(params, rt: runtime.Runtime) -> None:
-    """Refuse parameters no DistributedModel uses: wrapping replaces a model's parameters with
-    sharded ones, so an optimizer built before wrapping would update tensors nothing reads."""
+def _owners(params, models: list) -> list:
+    """The models (of ``models``, in order) holding any of ``params``.
+
+    Raises:
+        ValueError: if some parameters belong to none of them: wrapping replaces a model's
+            parameters with sharded ones, so an optimizer built before wrapping would update
+            tensors nothing reads.
+    """
     params = list(params)
-    owned = rt.owned_parameter_ids()
-    foreign = sum(1 for p in params if id(p) not in owned)
+    holders = [(m, {id(p) for p in m.module.parameters()}) for m in models]
+    foreign = sum(1 for p in params if not any(id(p) in ids for _, ids in holders))
     if foreign:
         raise ValueError(
             f"{foreign} of the optimizer's {len(params)} parameters do not belong to any "
             "smp.DistributedModel. The optimizer must be created after smp.DistributedModel(...), "
             "from model.parameters(): wrapping replaces the model's parameters with sharded ones, "
             "so an optimizer created before wrapping would update tensors the model no longer uses.")
+    return [m for m, ids in holders if any(id(p) in ids for p in params)]

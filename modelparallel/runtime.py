@@ -28,9 +28,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .config import Config, build_config, without_effect
+from .config_keys import PLACEMENTS
 
 logger = logging.getLogger("modelparallel")
-
 
 
 class CommGroup(str, Enum):
@@ -52,17 +52,31 @@ _RUNTIME: Runtime | None = None
 
 @dataclass
 class Runtime:
-    """Everything a distributed job needs to know about where it runs."""
+    """Everything a distributed job needs to know about where it runs.
+
+    ``models`` and ``optimizers`` record what the job created, newest last, for the API layer
+    only (``smp.state.model``, ``@smp.step``, ``save_checkpoint``'s defaults). Internals never
+    search them: an optimizer is linked to the models whose parameters it holds when it is
+    built, and each model reads its own link.
+    """
 
     config: Config
     mesh: DeviceMesh
     device: torch.device
     models: list = field(default_factory=list)
     optimizers: list = field(default_factory=list)
-    pending_resume: Any = None
+    resume: Any = None
+    """The newest ``resume_from_checkpoint``'s ``PendingResume`` (waiting or done): its
+    ``reports`` are what ``smp.last_load_report()`` returns."""
     step: Any = None
     """The running ``@smp.step`` call's ``StepContext``, or None outside a step."""
     _pp_group: Any = None
+    _object_group: Any = None
+
+    @property
+    def pending_resume(self):
+        """The resume still waiting for its model or optimizer, or None."""
+        return self.resume if self.resume is not None and self.resume.armed else None
 
     @property
     def tp_mesh(self) -> DeviceMesh:
@@ -98,9 +112,15 @@ class Runtime:
             return grid[rdp, :].tolist()
         return [dist.get_rank()]
 
-    def owned_parameter_ids(self) -> set[int]:
-        """ids of every parameter of this runtime's ``DistributedModel``s (one pass, for set lookups)."""
-        return {id(p) for m in self.models for p in m.module.parameters()}
+    def object_group(self) -> dist.ProcessGroup | None:
+        """The group for object collectives (``all_gather_object``): the world on gloo (None), a
+        gloo side group over NCCL, created on first use by every rank (object collectives on
+        NCCL need CUDA tensors, and a CPU group keeps them off the GPU stream)."""
+        if dist.get_backend() == "gloo":
+            return None
+        if self._object_group is None:
+            self._object_group = dist.new_group(backend="gloo")
+        return self._object_group
 
 
 def _group_name(name: str | CommGroup) -> CommGroup:
@@ -135,8 +155,7 @@ def mesh_layout(config: Config) -> torch.Tensor:
     The strategy is an order of the letters D, P, T, slowest-varying first: "cluster" is "DPT"
     (a TP group on consecutive ranks, so on one node), "spread" is "TPD" (TP ranks strided).
     """
-    order = {"cluster": "DPT", "spread": "TPD"}.get(config.placement_strategy,
-                                                    config.placement_strategy.upper())
+    order = PLACEMENTS.get(config.placement_strategy, config.placement_strategy.upper())
     sizes = {"D": config.dp_degree, "P": config.pipeline_parallel_degree,
              "T": config.tensor_parallel_degree}
     grid = torch.arange(config.world_size).reshape([sizes[c] for c in order])
@@ -219,93 +238,56 @@ def is_initialized() -> bool:
 
 
 # ---- SMP's rank API -------------------------------------------------------------------------
+# One rule for every group: a rank's number in a group is its place in ``Runtime.ranks``, the
+# group's size is that list's length (at pipeline degree 1: pp rank 0 of 1, dp = the world).
 
-def rank() -> int:
-    current()
-    return dist.get_rank()
+_GROUP_DOCS = {
+    WORLD: "every rank of the job",
+    TP_GROUP: "the tensor-parallel group: ranks sharing one copy of each layer",
+    RDP_GROUP: "the reduced-data-parallel group: ranks holding the same shard (same tp and pp "
+               "rank); shard data with rdp_rank/rdp_size when prescaled_batch is true",
+    DP_GROUP: "the data-parallel group: ranks with this rank's pp rank (all of them at pipeline "
+              "degree 1); shard data with dp_rank/dp_size when prescaled_batch is false",
+    MP_GROUP: "the ranks that together hold one model copy",
+    PP_GROUP: "the pipeline group: ranks with this rank's tp and rdp rank (only this rank)",
+}
 
 
-def size() -> int:
-    return current().config.world_size
+def _group_api(group: CommGroup, rank_name: str, size_name: str, pg_name: str):
+    """``(rank, size, process_group)`` getters of one group, named as SageMaker names them."""
+    def rank_in() -> int:
+        return current().ranks(group).index(dist.get_rank())
+
+    def size_of() -> int:
+        return len(current().ranks(group))
+
+    def process_group() -> dist.ProcessGroup:
+        return current().group(group)
+
+    what = _GROUP_DOCS[group]
+    for fn, name, doc in ((rank_in, rank_name, "This rank's number in {}."), (size_of, size_name, "Size of {}."),
+                          (process_group, pg_name, "The process group of {}.")):
+        fn.__name__ = fn.__qualname__ = name
+        fn.__doc__ = doc.format(what)
+    return rank_in, size_of, process_group
+
+
+rank, size, get_world_process_group = _group_api(WORLD, "rank", "size", "get_world_process_group")
+tp_rank, tp_size, get_tp_process_group = _group_api(TP_GROUP, "tp_rank", "tp_size", "get_tp_process_group")
+rdp_rank, rdp_size, get_rdp_process_group = _group_api(RDP_GROUP, "rdp_rank", "rdp_size",
+                                                       "get_rdp_process_group")
+dp_rank, dp_size, get_dp_process_group = _group_api(DP_GROUP, "dp_rank", "dp_size", "get_dp_process_group")
+mp_rank, mp_size, get_mp_process_group = _group_api(MP_GROUP, "mp_rank", "mp_size", "get_mp_process_group")
+pp_rank, pp_size, get_pp_process_group = _group_api(PP_GROUP, "pp_rank", "pp_size", "get_pp_process_group")
 
 
 def local_rank() -> int:
+    """This rank's number on its node (the launcher's ``LOCAL_RANK``)."""
     current()
     return int(os.environ.get("LOCAL_RANK", 0))
 
 
 def local_size() -> int:
+    """Ranks on this node (the launcher's ``LOCAL_WORLD_SIZE``)."""
     current()
     return int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-
-
-def tp_rank() -> int:
-    return current().mesh.get_local_rank("tp")
-
-
-def tp_size() -> int:
-    return current().config.tensor_parallel_degree
-
-
-def rdp_rank() -> int:
-    """Rank among the ranks holding the same shard (same tp and pp rank)."""
-    return current().mesh.get_local_rank("dp")
-
-
-def rdp_size() -> int:
-    return current().config.dp_degree
-
-
-def dp_rank() -> int:
-    """Rank within the data-parallel group: the ranks with this rank's pp rank (all of them at
-    pipeline degree 1). Shard data with ``dp_rank``/``dp_size`` when ``prescaled_batch`` is
-    false, with ``rdp_rank``/``rdp_size`` when it is true."""
-    return current().ranks(DP_GROUP).index(dist.get_rank())
-
-
-def dp_size() -> int:
-    cfg = current().config
-    return cfg.world_size // cfg.pipeline_parallel_degree
-
-
-def mp_rank() -> int:
-    """Rank within the ranks that together hold one model copy."""
-    return current().ranks(MP_GROUP).index(dist.get_rank())
-
-
-def mp_size() -> int:
-    cfg = current().config
-    return cfg.tensor_parallel_degree * cfg.pipeline_parallel_degree
-
-
-def pp_rank() -> int:
-    current()
-    return 0
-
-
-def pp_size() -> int:
-    return current().config.pipeline_parallel_degree
-
-
-def get_world_process_group() -> dist.ProcessGroup:
-    return current().group(WORLD)
-
-
-def get_tp_process_group() -> dist.ProcessGroup:
-    return current().group(TP_GROUP)
-
-
-def get_dp_process_group() -> dist.ProcessGroup:
-    return current().group(DP_GROUP)
-
-
-def get_rdp_process_group() -> dist.ProcessGroup:
-    return current().group(RDP_GROUP)
-
-
-def get_mp_process_group() -> dist.ProcessGroup:
-    return current().group(MP_GROUP)
-
-
-def get_pp_process_group() -> dist.ProcessGroup:
-    return current().group(PP_GROUP)

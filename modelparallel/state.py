@@ -2,7 +2,8 @@
 
 v1 scripts read ``smp.state.cfg``, ``smp.state.model``, ``smp.state.optimizer``; v2 scripts read
 ``state.tp_rank``, ``state.dp_rank``, ``state.tensor_parallel_degree``... Every attribute is read
-from the runtime started by ``init`` at the moment it is asked for.
+from the runtime started by ``init`` at the moment it is asked for: most are the rank API's
+answer or a config field under another name, listed below as such.
 
 ``dp_rank``/``dp_size`` here follow v2, where tensor-parallel ranks share a batch: they count
 replicas of one model copy (v1's ``rdp_rank()``/``rdp_size()``). v1's functions ``smp.dp_rank()``
@@ -11,129 +12,63 @@ and ``smp.dp_size()`` keep v1's meaning (the TP group inside the data-parallel g
 
 from __future__ import annotations
 
-import os
-
-import torch.distributed as dist
-
 from . import runtime
+
+
+def _asks(function: str, doc: str | None = None) -> property:
+    """An attribute answered by the rank API function ``function`` (looked up at each read)."""
+    return property(lambda self: getattr(runtime, function)(), doc=doc or f"``smp.{function}()``")
+
+
+def _config(name: str, doc: str | None = None) -> property:
+    """An attribute answered by the config field ``name``."""
+    return property(lambda self: getattr(runtime.current().config, name), doc=doc or f"config ``{name}``")
+
+
+def _newest(records: str) -> property:
+    """The newest object the job created of a kind (``Runtime.models`` / ``optimizers``), or None."""
+    def get(self):
+        found = getattr(runtime.current(), records)
+        return found[-1] if found else None
+    return property(get, doc=f"The newest of ``Runtime.{records}``, or None.")
+
+
+def _zero(self) -> int:
+    runtime.current()
+    return 0
 
 
 class _State:
     """Attributes of the running job; see the module docstring."""
 
-    @property
-    def initialized(self) -> bool:
-        return runtime.is_initialized()
+    initialized = property(lambda self: runtime.is_initialized())
+    cfg = config = property(lambda self: runtime.current().config)
+    model = _newest("models")
+    optimizer = _newest("optimizers")
+    device_mesh = property(lambda self: runtime.current().mesh, doc="The [rdp (\"dp\"), tp] DeviceMesh.")
 
-    @property
-    def cfg(self):
-        return runtime.current().config
+    rank = _asks("rank")
+    world_size = size = _asks("size")
+    local_rank = _asks("local_rank")
+    local_size = _asks("local_size")
+    tp_rank = _asks("tp_rank")
+    tp_size = _asks("tp_size")
+    dp_rank = rdp_rank = _asks("rdp_rank", "v2's data-parallel rank: among the ranks holding the same shard.")
+    dp_size = rdp_size = _asks("rdp_size", "v2's data-parallel size: replicas of one model copy.")
+    pp_rank = _asks("pp_rank")
+    pp_size = _asks("pp_size")
+    cp_rank = ep_rank = property(_zero, doc="0: context and expert parallelism are not built.")
 
-    config = cfg
+    world_process_group = _asks("get_world_process_group")
+    tp_process_group = _asks("get_tp_process_group")
+    dp_process_group = _asks("get_rdp_process_group", "v2's data-parallel group: the ranks holding the same shard.")
 
-    @property
-    def model(self):
-        models = runtime.current().models
-        return models[-1] if models else None
-
-    @property
-    def optimizer(self):
-        optimizers = runtime.current().optimizers
-        return optimizers[-1] if optimizers else None
-
-    @property
-    def rank(self) -> int:
-        return runtime.rank()
-
-    @property
-    def world_size(self) -> int:
-        return runtime.size()
-
-    size = world_size
-
-    @property
-    def local_rank(self) -> int:
-        return runtime.local_rank()
-
-    @property
-    def tp_rank(self) -> int:
-        return runtime.tp_rank()
-
-    @property
-    def tp_size(self) -> int:
-        return runtime.tp_size()
-
-    @property
-    def dp_rank(self) -> int:
-        return runtime.rdp_rank()
-
-    @property
-    def dp_size(self) -> int:
-        return runtime.rdp_size()
-
-    rdp_rank, rdp_size = dp_rank, dp_size
-
-    @property
-    def pp_rank(self) -> int:
-        return runtime.pp_rank()
-
-    @property
-    def pp_size(self) -> int:
-        return runtime.pp_size()
-
-    @property
-    def cp_rank(self) -> int:
-        runtime.current()
-        return 0
-
-    ep_rank = cp_rank
-
-    @property
-    def cp_size(self) -> int:
-        return runtime.current().config.context_parallel_degree
-
-    @property
-    def ep_size(self) -> int:
-        return runtime.current().config.expert_parallel_degree
-
-    @property
-    def tensor_parallel_degree(self) -> int:
-        return runtime.current().config.tensor_parallel_degree
-
-    @property
-    def hybrid_shard_degree(self) -> int:
-        return runtime.current().config.hybrid_shard_degree
-
-    @property
-    def sm_activation_offloading(self) -> bool:
-        return runtime.current().config.activation_offloading
-
-    @property
-    def activation_loading_horizon(self) -> int:
-        return runtime.current().config.activation_loading_horizon
-
-    @property
-    def world_process_group(self) -> dist.ProcessGroup:
-        return runtime.get_world_process_group()
-
-    @property
-    def tp_process_group(self) -> dist.ProcessGroup:
-        return runtime.get_tp_process_group()
-
-    @property
-    def dp_process_group(self) -> dist.ProcessGroup:
-        """v2's data-parallel group: the ranks holding the same shard."""
-        return runtime.get_rdp_process_group()
-
-    @property
-    def device_mesh(self):
-        """The [rdp ("dp"), tp] DeviceMesh."""
-        return runtime.current().mesh
-
-    @property
-    def local_size(self) -> int:
-        runtime.current()
-        return int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    cp_size = _config("context_parallel_degree")
+    ep_size = _config("expert_parallel_degree")
+    tensor_parallel_degree = _config("tensor_parallel_degree")
+    hybrid_shard_degree = _config("hybrid_shard_degree")
+    sm_activation_offloading = _config("activation_offloading", "activation offloading asked for (v1 or v2 name)")
+    activation_loading_horizon = _config("activation_loading_horizon")
 
     def __repr__(self) -> str:
         if not runtime.is_initialized():

@@ -177,6 +177,25 @@ def _misuse():
     return True
 
 
+def _own_optimizer_scales_own_model():
+    """Two models, each with its optimizer: a model's backward applies its own optimizer's loss
+    scale, not the newest optimizer's."""
+    smp.init({"tensor_parallel_degree": 2})
+    a, b = smp.DistributedModel(_gpt2()), smp.DistributedModel(_gpt2())
+    opt_a = smp.DistributedOptimizer(torch.optim.AdamW(a.parameters(), lr=LR), static_loss_scale=8.0)
+    opt_b = smp.DistributedOptimizer(torch.optim.AdamW(b.parameters(), lr=LR), static_loss_scale=2.0)
+    ids = _batch(0)
+    a(input_ids=ids, labels=ids).loss.backward()  # plain autograd: the unscaled gradients
+    plain = [local_grad(p).clone() for p in a.parameters()]
+    a.zero_grad()
+    a.backward(a(input_ids=ids, labels=ids).loss)
+    # a power-of-two scale is exact in floating point, so scaled gradients are exactly 8x
+    exact = all(torch.equal(local_grad(p), 8.0 * g) for p, g in zip(a.parameters(), plain))
+    links = (opt_a.models == [a], opt_b.models == [b], a.linked_optimizers == (opt_a,),
+             smp.state.optimizer is opt_b, smp.state.model is b)
+    return exact, links
+
+
 def _lr_scheduler_accepts_wrapper():
     dm, opt, _ = _setup()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
@@ -222,6 +241,12 @@ def test_state_dict_round_trip():
 
 def test_misuse_raises_and_registers_nothing():
     assert harness.run(2, _misuse) == [True, True]
+
+
+def test_each_model_uses_its_own_optimizers_loss_scale():
+    for exact, links in harness.run(2, _own_optimizer_scales_own_model):
+        assert exact, "model.backward did not scale by its own optimizer's loss scale"
+        assert all(links), links
 
 
 def test_lr_scheduler_accepts_wrapper():

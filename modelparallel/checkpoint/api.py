@@ -1,8 +1,9 @@
 """``smp.save_checkpoint`` and ``smp.resume_from_checkpoint``: SageMaker's checkpoint API.
 
-A resume called before the ``DistributedModel`` / ``DistributedOptimizer`` exist is kept in
-``Runtime.pending_resume`` and applied by their constructors, as SageMaker defers it: user code
-can resume first, then build the model as usual.
+A resume called before the ``DistributedModel`` / ``DistributedOptimizer`` exist is kept as the
+runtime's newest ``resume`` (``Runtime.pending_resume`` while it waits) and applied by their
+constructors, as SageMaker defers it: user code can resume first, then build the model as usual.
+The resume object also holds what its loads skipped (``last_load_report``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from . import partial as partial_ckpt
 from .errors import run_phase
 from .full_load import load_weights
 from .parts import USER_CONTENT, LoadReport, read_user_content
-from .pending import LAST_REPORTS, PendingResume
+from .pending import PendingResume
 
 
 def save_checkpoint(path: str | Path, tag: str, partial: bool = True, model=None, optimizer=None,
@@ -63,15 +64,14 @@ def save_checkpoint(path: str | Path, tag: str, partial: bool = True, model=None
 
 
 def _defaults(model, optimizer):
-    """SageMaker's defaults: the newest model, and the newest optimizer if it optimizes that
-    model (with several models, the newest optimizer may belong to another one)."""
+    """SageMaker's defaults: the newest model, and the newest optimizer linked to that model
+    if it optimizes that model alone (one spanning several models has no place in one
+    model's checkpoint)."""
     rt = runtime.current()
     model = model if model is not None else (rt.models[-1] if rt.models else None)
-    if optimizer is None and rt.optimizers and model is not None:
-        owned = {id(p) for p in model.module.parameters()}
-        newest = rt.optimizers[-1]
-        if all(id(p) in owned for g in newest.param_groups for p in g["params"]):
-            optimizer = newest
+    if optimizer is None and model is not None and model.linked_optimizers:
+        newest = model.linked_optimizers[-1]
+        optimizer = newest if newest.models == [model] else None
     return model, optimizer
 
 
@@ -123,7 +123,8 @@ def resume_from_checkpoint(path: str | Path, tag: str | None = None, partial: bo
             truncated, corrupted or unlisted file (named); content a checkpoint may not hold.
     """
     rt = runtime.current()
-    rt.pending_resume = None
+    if rt.resume is not None:  # a new resume replaces one still waiting, even if it fails
+        rt.resume.armed = False
     path = Path(path)
     if not partial and tag is not None and single_file.is_single_file(path, tag):
         content, pending = single_file.prepare(path, tag, strict, translate_function, trust_user_content)
@@ -131,7 +132,7 @@ def resume_from_checkpoint(path: str | Path, tag: str | None = None, partial: bo
         content, pending = _prepare(path, tag, partial, strict, load_optimizer, translate_function,
                                     trust_user_content)
     model, optimizer = _defaults(None, None)
-    rt.pending_resume = pending
+    rt.resume = pending
     if model is not None:
         pending.on_model(model, optimizer if pending.load_optimizer is not None else None)
     return content
@@ -183,7 +184,8 @@ def _load_full(directory: Path, manifest: dict, model, strict: bool, translate_f
 def last_load_report() -> dict[str, LoadReport]:
     """Per part ("model", "optimizer"): what the last resume skipped (non-empty only with
     ``strict=False``)."""
-    return dict(LAST_REPORTS)
+    resume = runtime.current().resume if runtime.is_initialized() else None
+    return dict(resume.reports) if resume is not None else {}
 
 
 def locate(path: Path, tag: str | None, partial: bool) -> Path:

@@ -15,11 +15,14 @@ propagates a failure on one rank to all ranks itself before returning.
 from __future__ import annotations
 
 import builtins
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+from .. import runtime
 
 
 class CheckpointError(RuntimeError):
@@ -30,32 +33,27 @@ class CheckpointError(RuntimeError):
     """
 
 
-_TYPED: dict[str, type] = {}
-
-
 def _error_class(names: set[str]) -> type:
     """``CheckpointError``, mixed with the one built-in exception type all failing ranks raised."""
     name = next(iter(names)) if len(names) == 1 else None
     base = getattr(builtins, name, None) if name else None
     if not (isinstance(base, type) and issubclass(base, Exception)) or issubclass(CheckpointError, base):
         return CheckpointError
-    if name not in _TYPED:
-        _TYPED[name] = type(f"Checkpoint{name}", (CheckpointError, base), {"__str__": RuntimeError.__str__})
-    return _TYPED[name]
+    return _typed_error(name, base)
+
+
+@functools.cache
+def _typed_error(name: str, base: type) -> type:
+    """One class per built-in type, so ``type(e)`` is the same for the same failure."""
+    return type(f"Checkpoint{name}", (CheckpointError, base), {"__str__": RuntimeError.__str__})
 
 
 def object_group() -> dist.ProcessGroup | None:
-    """The group for object collectives: the world on gloo, a gloo side group over NCCL (object
-    collectives on NCCL need CUDA tensors, and a CPU group keeps them off the GPU stream)."""
-    if not dist.is_initialized() or dist.get_backend() == "gloo":
+    """The group for object collectives: the runtime's (``Runtime.object_group``), or the
+    default group when the library's runtime was not started."""
+    if not dist.is_initialized() or not runtime.is_initialized():
         return None
-    global _GLOO_WORLD
-    if _GLOO_WORLD is None:
-        _GLOO_WORLD = dist.new_group(backend="gloo")
-    return _GLOO_WORLD
-
-
-_GLOO_WORLD: dist.ProcessGroup | None = None
+    return runtime.current().object_group()
 
 
 def _world() -> int:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from .. import runtime
 from . import parts
 
 EXPORT_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
@@ -39,15 +38,10 @@ def export_state(model, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     state = parts.model_state(model.module)
     if dtype is None:
         return state
-    masters = {id(p): m for opt in runtime.current().optimizers for p, m in opt.master_weights.pairs}
+    masters = {id(p): m for opt in model.linked_optimizers for p, m in opt.master_weights.pairs}
     params = dict(model.module.named_parameters())
     out = {}
     for key, t in state.items():
         src = masters.get(id(params.get(key)), t).detach()
         out[key] = src.to(dtype) if src.is_floating_point() and src.dtype != dtype else src
     return out
-
-
-def exported_dtype(state: dict[str, torch.Tensor]) -> torch.dtype | None:
-    """The dtype a config should name: that of the first floating-point tensor."""
-    return next((t.dtype for t in state.values() if t.is_floating_point()), None)

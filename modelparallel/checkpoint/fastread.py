@@ -27,10 +27,11 @@ from concurrent.futures import Future
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
+from ..compat import set_element
+from ..materialize.safetensors_io import read_exact_into
 from .safe_load import read_dcp_metadata, torch_load
 
 _STORAGE_RECORD = re.compile(r"(^|/)data/\d+$")
@@ -41,7 +42,6 @@ _LOCAL_HEADER = struct.Struct("<4s22xHH")
 _CENTRAL = struct.Struct("<4s6xH8xIIHHH8xI")
 _END = struct.Struct("<4s6xHII2x")
 _TAIL = 1 << 14  # torch.save's central directory and end records are well under 2 KiB
-_BLOCK = 1 << 26  # one preadv is capped by Linux at ~2 GiB; 64 MiB keeps each call well under
 
 
 class ContiguousSavePlanner(DefaultSavePlanner):
@@ -104,14 +104,9 @@ def _payload(fd: int, start: int, record: tuple[int, int, int]) -> int | None:
 
 
 def _read_into(fd: int, offset: int, target: torch.Tensor, path: str) -> None:
-    """Fill the contiguous CPU ``target`` with the bytes at ``offset`` (short reads retried)."""
-    view = memoryview(target.view(-1).view(torch.uint8).numpy())
-    done = 0
-    while done < len(view):
-        got = os.preadv(fd, [view[done:done + _BLOCK]], offset + done)
-        if got <= 0:
-            raise OSError(f"{path}: ended {len(view) - done} bytes early at offset {offset + done}")
-        done += got
+    """Fill the contiguous CPU ``target`` with the bytes at ``offset`` (one seam, so a test can
+    watch which reads take the direct path)."""
+    read_exact_into(fd, offset, target, path)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

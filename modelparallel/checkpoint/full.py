@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ..tp.layout import block_slices, local_block
 from . import commit, export_dtype, parts
 from .errors import run_phase
 from .partial import describe, verify
@@ -62,14 +63,6 @@ def _plan(state: dict[str, torch.Tensor], translate: Items | None, prefix: str, 
     return plan_shards(items, prefix, max_bytes)
 
 
-def _chunk(n: int, parts: int, index: int) -> tuple[int, int]:
-    """(offset, size) of piece ``index`` when ``n`` rows split in ``parts`` like DTensor's
-    ``Shard`` (torch.chunk: pieces of ceil(n / parts), the last ones smaller or empty)."""
-    step = -(-n // parts)
-    start = min(index * step, n)
-    return start, min(n, start + step) - start
-
-
 def _gather_to_rank0(t: torch.Tensor, writer_rank: int) -> torch.Tensor | None:
     """The global tensor on global rank ``writer_rank`` (None elsewhere): the other ranks of
     its TP group send their shards one by one, each received straight into its place (for
@@ -91,10 +84,8 @@ def _gather_to_rank0(t: torch.Tensor, writer_rank: int) -> torch.Tensor | None:
         dist.send(local.contiguous(), dst=writer_rank, group=mesh.get_group())
         return None
     full = torch.empty(t.shape, dtype=t.dtype)
-    dim = placement.dim
     for index, src in enumerate(group_ranks):
-        offset, size = _chunk(t.shape[dim], len(group_ranks), index)
-        place = full.narrow(dim, offset, size)
+        place = full[block_slices(*local_block(t, [index]))]
         if src == me:
             place.copy_(local)
         elif place.is_contiguous():
@@ -147,9 +138,8 @@ def save(path: Path, tag: str, model, user_content: Any, translate_if_full: bool
         found["shards"] = _plan(state, translate, prefix, max_shard_bytes or MAX_SHARD_BYTES)
         if rank != 0:
             return None
-        found["content"] = parts.serialize_user_content(user_content, trust_user_content)
-        lock.acquire()
-        return commit.new_staging(path, tag).name
+        staged, found["content"] = parts.stage(path, tag, lock, user_content, trust_user_content)
+        return staged
 
     try:
         staging = path / run_phase("full save (prepare)", prepare)[0]

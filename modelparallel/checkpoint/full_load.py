@@ -17,15 +17,13 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..materialize import state_dict as sd_mod
+from ..materialize.safetensors_io import DTYPES
+from ..tp.layout import copy_shard
 from . import parts
 from .full import translation
 from .parts import LoadReport
-from .shards import DTYPES
-
-_DTYPE_OF = {name: dtype for dtype, name in DTYPES.items()}
 
 
 def _sources(directory: Path, files: list[str], from_hf) -> dict[str, tuple[str, str, tuple]]:
@@ -35,7 +33,7 @@ def _sources(directory: Path, files: list[str], from_hf) -> dict[str, tuple[str,
         with safe_open(directory / name, framework="pt") as f:
             for key in f.keys():
                 piece = f.get_slice(key)
-                meta = torch.empty(piece.get_shape(), dtype=_DTYPE_OF[piece.get_dtype()], device="meta")
+                meta = torch.empty(piece.get_shape(), dtype=DTYPES[piece.get_dtype()], device="meta")
                 for dist_key, t in (from_hf(key, meta) if from_hf else [(key, meta)]):
                     out[dist_key] = (name, key, tuple(t.shape))
     return out
@@ -50,17 +48,6 @@ def _compare(state: dict[str, torch.Tensor], sources: dict, ties: dict[str, str]
     mismatched = [f"{k}: checkpoint {sources[k][2]}, model {tuple(t.shape)}"
                   for k, t in state.items() if k in sources and sources[k][2] != tuple(t.shape)]
     return LoadReport(sorted(set(state) - set(sources)), extra, mismatched)
-
-
-def _copy_shard(target: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy this rank's piece of ``full`` into ``target`` (a DTensor's local shard, or whole)."""
-    with torch.no_grad():
-        if isinstance(target, DTensor):
-            piece = distribute_tensor(full.to(target.dtype), target.device_mesh, target.placements,
-                                      src_data_rank=None).to_local()
-            target.to_local().copy_(piece)
-        else:
-            target.copy_(full)
 
 
 def load_weights(directory: Path, manifest: dict, model, strict: bool,
@@ -81,7 +68,7 @@ def load_weights(directory: Path, manifest: dict, model, strict: bool,
     problems = report.problems("model")
     if problems and strict:
         raise ValueError("checkpoint does not fit (strict=True):\n  - " + "\n  - ".join(problems))
-    skip = {m.split(": ")[0] for m in report.mismatched_shapes}
+    skip = report.mismatched_keys
     wanted: dict[str, list[tuple[str, str]]] = {}
     for key in state:
         if key in sources and key not in skip:
@@ -91,7 +78,7 @@ def load_weights(directory: Path, manifest: dict, model, strict: bool,
         with safe_open(directory / name, framework="pt") as f:
             for key, stored in entries:
                 items = dict(from_hf(stored, f.get_tensor(stored)) if from_hf else [(stored, f.get_tensor(stored))])
-                _copy_shard(state[key], items.get(key, next(iter(items.values()))))
+                copy_shard(state[key], items.get(key, next(iter(items.values()))))
     return report
 
 
@@ -101,4 +88,4 @@ def _load_whole(directory: Path, files: list[str], model, strict: bool, translat
         with safe_open(directory / name, framework="pt") as f:
             whole.update({k: f.get_tensor(k) for k in f.keys()})
     result = sd_mod.load_state_dict(model.module, translate_function(whole), strict=strict)
-    return LoadReport(result.missing_keys, result.unexpected_keys, [])
+    return result

@@ -17,13 +17,15 @@ stored as tagged dicts and come back as ``defaultdict``s (``safe_load.to_plain``
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import runtime
+from ..tp.layout import assemble
 from . import commit
 from .safe_load import from_plain, to_plain, torch_load
 
@@ -55,37 +57,6 @@ def _record(local: torch.Tensor, like: DTensor) -> dict:
 def _own_storage(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself, or a copy if it views a larger storage (torch.save writes whole storages)."""
     return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
-
-
-def local_optimizer_state(optimizer) -> dict[str, Any]:
-    """A ``DistributedOptimizer``'s state with DTensor entries as this rank's local shards."""
-    inner = optimizer.optimizer.state_dict()
-    state = {i: {k: v.to_local() if isinstance(v, DTensor) else v for k, v in slots.items()}
-             for i, slots in inner["state"].items()}
-    return {"optimizer": {**inner, "state": state}, "loss_scaler": optimizer.loss_scaler.state_dict()}
-
-
-def to_param_layout(torch_optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-    """A torch optimizer state dict whose entries for DTensor parameters are plain tensors (global
-    shape from ``smp.load`` at another degree, or this rank's shard) made DTensors like their
-    parameter: torch's own load would keep them plain, and the next step would mix the two."""
-    params = [p for g in torch_optimizer.param_groups for p in g["params"]]
-    state = {}
-    for index, slots in state_dict["state"].items():
-        p = params[int(index)]
-        state[index] = {k: _like(p, v) for k, v in slots.items()} if isinstance(p, DTensor) else slots
-    return {**state_dict, "state": state}
-
-
-def _like(param: DTensor, value: Any) -> Any:
-    if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
-        return value
-    if value.shape == param.shape:  # global: each rank slices its own shard, no communication
-        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
-    if value.shape == param.to_local().shape:  # this rank's shard, same layout
-        return DTensor.from_local(value.to(param.device), param.device_mesh, param.placements, run_check=False,
-                                  shape=param.shape, stride=param.stride())
-    return value  # e.g. Adam's scalar step: torch's load handles it
 
 
 def _encode(obj: Any, live: dict) -> Any:
@@ -122,7 +93,7 @@ def save(obj: Any, f: str | Path, partial: bool = True, pickle_module: Any = Non
         raise NotImplementedError("smp.save(pickle_module=...): files are written in the one format that "
                                   "loads without running code")
     if not partial:
-        if any(isinstance(t, DTensor) for t in _tensors(obj)):
+        if any(True for _ in _find(obj, lambda o: isinstance(o, DTensor))):
             raise ValueError("smp.save(partial=False) needs full tensors: pass model.state_dict(), "
                              "not DTensors or local_state_dict()")
         if runtime.rank() == 0:
@@ -139,15 +110,21 @@ def _write(obj: Any, path: Path) -> None:
     commit.write_file_atomic(path, data)
 
 
-def _tensors(obj: Any):
-    if isinstance(obj, torch.Tensor):
+def _find(obj: Any, match: Callable[[Any], bool]) -> Iterator[Any]:
+    """Every value in the nested dicts / lists / tuples of ``obj`` for which ``match`` holds
+    (not looking inside a match)."""
+    if match(obj):
         yield obj
     elif isinstance(obj, dict):
         for v in obj.values():
-            yield from _tensors(v)
+            yield from _find(v, match)
     elif isinstance(obj, (list, tuple)):
         for v in obj:
-            yield from _tensors(v)
+            yield from _find(v, match)
+
+
+def _is_record(obj: Any) -> bool:
+    return isinstance(obj, dict) and obj.get(RECORD) == 1
 
 
 def _read(path: Path, weights_only: bool) -> Any:
@@ -158,30 +135,16 @@ def _read(path: Path, weights_only: bool) -> Any:
     return from_plain(torch.load(path, map_location="cpu", weights_only=False))
 
 
-def _records(obj: Any):
-    if isinstance(obj, dict) and obj.get(RECORD) == 1:
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _records(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _records(v)
-
-
 def _decode(objs: list[Any], same_layout: bool) -> Any:
     """Records replaced by local shards (same layout) or by reassembled global tensors."""
     first = objs[0]
-    if isinstance(first, dict) and first.get(RECORD) == 1:
+    if _is_record(first):
         if same_layout:
             return first["local"]
         pieces = sorted(objs, key=lambda r: r["coordinate"])
         if first["shard_dim"] < 0:
             return first["local"]
-        out = torch.cat([r["local"] for r in pieces], dim=first["shard_dim"])
-        if list(out.shape) != first["global_shape"]:
-            raise ValueError(f"shards of a {first['global_shape']} tensor reassemble to {list(out.shape)}")
-        return out
+        return assemble([r["local"] for r in pieces], first["shard_dim"], first["global_shape"])
     if isinstance(first, dict):
         out = copy.copy(first)
         out.update((k, _decode([o[k] for o in objs], same_layout)) for k in first)
@@ -209,7 +172,7 @@ def load(f: str | Path, partial: bool = True, weights_only: bool = True, map_loc
         return _read(Path(f), weights_only)
     own = Path(f"{f}_{runtime.pp_rank()}_{runtime.tp_rank()}")
     first = _read(own if own.is_file() else Path(f"{f}_{runtime.pp_rank()}_0"), weights_only)
-    records = list(_records(first))
+    records = list(_find(first, _is_record))
     degree = records[0]["degree"] if records else 1
     if own.is_file() and degree == runtime.tp_size():
         return _decode([first], same_layout=True)

@@ -36,6 +36,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
+from ..tp.layout import from_local_like
 from ..training.optimizer_state import load_masters
 from .parts import LoadReport
 from .safe_load import read_dcp_metadata
@@ -49,7 +50,7 @@ PARAM_KEYED = (STATE, MASTERS)
 
 def param_names(module: nn.Module) -> dict[int, str]:
     """id(parameter) -> its first name (a tied parameter is saved once, as in the model part)."""
-    return {id(p): n for n, p in reversed(list(module.named_parameters(remove_duplicate=False)))}
+    return {id(p): n for n, p in module.named_parameters()}
 
 
 def optimizer_state(module: nn.Module, optimizer) -> dict[str, Any]:
@@ -86,8 +87,7 @@ def _target(param: torch.Tensor | None, md: TensorStorageMetadata, current: Any 
         return current
     if isinstance(param, DTensor) and tuple(param.shape) == size:
         local = param.to_local()
-        return DTensor.from_local(torch.empty(local.shape, dtype=dtype, device=local.device), param.device_mesh,
-                                  param.placements, run_check=False, shape=param.shape, stride=param.stride())
+        return from_local_like(torch.empty(local.shape, dtype=dtype, device=local.device), param)
     device = param.to_local().device if isinstance(param, DTensor) else getattr(param, "device", "cpu")
     return torch.empty(size, dtype=dtype, device=device)
 

@@ -67,9 +67,8 @@ def save(path: Path, tag: str, model, optimizer, user_content: Any, keep: int | 
             states[OPTIMIZER] = optim_part.optimizer_state(model.module, optimizer)
         if rank != 0:
             return None
-        content["bytes"] = parts.serialize_user_content(user_content, trust_user_content)
-        lock.acquire()
-        return commit.new_staging(path, name).name
+        staged, content["bytes"] = parts.stage(path, name, lock, user_content, trust_user_content)
+        return staged
 
     try:
         staging = path / run_phase("save (prepare)", prepare)[0]

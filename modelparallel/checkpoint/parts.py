@@ -16,7 +16,7 @@ from __future__ import annotations
 import io
 import os
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -24,10 +24,12 @@ from torch import nn
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # DCP's key rule: one place
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from ..compat import flatten_state_dict, set_element
+from ..materialize.state_dict import LoadReport
+from ..tp.layout import tie_groups
+from . import commit
 from .errors import cause
 from .fastread import ContiguousSavePlanner, FastReader, SafeLoadPlanner
 from .safe_load import check_loadable, from_plain, read_dcp_metadata, to_plain, torch_load
@@ -35,42 +37,16 @@ from .safe_load import check_loadable, from_plain, read_dcp_metadata, to_plain, 
 USER_CONTENT = "user_content.pt"
 
 
-class LoadReport(NamedTuple):
-    """What a non-strict load skipped: keys the model (or optimizer) has and the checkpoint
-    lacks, keys only the checkpoint has, and ``"key: checkpoint (..), model (..)"`` shape
-    mismatches."""
-
-    missing_keys: list[str]
-    unexpected_keys: list[str]
-    mismatched_shapes: list[str]
-
-    def problems(self, part: str) -> list[str]:
-        out = [f"{part}: missing keys (in the model, not in the checkpoint): {self.missing_keys}"] \
-            if self.missing_keys else []
-        if self.unexpected_keys:
-            out.append(f"{part}: unexpected keys (in the checkpoint, not in the model): {self.unexpected_keys}")
-        out += [f"{part}: shape mismatch {m}" for m in self.mismatched_shapes]
-        return out
-
-
 def model_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """The module's state dict with tied duplicates dropped (the first key of a tie is kept):
     one copy on disk, and the load fills every name of the tie through the shared tensor."""
-    seen, out = set(), {}
-    for key, t in module.state_dict(keep_vars=True).items():
-        if id(t) not in seen:
-            seen.add(id(t))
-            out[key] = t.detach()
-    return out
+    state = module.state_dict(keep_vars=True)
+    return {keys[0]: state[keys[0]].detach() for keys in tie_groups(state.items())}
 
 
 def tied_keys(module: nn.Module) -> dict[str, str]:
     """Dropped duplicate key -> the kept key it shares its tensor with (recorded in the manifest)."""
-    first, ties = {}, {}
-    for key, t in module.state_dict(keep_vars=True).items():
-        ties.update({key: first[id(t)]} if id(t) in first else {})
-        first.setdefault(id(t), key)
-    return ties
+    return {key: keys[0] for keys in tie_groups(module.state_dict(keep_vars=True).items()) for key in keys[1:]}
 
 
 def flatten(state: dict[str, Any]) -> dict[str, Any]:
@@ -94,7 +70,7 @@ def compare(state: dict[str, Any], directory: Path) -> LoadReport:
 
 def loadable(state: dict[str, Any], report: LoadReport) -> set[str]:
     """The flattened keys of ``state`` that the checkpoint has at the same shape."""
-    skip = set(report.missing_keys) | {m.split(": ")[0] for m in report.mismatched_shapes}
+    skip = set(report.missing_keys) | report.mismatched_keys
     return set(flatten(state)) - skip
 
 
@@ -136,6 +112,16 @@ def serialize_user_content(obj: Any, trusted: bool = False) -> bytes:
         torch.save(obj, buf)
         return buf.getvalue()
     return check_loadable(to_plain(obj), "user_content")
+
+
+def stage(path: Path, name: str, lock, user_content: Any, trusted: bool) -> tuple[str, bytes]:
+    """Global rank 0's share of a save's first phase, in this order: the user content serialized
+    (an object a checkpoint cannot store is refused before anything on disk changes), the
+    directory's writer lock (``commit.DirectoryLock``) taken, a fresh staging directory for
+    ``name`` made. Returns (the staging directory's name, the user content's bytes)."""
+    content = serialize_user_content(user_content, trusted)
+    lock.acquire()
+    return commit.new_staging(path, name).name, content
 
 
 def write_bytes(path: Path, data: bytes) -> None:

@@ -20,11 +20,9 @@ from pathlib import Path
 
 import torch
 
+from ..materialize.safetensors_io import DTYPE_NAMES
 from .commit import crc32
 
-DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-          torch.bool: "BOOL"}
 
 
 @dataclass
@@ -43,13 +41,13 @@ def plan_shards(items: list[tuple[str, tuple[int, ...], torch.dtype]], prefix: s
     larger than that gets a shard of its own) and fix every header entry."""
     shards = [Shard("")]
     for key, shape, dtype in items:
-        if dtype not in DTYPES:
+        if dtype not in DTYPE_NAMES:
             raise ValueError(f"{key}: dtype {dtype} cannot be stored in safetensors")
         n = _nbytes(shape, dtype)
         if shards[-1].entries and shards[-1].size + n > max_bytes:
             shards.append(Shard(""))
         s = shards[-1]
-        s.entries[key] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [s.size, s.size + n]}
+        s.entries[key] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [s.size, s.size + n]}
         s.size += n
     for i, s in enumerate(shards):
         s.name = f"{prefix}.safetensors" if len(shards) == 1 else \
@@ -79,7 +77,7 @@ class ShardWriter:
         """Append ``key``'s bytes; its dtype and shape must be what the plan said."""
         index = self._where[key]
         entry = self.shards[index].entries[key]
-        if DTYPES.get(tensor.dtype) != entry["dtype"] or list(tensor.shape) != entry["shape"]:
+        if DTYPE_NAMES.get(tensor.dtype) != entry["dtype"] or list(tensor.shape) != entry["shape"]:
             raise ValueError(f"{key}: got {tensor.dtype} {tuple(tensor.shape)}, planned {entry['dtype']} "
                              f"{tuple(entry['shape'])}")
         f = self._file(index)

@@ -18,10 +18,11 @@ from typing import Any
 import torch
 
 from ..materialize import state_dict as sd_mod
+from ..tp.layout import copy_shard
 from . import commit, parts
 from .errors import run_phase
 from .full import translation
-from .full_load import _compare, _copy_shard
+from .full_load import _compare
 from .parts import LoadReport
 from .pending import PendingResume
 from .safe_load import torch_load
@@ -78,18 +79,17 @@ def load_file(file: Path, model, strict: bool, translate_function: Callable | No
                                               for k, v in whole.items()):
         raise ValueError(f"{file}: expected a state dict (parameter name -> tensor), got {type(whole).__name__}")
     if translate_function is not None:
-        result = sd_mod.load_state_dict(model.module, translate_function(whole), strict=strict)
-        return LoadReport(result.missing_keys, result.unexpected_keys, [])
+        return sd_mod.load_state_dict(model.module, translate_function(whole), strict=strict)
     state = parts.model_state(model.module)
     sources, from_hf = _sources(whole, model)
     report = _compare(state, sources, parts.tied_keys(model.module))
     problems = report.problems("model")
     if problems and strict:
         raise ValueError(f"{file} does not fit the model (strict=True):\n  - " + "\n  - ".join(problems))
-    skip = {m.split(": ")[0] for m in report.mismatched_shapes}
+    skip = report.mismatched_keys
     for key, target in state.items():
         if key in sources and key not in skip:
             stored = sources[key][1]
             items = dict(from_hf(stored, whole[stored]) if from_hf else [(stored, whole[stored])])
-            _copy_shard(target, items.get(key, next(iter(items.values()))))
+            copy_shard(target, items.get(key, next(iter(items.values()))))
     return report

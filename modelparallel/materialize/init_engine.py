@@ -16,8 +16,9 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
+from ..tp.layout import copy_shard, local_part, tied_parameters
 from . import hf_init, meta
 
 logger = logging.getLogger("modelparallel")
@@ -27,16 +28,6 @@ __all__ = ["InitEngine"]
 
 def _join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
-
-
-def _tie_groups(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
-    """Holders of every parameter held by more than one module (e.g. LM head and embedding)."""
-    groups: dict[int, list[tuple[nn.Module, str]]] = {}
-    for mod in model.modules():
-        for name, p in mod._parameters.items():
-            if p is not None:
-                groups.setdefault(id(p), []).append((mod, name))
-    return [g for g in groups.values() if len(g) > 1]
 
 
 class InitEngine:
@@ -58,7 +49,7 @@ class InitEngine:
         self.device = device
         self.init_fn = init_method_using_config or hf_init.default_init_fn(model)
         self.verbose = verbose
-        self.ties = _tie_groups(model)
+        self.ties = [[(mod, name) for _, mod, name in group] for group in tied_parameters(model)]
         self._unwritten: set[str] = set()
         self._mine: dict[int, str] = {}
         self._names = {id(m): path for path, m in model.named_modules(remove_duplicate=False)}
@@ -111,9 +102,7 @@ class InitEngine:
                 continue
             self._unwritten.discard(qname)
             if isinstance(target, DTensor):
-                with torch.no_grad():
-                    target.to_local().copy_(distribute_tensor(
-                        full.detach(), target.device_mesh, target.placements, src_data_rank=None).to_local())
+                copy_shard(target, full.detach())
 
     @staticmethod
     def _scratch(table: dict, name: str, separate: bool) -> torch.Tensor:
@@ -123,7 +112,7 @@ class InitEngine:
         t = table[name]
         if not (separate or isinstance(t, DTensor)):
             return t
-        full = torch.empty(t.shape, dtype=t.dtype, device=(t.to_local() if isinstance(t, DTensor) else t).device)
+        full = torch.empty(t.shape, dtype=t.dtype, device=local_part(t).device)
         table[name] = nn.Parameter(full, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else full
         return table[name]
 

@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from . import hf_init, meta, safetensors_io
 from .init_engine import InitEngine
 from ..nn.huggingface import table_for
-from .state_dict import LoadResult
+from ..tp.layout import base_prefix, block_of, block_slices, local_part, tie_groups
+from .state_dict import LoadReport
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -75,23 +75,23 @@ def _shapes(files: dict[str, str]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _packed(table, key: str, model_shape: tuple, ckpt_shape: tuple) -> tuple[int, int] | None:
-    """(dim, chunks) if the model stores ``ckpt_shape`` with one dim split in two (a fused q|k|v
-    kept per chunk), from the architecture's key table, else inferred from the shapes."""
-    if len(model_shape) != len(ckpt_shape) + 1:
+def _packed_dims(module: nn.Module) -> dict[int, int]:
+    """id(tensor) -> the dim a packed style split in two, for every packed parameter of
+    ``module``: the dims of the architecture's ``Packed`` descriptor, which the style records."""
+    out = {}
+    for mod in module.modules():
+        for name, dim in mod.__dict__.get("_mp_packed_dims", {}).items():
+            if getattr(mod, name, None) is not None:
+                out[id(getattr(mod, name))] = dim
+    return out
+
+
+def _packed(dim: int | None, model_shape: tuple, ckpt_shape: tuple) -> tuple[int, int] | None:
+    """(dim, chunks) when the model stores ``ckpt_shape`` with fused dim ``dim`` split per chunk
+    (None for a checkpoint that already holds the split layout)."""
+    if dim is None or len(model_shape) != len(ckpt_shape) + 1:
         return None
-    if table is not None:
-        try:
-            _, template, _ = table.match(key)
-            if template in table.packed:
-                return table.packed[template]
-        except KeyError:
-            pass
-    for d in range(len(ckpt_shape)):
-        if (model_shape[:d] == ckpt_shape[:d] and model_shape[d + 2:] == ckpt_shape[d + 1:]
-                and model_shape[d] * model_shape[d + 1] == ckpt_shape[d]):
-            return d, model_shape[d]
-    return None
+    return dim, model_shape[dim]
 
 
 def _hf_shape(shape: tuple, packed) -> tuple:
@@ -104,35 +104,32 @@ def _hf_shape(shape: tuple, packed) -> tuple:
 def _candidates(module: nn.Module, key: str) -> list[str]:
     """Checkpoint keys that may hold model key ``key`` (a head model's checkpoint read into its
     base model, or the reverse, differ by the base-model prefix)."""
-    prefix = getattr(module, "base_model_prefix", "")
+    inner, declared = base_prefix(module), getattr(module, "base_model_prefix", "")
     out = [key]
-    if prefix and isinstance(getattr(module, prefix, None), nn.Module):
-        if key.startswith(prefix + "."):
-            out.append(key[len(prefix) + 1:])
-    elif prefix:
-        out.append(f"{prefix}.{key}")
+    if inner:
+        if key.startswith(inner + "."):
+            out.append(key[len(inner) + 1:])
+    elif declared:
+        out.append(f"{declared}.{key}")
     return out
 
 
-def plan(module: nn.Module, files: dict[str, str], strict: bool) -> tuple[list[Entry], LoadResult]:
+def plan(module: nn.Module, files: dict[str, str], strict: bool) -> tuple[list[Entry], LoadReport]:
     """Match every model tensor with its checkpoint tensor and check shapes; raise ``ValueError``
     naming every problem before anything is allocated."""
     shapes = _shapes(files)
     table = table_for(getattr(getattr(module, "config", None), "model_type", None))
-    groups: dict[int, list[str]] = {}
-    tensors: dict[int, torch.Tensor] = {}
-    for name, t in module.state_dict(keep_vars=True).items():
-        groups.setdefault(id(t), []).append(name)
-        tensors[id(t)] = t
+    packed_dims = _packed_dims(module)
+    state = module.state_dict(keep_vars=True)
     entries, problems, missing, used = [], [], [], set()
-    for tid, names in groups.items():
-        t = tensors[tid]
+    for names in tie_groups(state.items()):
+        t = state[names[0]]
         key = next((c for n in names for c in _candidates(module, n) if c in shapes), None)
         if key is None:
             missing.extend(names)
             continue
         used.add(key)
-        packed = _packed(table, key, tuple(t.shape), shapes[key])
+        packed = _packed(packed_dims.get(id(t)), tuple(t.shape), shapes[key])
         if _hf_shape(t.shape, packed) != shapes[key]:
             problems.append(f"{key}: the checkpoint holds shape {shapes[key]}, the model (its config) expects "
                             f"{_hf_shape(t.shape, packed)}")
@@ -142,7 +139,7 @@ def plan(module: nn.Module, files: dict[str, str], strict: bool) -> tuple[list[E
         problems.insert(0, f"missing keys {sorted(missing)}; unexpected keys {unexpected}")
     if problems:
         raise ValueError("cannot load the checkpoint:\n  - " + "\n  - ".join(problems))
-    return entries, LoadResult(sorted(missing), unexpected)
+    return entries, LoadReport(sorted(missing), unexpected)
 
 
 def _ignored(module: nn.Module, table, key: str) -> bool:
@@ -161,23 +158,16 @@ def _ignored(module: nn.Module, table, key: str) -> bool:
     return key.rpartition(".")[2] in buffers
 
 
-def block_of(target: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(shape, offset) of the part of ``target``'s global tensor this rank holds."""
-    if isinstance(target, DTensor):
-        return meta.local_block(target)
-    return tuple(target.shape), (0,) * target.dim()
-
-
 def read_block(handle, key: str, target: torch.Tensor, packed) -> torch.Tensor:
     """This rank's block of checkpoint tensor ``key`` for ``target`` (a DTensor's local shard, or
     the whole tensor), reading only that block; a fused dim is read chunk by chunk."""
     shape, offset = block_of(target)
     sl = handle.get_slice(key)
     if packed is None:
-        return sl[meta.block_slices(shape, offset)]
+        return sl[block_slices(shape, offset)]
     d, n = packed[0], target.shape[packed[0] + 1]
-    head = meta.block_slices(shape[:d], offset[:d])
-    tail = meta.block_slices(shape[d + 2:], offset[d + 2:])
+    head = block_slices(shape[:d], offset[:d])
+    tail = block_slices(shape[d + 2:], offset[d + 2:])
     pieces = [sl[(*head, slice(c * n + offset[d + 1], c * n + offset[d + 1] + shape[d + 1]), *tail)]
               for c in range(offset[d], offset[d] + shape[d])]
     return torch.stack(pieces, d) if pieces else torch.empty(shape)
@@ -200,7 +190,7 @@ def _give_storage(module: nn.Module, target: torch.Tensor, device) -> torch.Tens
     return new
 
 
-def load_hf_checkpoint(model: nn.Module, path: str | Path, strict: bool = True) -> LoadResult:
+def load_hf_checkpoint(model: nn.Module, path: str | Path, strict: bool = True) -> LoadReport:
     """Load the HF safetensors checkpoint at ``path`` into ``model``, each rank reading only its
     shards. ``model`` may be a ``DistributedModel``, a model sharded by ``smp.transform`` or a
     plain one, built on the meta device (expected: nothing is allocated before the read) or not.
@@ -221,7 +211,7 @@ def load_hf_checkpoint(model: nn.Module, path: str | Path, strict: bool = True) 
         for e in entries:
             target = _give_storage(module, e.target, device)
             loaded.append(target)
-            dst = target.to_local() if isinstance(target, DTensor) else target
+            dst = local_part(target)
             if e.packed is None and safetensors_io.read_into(e.file, e.key, dst, *block_of(target)):
                 continue  # one byte range read straight into the shard
             with safe_open(e.file, framework="pt") as h:

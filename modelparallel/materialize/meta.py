@@ -18,7 +18,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+from ..tp.layout import from_local_like, local_part
 
 
 class MetaTensorError(RuntimeError):
@@ -29,7 +30,7 @@ def is_meta(t: torch.Tensor | None) -> bool:
     """True for a tensor (or a DTensor's local shard) with no storage."""
     if t is None:
         return False
-    return (t.to_local() if isinstance(t, DTensor) else t).is_meta
+    return local_part(t).is_meta
 
 
 def named_tensors(module: nn.Module) -> Iterator[tuple[str, nn.Module, str, torch.Tensor]]:
@@ -65,9 +66,7 @@ def empty_like_on(t: torch.Tensor, device: torch.device, dtype: torch.dtype | No
     storage for this rank's shard only."""
     dtype = dtype or t.dtype
     if isinstance(t, DTensor):
-        local = torch.empty(t.to_local().shape, dtype=dtype, device=device)
-        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape,
-                                  stride=t.stride())
+        return from_local_like(torch.empty(t.to_local().shape, dtype=dtype, device=device), t)
     return torch.empty(t.shape, dtype=dtype, device=device)
 
 
@@ -120,24 +119,3 @@ def to_meta_(module: nn.Module) -> dict[str, torch.Tensor]:
         kept[id(t)] = data
         out[qname] = data
     return out
-
-
-def rank_coordinate(mesh, rank: int) -> list[int]:
-    """The coordinate of global ``rank`` in ``mesh``."""
-    where = (mesh.mesh == rank).nonzero()
-    if len(where) != 1:
-        raise ValueError(f"rank {rank} is not in mesh {mesh}")
-    return where[0].tolist()
-
-
-def local_block(t: DTensor, coordinate: list[int] | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(local shape, global offset) of the block of DTensor ``t`` held at mesh ``coordinate``
-    (this rank's by default). Every placement this library makes (TP shards, FSDP over TP)
-    gives each rank one contiguous block of the global tensor."""
-    mesh = t.device_mesh
-    coordinate = mesh.get_coordinate() if coordinate is None else coordinate
-    return _compute_local_shape_and_global_offset(t.shape, mesh.shape, list(coordinate), t.placements)
-
-
-def block_slices(shape: tuple[int, ...], offset: tuple[int, ...]) -> tuple[slice, ...]:
-    return tuple(slice(o, o + n) for o, n in zip(offset, shape))

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..tp.layout import block_slices, local_block, rank_coordinate
 from . import meta
 
 
@@ -46,7 +47,7 @@ def move(module: nn.Module, device: torch.device | None, dtype: torch.dtype | No
 def _coordinate(t: DTensor, rank: int, root) -> list[int]:
     """Mesh coordinate of global ``rank`` in ``t``'s mesh, found through the runtime's root mesh
     (a TP mesh of another data-parallel group does not contain rank 0)."""
-    coord = meta.rank_coordinate(root, rank)
+    coord = rank_coordinate(root, rank)
     return [coord[root.mesh_dim_names.index(n)] for n in t.device_mesh.mesh_dim_names]
 
 
@@ -57,8 +58,8 @@ def _send_sharded(t: DTensor, src: torch.Tensor | None, root) -> None:
         return
     full = src.to(t.dtype).reshape(t.shape)
     for r in range(dist.get_world_size()):
-        shape, offset = meta.local_block(t, _coordinate(t, r, root))
-        piece = full[meta.block_slices(shape, offset)]
+        shape, offset = local_block(t, _coordinate(t, r, root))
+        piece = full[block_slices(shape, offset)]
         if r == 0:
             local.copy_(piece)
         else:

@@ -13,12 +13,61 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
+
+from ..tp.layout import local_part, shard_of, tie_groups
 
 
-class LoadResult(NamedTuple):
+class _Keys(NamedTuple):
     missing_keys: list[str]
     unexpected_keys: list[str]
+
+
+class LoadReport(_Keys):
+    """What a load left out: keys the model (or optimizer) has and the source lacks, keys only
+    the source has, and ``"key: checkpoint (..), model (..)"`` shape mismatches (those a
+    non-strict load skips).
+
+    It unpacks as ``missing, unexpected = model.load_state_dict(...)``, like the pair torch's
+    ``nn.Module.load_state_dict`` returns; ``mismatched_shapes`` is an attribute beside the pair.
+    """
+
+    mismatched_shapes: list[str]
+
+    def __new__(cls, missing_keys: list[str], unexpected_keys: list[str], mismatched_shapes: list[str] | None = None):
+        self = super().__new__(cls, missing_keys, unexpected_keys)
+        self.mismatched_shapes = list(mismatched_shapes or [])
+        return self
+
+    def __repr__(self) -> str:
+        return (f"LoadReport(missing_keys={self.missing_keys!r}, unexpected_keys={self.unexpected_keys!r}, "
+                f"mismatched_shapes={self.mismatched_shapes!r})")
+
+    def __eq__(self, other) -> bool:
+        same = super().__eq__(other)
+        if same is NotImplemented or not isinstance(other, LoadReport):
+            return same
+        return same and self.mismatched_shapes == other.mismatched_shapes
+
+    def __ne__(self, other) -> bool:
+        same = self.__eq__(other)
+        return same if same is NotImplemented else not same
+
+    __hash__ = None
+
+    @property
+    def mismatched_keys(self) -> set[str]:
+        """The keys named in ``mismatched_shapes``."""
+        return {m.split(": ")[0] for m in self.mismatched_shapes}
+
+    def problems(self, part: str) -> list[str]:
+        """One line per missing / unexpected key list and per shape mismatch, prefixed by ``part``."""
+        out = [f"{part}: missing keys (in the model, not in the checkpoint): {self.missing_keys}"] \
+            if self.missing_keys else []
+        if self.unexpected_keys:
+            out.append(f"{part}: unexpected keys (in the checkpoint, not in the model): {self.unexpected_keys}")
+        out += [f"{part}: shape mismatch {m}" for m in self.mismatched_shapes]
+        return out
 
 
 def _entries(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -33,48 +82,41 @@ def full_state_dict(module: nn.Module, gather_to_rank0: bool = False) -> dict[st
     only global rank 0 keeps the result; the others return ``{}`` after taking part.
     """
     keep = not gather_to_rank0 or dist.get_rank() == 0
-    out, done = {}, {}
-    for key, t in _entries(module).items():
-        if id(t) not in done:
-            full = t.full_tensor() if isinstance(t, DTensor) else t
-            done[id(t)] = full.detach().cpu()
-        if keep:
-            out[key] = done[id(t)]
-    return out
+    entries = _entries(module)
+    full = {}
+    for keys in tie_groups(entries.items()):
+        t = entries[keys[0]]
+        full.update(dict.fromkeys(keys, (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()))
+    return {key: full[key] for key in entries} if keep else {}
 
 
 def local_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """This rank's shard of every tensor (replicated tensors whole)."""
-    return {k: (t.to_local() if isinstance(t, DTensor) else t).detach() for k, t in _entries(module).items()}
+    return {k: local_part(t).detach() for k, t in _entries(module).items()}
 
 
 def _tie_groups(entries: dict[str, torch.Tensor]) -> dict[str, list[str]]:
-    groups: dict[int, list[str]] = {}
-    for key, t in entries.items():
-        groups.setdefault(id(t), []).append(key)
-    return {key: keys for keys in groups.values() for key in keys}
+    """Key -> every key holding the same tensor (itself included)."""
+    return {key: keys for keys in tie_groups(entries.items()) for key in keys}
 
 
 def _source_shard(key, target, src, same_partition_load: bool) -> tuple[torch.Tensor | None, str | None]:
     """The local piece of ``src`` for ``target``, or an error message naming the shapes."""
-    local_shape = target.to_local().shape if isinstance(target, DTensor) else target.shape
+    local_shape = local_part(target).shape
     if same_partition_load:
         if src.shape == local_shape:
             return src, None
         return None, (f"{key}: same_partition_load expects this rank's shard {tuple(local_shape)}, found "
                       f"{tuple(src.shape)} (saved with another layout? load with same_partition_load=False)")
     if src.shape == target.shape:
-        if isinstance(target, DTensor):
-            return distribute_tensor(src.to(target.device), target.device_mesh, target.placements,
-                                     src_data_rank=None).to_local(), None
-        return src, None
+        return shard_of(src, target), None
     if src.shape == local_shape:
         return src, None
     return None, f"{key}: expected shape {tuple(target.shape)} (this rank's shard {tuple(local_shape)}), found {tuple(src.shape)}"
 
 
 def load_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], strict: bool = True,
-                    same_partition_load: bool = False) -> LoadResult:
+                    same_partition_load: bool = False) -> LoadReport:
     """Load a full or local state dict into a tensor-parallel module; no collectives.
 
     Raises:
@@ -102,6 +144,5 @@ def load_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], stri
         raise ValueError("cannot load state dict:\n  - " + "\n  - ".join(problems))
     with torch.no_grad():
         for target, piece in copies:
-            dst = target.to_local() if isinstance(target, DTensor) else target
-            dst.copy_(piece)
-    return LoadResult(missing, unexpected)
+            local_part(target).copy_(piece)
+    return LoadReport(missing, unexpected)

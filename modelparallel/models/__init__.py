@@ -1,19 +1,46 @@
-"""Built-in architectures: HF ``config.model_type`` -> ``ArchSpec`` (each in its own small file)."""
+"""Built-in architectures, one module each, found by listing this package.
+
+A module here (any whose name does not start with ``_``) describes one HF architecture and
+exports ``SPEC`` (its ``ArchSpec``: plan, packed weights, loss kind) and ``TABLE`` (its
+``KeyTable`` for state-dict translation). Adding the file is all it takes to register it.
+"""
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+from types import ModuleType
+
 from torch import nn
 
+from ..nn.huggingface.translate import KeyTable
 from ..tp.plan import ArchSpec
-from . import bert, gpt2, gptj, gptneo, llama, roberta
 
-ARCHITECTURES: dict[str, ArchSpec] = {
-    spec.model_type: spec
-    for spec in (gpt2.SPEC, bert.SPEC, roberta.SPEC, gptj.SPEC, gptneo.SPEC, llama.SPEC)
-    if spec is not None
-}
+
+def _modules() -> list[ModuleType]:
+    names = sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
+    return [importlib.import_module(f"{__name__}.{name}") for name in names]
+
+
+def _check(module: ModuleType) -> ModuleType:
+    """Refuse an architecture module that does not export a matching SPEC and TABLE."""
+    spec, table = getattr(module, "SPEC", None), getattr(module, "TABLE", None)
+    if not isinstance(spec, ArchSpec) or not isinstance(table, KeyTable) or table.arch != spec.model_type:
+        raise TypeError(f"{module.__name__} must export SPEC (an ArchSpec) and TABLE (a KeyTable) for the same "
+                        f"model_type, got {type(spec).__name__} and {type(table).__name__}")
+    return module
+
+
+_ALL = [_check(m) for m in _modules()]
+ARCHITECTURES: dict[str, ArchSpec] = {m.SPEC.model_type: m.SPEC for m in _ALL}
+TABLES: dict[str, KeyTable] = {m.SPEC.model_type: m.TABLE for m in _ALL}
 
 
 def spec_for(model: nn.Module) -> ArchSpec | None:
     """The built-in spec for an HF model, or None if its architecture has none."""
     return ARCHITECTURES.get(getattr(getattr(model, "config", None), "model_type", None))
+
+
+def table_for(model_type: str | None) -> KeyTable | None:
+    """The key table of an HF ``model_type``, or None if it has no translation."""
+    return TABLES.get(model_type)

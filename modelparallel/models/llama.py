@@ -1,4 +1,4 @@
-"""Llama (``LlamaModel``, ``LlamaForCausalLM``...), including grouped-query attention: plan as data.
+"""Llama (``LlamaModel``, ``LlamaForCausalLM``...), including grouped-query attention.
 
 q, k and v are column parallel, so each rank holds whole query heads and whole key/value heads;
 with ``num_key_value_heads`` < ``num_attention_heads`` the degree must divide both, and then a
@@ -8,24 +8,35 @@ heads per KV head, and both are split in order). ``LlamaAttention`` reshapes wit
 attribute needs rewriting. The KV-head check must come from the config: ``k_proj``'s width
 (KV heads x head_dim) can be divisible when the KV heads are not. The rotary embedding lives in
 the base model, per head, and stays whole. The LM head may be tied to ``embed_tokens`` or not.
+No weight is fused. The distributed state dict is HF's: rotary ``inv_freq`` is a non-persistent
+buffer the model recomputes, so nothing else is stored.
 """
 
-from ..tp.plan import ArchSpec, ModulePlan
+from ..nn.huggingface.translate import KeyTable
+from ..tp.plan import SharedInput
+from ._parts import decoder_lm
 
-SPEC = ArchSpec(
-    model_type="llama",
-    base=ModulePlan(
-        rules={
-            "embed_tokens": "vocab_embedding",
-            "layers.*.self_attn.q_proj": "colwise",
-            "layers.*.self_attn.k_proj": "colwise",
-            "layers.*.self_attn.v_proj": "colwise",
-            "layers.*.self_attn.o_proj": "rowwise",
-            "layers.*.mlp.gate_proj": "colwise",
-            "layers.*.mlp.up_proj": "colwise",
-            "layers.*.mlp.down_proj": "rowwise",
-        },
+SPEC = decoder_lm(
+    "llama", embedding="embed_tokens",
+    attention="layers.*.self_attn", qkv=("q_proj", "k_proj", "v_proj"), out="o_proj",
+    mlp="layers.*.mlp", up=("gate_proj", "up_proj"), down="down_proj",
+    divisible=("num_attention_heads", "num_key_value_heads"),
+    shared_inputs={"layers.*.self_attn": SharedInput(arg="hidden_states"),  # q, k, v
+                   "layers.*.mlp": SharedInput(arg="x")},  # gate, up
+)
+
+TABLE = KeyTable(
+    arch="llama",
+    base_prefix="model",
+    base_keys=(
+        "embed_tokens.weight", "norm.weight",
+        "layers.{}.input_layernorm.weight", "layers.{}.post_attention_layernorm.weight",
+        "layers.{}.self_attn.q_proj.weight", "layers.{}.self_attn.k_proj.weight",
+        "layers.{}.self_attn.v_proj.weight", "layers.{}.self_attn.o_proj.weight",
+        "layers.{}.self_attn.q_proj.bias", "layers.{}.self_attn.k_proj.bias",
+        "layers.{}.self_attn.v_proj.bias", "layers.{}.self_attn.o_proj.bias",
+        "layers.{}.mlp.gate_proj.weight", "layers.{}.mlp.up_proj.weight", "layers.{}.mlp.down_proj.weight",
     ),
-    head=ModulePlan(rules={"lm_head": "vocab_colwise"}, optional_rules=("lm_head",)),
-    divisible_config=("num_attention_heads", "num_key_value_heads"),
+    head_keys=("lm_head.weight", "score.weight"),
+    tied={"lm_head.weight": "model.embed_tokens.weight"},
 )

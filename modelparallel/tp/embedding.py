@@ -23,6 +23,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from .layout import shard_range
+
 
 class _SumAcrossRanks(torch.autograd.Function):
     """All-reduce (sum) of partial lookups; the output is used alike on every rank, so its
@@ -39,20 +41,13 @@ class _SumAcrossRanks(torch.autograd.Function):
         return grad, None
 
 
-def row_range(vocab: int, mesh: DeviceMesh) -> tuple[int, int]:
-    """[start, end) of this rank's rows under ``Shard(0)``'s chunking."""
-    per = -(-vocab // mesh.size())
-    start = min(mesh.get_local_rank() * per, vocab)
-    return start, min(start + per, vocab)
-
-
 class _VocabParallelEmbedding(nn.Embedding):
     """``nn.Embedding`` whose ``weight`` is a ``Shard(0)`` DTensor over the vocabulary."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         weight: DTensor = self.weight
         mesh = weight.device_mesh
-        start, end = row_range(self.num_embeddings, mesh)
+        start, end = shard_range(self.num_embeddings, mesh.size(), mesh.get_local_rank())
         inside = (ids >= start) & (ids < end)
         local_ids = torch.where(inside, ids - start, 0)
         pad = self.padding_idx - start if self.padding_idx is not None and start <= self.padding_idx < end else None

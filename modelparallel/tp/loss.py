@@ -11,18 +11,14 @@ autograd function has no such requirement.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-
-def shard_range(size: int, parts: int, index: int) -> tuple[int, int]:
-    """[start, end) of shard ``index`` when ``size`` rows are split like ``torch.chunk`` (DTensor's
-    Shard): ceil(size/parts) per shard, the last ones shorter."""
-    per = -(-size // parts)
-    start = min(index * per, size)
-    return start, min(start + per, size)
+from .layout import shard_range
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -97,7 +93,15 @@ def _take_labels(module, args, kwargs):
     return args, kwargs
 
 
-def _loss_or_full_logits(module, args, kwargs, output):
+LOSSES = {"causal": causal_lm_loss, "masked": masked_lm_loss}
+
+
+def _kind_by_name(module: nn.Module) -> str:
+    """For a model no architecture declares a loss for: masked for ``*MaskedLM`` classes, else causal."""
+    return "masked" if "MaskedLM" in type(module).__name__ else "causal"
+
+
+def _loss_or_full_logits(kind, module, args, kwargs, output):
     """With labels: compute the loss on sharded logits and leave them sharded (no gather in
     training). Without: hand back full logits, as HF would, so ``generate()`` and user code see
     plain tensors."""
@@ -108,14 +112,20 @@ def _loss_or_full_logits(module, args, kwargs, output):
     if "labels" not in taken:
         output.logits = logits.full_tensor()
         return output
-    loss_fn = masked_lm_loss if "MaskedLM" in type(module).__name__ else causal_lm_loss
+    loss_fn = LOSSES[kind or _kind_by_name(module)]
     loss = loss_fn(logits, taken["labels"], num_items_in_batch=taken.get("num_items_in_batch"),
                    shift_labels=taken.get("shift_labels"))
     return type(output)(loss=loss, **{k: v for k, v in output.items() if k != "loss"})
 
 
-def install_vocab_parallel_loss(model: nn.Module) -> None:
+def install_vocab_parallel_loss(model: nn.Module, kind: str | None = None) -> None:
     """Compute ``model``'s LM loss with the vocab-parallel cross-entropy; gather logits only when
-    no loss is asked for. The loss follows the model class: masked-LM for ``*MaskedLM``, else causal."""
+    no loss is asked for.
+
+    Args:
+        model: the top-level model whose output carries the logits.
+        kind: ``"causal"`` or ``"masked"``, as its architecture declares for this head class;
+            None (no declaration) decides by the class name: masked for ``*MaskedLM``, else causal.
+    """
     model.register_forward_pre_hook(_take_labels, with_kwargs=True)
-    model.register_forward_hook(_loss_or_full_logits, with_kwargs=True)
+    model.register_forward_hook(partial(_loss_or_full_logits, kind), with_kwargs=True)

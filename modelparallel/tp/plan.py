@@ -9,6 +9,47 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+LOSS_KINDS = ("causal", "masked")
+"""LM losses on vocabulary-sharded logits: next-token prediction, or labels aligned with positions."""
+
+
+@dataclass(frozen=True)
+class Packed:
+    """One fused weight: ``chunks`` equal outputs (q|k|v = 3) concatenated in HF's tensors.
+
+    The one statement of a fused layout: the plan shards inside each chunk from it, the key table
+    derives its (dim, chunks) entries from it (``packed_keys``) and the shard-on-read loader reads
+    it back from the module the style sharded.
+
+    Attributes:
+        chunks: how many equal parts the fused output holds.
+        dims: parameter name -> the dimension of HF's tensor that concatenates the chunks (1 for a
+            ``Conv1D`` weight [in, out], 0 for an ``nn.Linear`` weight [out, in] and for biases).
+            The distributed format splits it in two, [..., chunks, size / chunks, ...]. ``None``
+            (a plan that gives only a count): the output dimension of the module's type.
+    """
+
+    chunks: int
+    dims: dict[str, int] | None = None
+
+
+@dataclass(frozen=True)
+class SharedInput:
+    """The one tensor every column-parallel layer under a module reads (q, k and v off one norm;
+    gate and up). Megatron's ``f`` operator is applied to it once, on its way in, so its gradient is
+    all-reduced once for all of these layers rather than once per layer (PyTorch's
+    ``PrepareModuleInput`` on the parent module plays the same part). Exactly one field is set.
+
+    Attributes:
+        arg: the module's ``forward`` argument holding the tensor (positional or keyword).
+        output_of: or the child module (path relative to the module) whose output it is, for
+            blocks whose column-parallel layers sit in several children (GPT-J's attention and
+            MLP both read ``ln_1``'s output). That output must feed only those layers.
+    """
+
+    arg: str = ""
+    output_of: str = ""
+
 
 @dataclass(frozen=True)
 class ModulePlan:
@@ -16,8 +57,8 @@ class ModulePlan:
 
     Attributes:
         rules: module-path glob -> style name (see ``styles.STYLE_NAMES``).
-        packed: glob -> number of equal chunks fused along the output dimension (q|k|v = 3);
-            such modules are sharded inside each chunk.
+        packed: glob -> ``Packed`` descriptor, or just the number of equal chunks fused along the
+            output dimension (q|k|v = 3); such modules are sharded inside each chunk.
         per_rank_attrs: glob -> attribute names holding sizes that HF code reshapes with (head
             counts, split sizes, embed dims); the walker divides each by the degree.
         optional_rules: rules that may match nothing (heads present only in some model classes).
@@ -25,13 +66,16 @@ class ModulePlan:
             computes with, tied to a parameter a rule shards (BERT's ``cls.predictions.bias``, HF's
             alias of the MLM decoder's bias). They are re-pointed to the sharded parameter instead
             of being refused as a tie split between sharded and replicated modules.
+        shared_inputs: glob of a module -> the ``SharedInput`` all column-parallel layers under
+            it read; those layers then skip their own ``f``.
     """
 
     rules: dict[str, str]
-    packed: dict[str, int] = field(default_factory=dict)
+    packed: dict[str, Packed | int] = field(default_factory=dict)
     per_rank_attrs: dict[str, tuple[str, ...]] = field(default_factory=dict)
     optional_rules: tuple[str, ...] = ()
     tied_holders: tuple[str, ...] = ()
+    shared_inputs: dict[str, SharedInput] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -44,12 +88,27 @@ class ArchSpec:
         head: plan relative to the top-level model (LM head, classifier), rules optional.
         divisible_config: config attributes the degree must divide (head counts, key/value
             heads), checked with a message naming the attribute, its value and the degree.
+        loss: the LM loss of its heads, one of ``LOSS_KINDS``, computed on vocab-sharded logits.
+        head_losses: head class name -> loss kind, for heads whose loss differs from ``loss``
+            (BERT's ``BertLMHeadModel`` is causal where ``BertForMaskedLM`` is masked).
     """
 
     model_type: str
     base: ModulePlan
     head: ModulePlan = field(default_factory=lambda: ModulePlan(rules={}))
     divisible_config: tuple[str, ...] = ()
+    loss: str = "causal"
+    head_losses: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self):
+        for kind in (self.loss, *self.head_losses.values()):
+            if kind not in LOSS_KINDS:
+                raise ValueError(f"{self.model_type}: loss kind {kind!r} is not one of {LOSS_KINDS}")
+
+    def loss_for(self, model_class: type) -> str:
+        """The loss kind of a head class (or of a subclass of a listed one)."""
+        return next((self.head_losses[c.__name__] for c in model_class.__mro__ if c.__name__ in self.head_losses),
+                    self.loss)
 
 
 VOCAB_STYLES = ("vocab_embedding", "vocab_colwise")
@@ -59,6 +118,21 @@ def without_styles(spec: ArchSpec, styles: tuple[str, ...]) -> ArchSpec:
     """``spec`` with the rules of ``styles`` removed (those modules then stay whole)."""
     strip = lambda plan: replace(plan, rules={k: v for k, v in plan.rules.items() if v not in styles})
     return replace(spec, base=strip(spec.base), head=strip(spec.head))
+
+
+def packing(plan: ModulePlan, path: str) -> Packed | None:
+    """The ``Packed`` descriptor of module ``path`` in ``plan`` (a bare count made one), or None."""
+    glob = first_match(plan.packed, path)
+    if glob is None:
+        return None
+    entry = plan.packed[glob]
+    return entry if isinstance(entry, Packed) else Packed(entry)
+
+
+def packed_keys(packed: dict[str, Packed]) -> dict[str, tuple[int, int]]:
+    """State-dict key templates (``{}`` = layer index) -> (dim, chunks), from module globs -> ``Packed``."""
+    return {f"{glob.replace('*', '{}')}.{name}": (dim, p.chunks)
+            for glob, p in packed.items() for name, dim in (p.dims or {}).items()}
 
 
 def glob_match(pattern: str, path: str) -> bool:

@@ -11,7 +11,6 @@ import functools
 import inspect
 from typing import Any, Callable
 
-from torch import nn
 
 from .marks import Registration
 
@@ -82,7 +81,3 @@ def dist_registration(module_cls: type, dist_module: type, init_hook=None, forwa
     _record_init_args(module_cls)
     return Registration(dist_module=dist_module, init_hook=init_hook, forward_hook=forward_hook,
                         return_hook=return_hook)
-
-
-def init_args_of(module: nn.Module) -> tuple[tuple, dict] | None:
-    return module.__dict__.get("_mp_init_args")

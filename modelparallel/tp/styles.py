@@ -1,11 +1,12 @@
 """Parallel styles by name: PyTorch's DTensor styles, extended to HF's ``Conv1D`` and fused weights.
 
 A plan names a style per module ("colwise", "rowwise", ...); ``build_style`` turns the name and
-the module's type into a ``ParallelStyle``. ``nn.Linear`` uses PyTorch's own ``ColwiseParallel`` /
-``RowwiseParallel``; vocabulary embeddings use ``embedding.VocabParallelEmbedding`` (its weight
-gradient stays a shard). HF's ``Conv1D`` stores its weight as [in, out] (the
-transpose of ``nn.Linear``'s [out, in]), which PyTorch's styles refuse, so it gets two small
-subclasses that shard the other dimension. Fused (packed) projections get ``PackedColwise``.
+the module's type into a ``ParallelStyle``. Column- and row-parallel ``nn.Linear`` and HF ``Conv1D``
+(weight [in, out], the transpose of ``nn.Linear``'s [out, in]) use ``local.LocalColwise`` /
+``LocalRowwise``: DTensor parameters, local-tensor forward between Megatron's ``f`` and ``g``.
+Vocabulary embeddings use ``embedding.VocabParallelEmbedding`` (its weight gradient stays a
+shard); the vocabulary-parallel LM head and ``colwise_gather`` use PyTorch's ``ColwiseParallel``.
+Fused (packed) projections get ``PackedColwise``.
 
 Every style distributes with ``src_data_rank=None``: each rank slices its shard from its own copy
 without communication, which is right because ``init`` seeds every rank alike and pretrained
@@ -14,18 +15,17 @@ weights are the same file on every rank.
 
 from __future__ import annotations
 
-import weakref
-from functools import partial
-
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from transformers.pytorch_utils import Conv1D
 
 from .embedding import VocabParallelEmbedding
+from .local import LocalColwise, LocalRowwise, column_input
+from .plan import Packed
 
 STYLE_NAMES = ("colwise", "rowwise", "packed_colwise", "vocab_embedding", "vocab_colwise", "colwise_gather")
 """colwise / rowwise: Megatron's column- and row-parallel linear layers. packed_colwise: a fused
@@ -41,92 +41,12 @@ def _replace(module: nn.Module, name: str, tensor: torch.Tensor, placements, mes
     module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
 
 
-_last_input: dict = {}
-"""One slot: the latest column-parallel input, as (weak ref, key, replicated DTensor, token)."""
-
-
-def _forget(token: object):
-    def hook(grad):
-        if _last_input.get("entry", (None,) * 4)[3] is token:
-            _last_input.clear()
-    return hook
-
-
-def shared_replicate(x: torch.Tensor, mesh: DeviceMesh, layouts) -> DTensor:
-    """``x`` as a replicated DTensor, the same object for consecutive calls with the same ``x``.
-
-    Column-parallel layers reading one tensor (q, k and v off one norm; gate and up) then share
-    it: their partial input gradients add up on it and are all-reduced once (Megatron's ``f``,
-    Shoeybi et al. 2019), not once per layer. One slot holds the latest input; it is released
-    when backward reaches it or replaced by the next input, so it keeps no graph alive for long.
-    """
-    key = (mesh, tuple(layouts), torch.is_grad_enabled())
-    ref, old_key, shared, _ = _last_input.get("entry", (None,) * 4)
-    if ref is not None and ref() is x and old_key[0] is mesh and old_key[1:] == key[1:]:
-        return shared
-    shared = DTensor.from_local(x, mesh, layouts, run_check=False)
-    token = object()
-    _last_input["entry"] = (weakref.ref(x), key, shared, token)
-    if shared.requires_grad:
-        shared.register_hook(_forget(token))
-    return shared
-
-
-class ColwiseParallelShared(ColwiseParallel):
-    """PyTorch's ``ColwiseParallel`` with its replicated input built by ``shared_replicate``:
-    2 all-reduces per transformer layer backward instead of one per q, k, v, gate and up."""
-
-    @staticmethod
-    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
-        x = inputs[0]
-        if isinstance(x, DTensor) or input_layouts != desired_input_layouts:
-            return ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
-        return shared_replicate(x, device_mesh, input_layouts)
-
-
-class ColwiseConv1D(ColwiseParallelShared):
-    """Column parallel for HF ``Conv1D`` ([in, out] weight): weight Shard(1), bias Shard(0)."""
-
-    def _partition_conv1d_fn(self, name, module, mesh):
-        _replace(module, "weight", module.weight, [Shard(1)], mesh)
-        _replace(module, "bias", module.bias, [Shard(0)], mesh)
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(
-            module, device_mesh, self._partition_conv1d_fn,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
-
-
-class RowwiseConv1D(RowwiseParallel):
-    """Row parallel for HF ``Conv1D`` ([in, out] weight): weight Shard(0), bias replicated."""
-
-    def _partition_conv1d_fn(self, name, module, mesh):
-        _replace(module, "weight", module.weight, [Shard(0)], mesh)
-        _replace(module, "bias", module.bias, [Replicate()], mesh)
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        self.desired_input_layouts = (Shard(-1),)
-        return distribute_module(
-            module, device_mesh, self._partition_conv1d_fn,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
-
-
-def copy_to_tp(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """Megatron's ``f`` operator (Shoeybi et al. 2019, sec. 3): identity forward, all-reduce of
-    the gradient backward, expressed with DTensor so autograd does the all-reduce."""
-    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
-
-
 class _PackedConv1D(Conv1D):
     """A ``Conv1D`` whose weight is stored [in, chunks, out/chunks] and sharded on the last dim, so
     each rank computes its own slice of every chunk: [q_r | k_r | v_r] for GPT-2's ``c_attn``."""
 
     def forward(self, x):
-        x = copy_to_tp(x, self.weight.device_mesh)
+        x = column_input(self, x)
         weight = self.weight.to_local().flatten(1)  # [in, chunks * out_per_chunk / tp]
         bias = self.bias.to_local().flatten()
         y = torch.addmm(bias, x.reshape(-1, x.size(-1)), weight)
@@ -137,10 +57,25 @@ class _PackedLinear(nn.Linear):
     """An ``nn.Linear`` whose weight is stored [chunks, out/chunks, in], sharded on dim 1."""
 
     def forward(self, x):
-        x = copy_to_tp(x, self.weight.device_mesh)
+        x = column_input(self, x)
         weight = self.weight.to_local().flatten(0, 1)  # [chunks * out_per_chunk / tp, in]
         bias = None if self.bias is None else self.bias.to_local().flatten()
         return nn.functional.linear(x, weight, bias)
+
+
+def output_dims(module: nn.Module) -> dict[str, int]:
+    """Where a module type keeps its outputs: ``Conv1D``'s weight is [in, out], ``nn.Linear``'s [out, in]."""
+    return {"weight": 1 if isinstance(module, Conv1D) else 0, "bias": 0}
+
+
+def packed_problem(path: str, module: nn.Module, packed: Packed) -> str | None:
+    """Why ``packed`` cannot describe ``module`` (a fused dim that is not its output), or None."""
+    want = output_dims(module)
+    wrong = {n: d for n, d in (packed.dims or {}).items() if want.get(n) != d}
+    if wrong:
+        return (f"{path}: packed dims {wrong} are not the output dims of a {type(module).__name__} "
+                f"({ {n: want[n] for n in wrong if n in want} })")
+    return None
 
 
 class PackedColwise(ParallelStyle):
@@ -149,30 +84,34 @@ class PackedColwise(ParallelStyle):
     A plain Shard of the fused dimension would give rank 0 all of q and part of k. Instead the
     weight is stored with an explicit chunk dimension and sharded inside every chunk. The stored
     (global) tensor is the HF tensor reshaped, so it does not depend on the degree and reshards.
+    The split dims come from the plan's ``Packed`` descriptor (a bare count: the module type's
+    output dims) and stay on the module as ``_mp_packed_dims``, where the loader reads them.
     """
 
-    def __init__(self, chunks: int):
+    def __init__(self, chunks: int | Packed):
         super().__init__()
-        self.chunks = chunks
+        self.packed = chunks if isinstance(chunks, Packed) else Packed(chunks)
+        self.chunks = self.packed.chunks
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        k = self.chunks
-        if isinstance(module, Conv1D):
-            _replace(module, "weight", module.weight.unflatten(1, (k, -1)), [Shard(2)], device_mesh)
-            _replace(module, "bias", module.bias.unflatten(0, (k, -1)), [Shard(1)], device_mesh)
-            module.__class__ = _PackedConv1D
-        elif isinstance(module, nn.Linear):
-            _replace(module, "weight", module.weight.unflatten(0, (k, -1)), [Shard(1)], device_mesh)
-            if module.bias is not None:
-                _replace(module, "bias", module.bias.unflatten(0, (k, -1)), [Shard(1)], device_mesh)
-            module.__class__ = _PackedLinear
-        else:
+        if not isinstance(module, (Conv1D, nn.Linear)):
             raise NotImplementedError(f"packed_colwise supports nn.Linear and Conv1D, not {type(module).__name__}")
+        problem = packed_problem(type(module).__name__, module, self.packed)
+        if problem:
+            raise ValueError(problem)
+        dims = self.packed.dims or output_dims(module)
+        for name, d in dims.items():
+            if getattr(module, name, None) is not None:
+                split = getattr(module, name).unflatten(d, (self.chunks, -1))
+                _replace(module, name, split, [Shard(d + 1)], device_mesh)
+        module.__dict__["_mp_packed_dims"] = dict(dims)
+        module.__class__ = _PackedConv1D if isinstance(module, Conv1D) else _PackedLinear
         return module
 
 
-def build_style(name: str, module: nn.Module, chunks: int = 1) -> ParallelStyle:
-    """The ``ParallelStyle`` for style ``name`` applied to ``module``.
+def build_style(name: str, module: nn.Module, chunks: int | Packed = 1) -> ParallelStyle:
+    """The ``ParallelStyle`` for style ``name`` applied to ``module`` (``chunks``: a packed
+    module's ``Packed`` descriptor or chunk count).
 
     Raises:
         ValueError: for an unknown style name.
@@ -183,11 +122,11 @@ def build_style(name: str, module: nn.Module, chunks: int = 1) -> ParallelStyle:
     return style
 
 
-def _new_style(name: str, conv: bool, chunks: int) -> ParallelStyle:
+def _new_style(name: str, conv: bool, chunks: int | Packed) -> ParallelStyle:
     if name == "colwise":
-        return ColwiseConv1D() if conv else ColwiseParallelShared()
+        return LocalColwise()
     if name == "rowwise":
-        return RowwiseConv1D() if conv else RowwiseParallel()
+        return LocalRowwise()
     if name == "packed_colwise":
         return PackedColwise(chunks)
     if name == "vocab_embedding":
@@ -195,7 +134,7 @@ def _new_style(name: str, conv: bool, chunks: int) -> ParallelStyle:
     if name == "vocab_colwise":
         return ColwiseParallel(use_local_output=False)
     if name == "colwise_gather":
-        return ColwiseParallelShared(output_layouts=Replicate())
+        return ColwiseParallel(output_layouts=Replicate())
     raise ValueError(f"unknown parallel style {name!r}; known styles: {', '.join(STYLE_NAMES)}")
 
 

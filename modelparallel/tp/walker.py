@@ -10,6 +10,7 @@ any other); a distributed module's plan is collected from the module itself (``t
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass, field
 
@@ -20,10 +21,12 @@ from torch.distributed.tensor.parallel import parallelize_module
 from transformers.pytorch_utils import Conv1D
 
 from . import marks
+from .layout import base_prefix, shard_range, tied_parameters
 from .loss import install_vocab_parallel_loss
-from .plan import (VOCAB_STYLES, ArchSpec, ModulePlan, block_prefix, first_match, glob_match, join, to_glob,
-                   without_styles)
-from .styles import ALLOWS_UNEVEN, SUPPORTED_TYPES, build_style, sharded_size
+from .local import install_shared_input
+from .plan import (VOCAB_STYLES, ArchSpec, ModulePlan, Packed, SharedInput, block_prefix, first_match, glob_match,
+                   join, packing, to_glob, without_styles)
+from .styles import ALLOWS_UNEVEN, SUPPORTED_TYPES, build_style, packed_problem, sharded_size
 from .substitute import substitute
 
 logger = logging.getLogger("modelparallel")
@@ -38,6 +41,7 @@ class Assignment:
     style: str
     chunks: int = 1
     registered: bool = False
+    packed: Packed | None = None
 
 
 @dataclass
@@ -48,16 +52,18 @@ class Work:
     rewrites: list[tuple[str, nn.Module, str, int]] = field(default_factory=list)
     registered: list[tuple[str, nn.Module, marks.Registration]] = field(default_factory=list)
     holders: set[tuple[int, str]] = field(default_factory=set)
+    shared: list[tuple[str, nn.Module, SharedInput]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    loss: str | None = None  # the architecture's LM loss kind for this head class (None: by class name)
 
 
 def _check_size(a: Assignment, tp: int, problems: list[str]) -> None:
     what, n = sharded_size(a.style, a.module, a.chunks)
     if a.style in ALLOWS_UNEVEN:
-        per = -(-n // tp)
-        if (tp - 1) * per >= n:
+        first, last = shard_range(n, tp, 0), shard_range(n, tp, tp - 1)
+        if last[0] == last[1]:
             problems.append(f"{a.path}: {what} = {n} is too small for tensor_parallel_degree {tp} "
-                            f"(a shard of {per} leaves the last rank empty)")
+                            f"(a shard of {first[1] - first[0]} leaves the last rank empty)")
     elif n % tp:
         problems.append(f"{a.path}: {what} = {n} is not divisible by tensor_parallel_degree {tp}")
 
@@ -82,7 +88,11 @@ def _collect_plan(model, plan: ModulePlan, prefix: str, tp: int, work: Work, ski
             if not isinstance(module, SUPPORTED_TYPES.get(style, ())):
                 work.problems.append(f"{path}: style {style!r} cannot shard a {type(module).__name__}")
                 continue
-            a = Assignment(path, module, style, plan.packed.get(first_match(plan.packed, rel) or "", 1), registered)
+            packed = packing(plan, rel)
+            a = Assignment(path, module, style, packed.chunks if packed else 1, registered, packed)
+            problem = packed and packed_problem(path, module, packed)
+            if problem:
+                work.problems.append(problem)
             _check_size(a, tp, work.problems)
             work.assignments.append(a)
     for glob, attrs in plan.per_rank_attrs.items():
@@ -94,6 +104,7 @@ def _collect_plan(model, plan: ModulePlan, prefix: str, tp: int, work: Work, ski
                                          f"tensor_parallel_degree {tp}")
                 work.rewrites.append((join(prefix, rel), rel_modules[rel], attr, value // tp))
     _collect_holders(plan, rel_modules, work)
+    _collect_shared(plan, prefix, rel_modules, live, work)
     blocks = {b for b in map(block_prefix, plan.rules) if b}
     for rel, module in rel_modules.items():
         in_block = any(glob_match(b, ".".join(rel.split(".")[: len(b.split("."))])) for b in blocks)
@@ -102,17 +113,45 @@ def _collect_plan(model, plan: ModulePlan, prefix: str, tp: int, work: Work, ski
                                  "but no rule covers it")
 
 
+_READS_SHARED = ("colwise", "packed_colwise")
+
+
+def _collect_shared(plan: ModulePlan, prefix: str, rel_modules: dict[str, nn.Module], live, work: Work) -> None:
+    """Match and check a plan's shared-input rules: the argument or child must exist and
+    column-parallel layers must sit below."""
+    for glob, shared in plan.shared_inputs.items():
+        matched = [rel for rel in rel_modules if glob_match(glob, rel)]
+        if not matched:
+            work.problems.append(f"shared input rule {glob!r} matches no module")
+        for rel in filter(live, matched):
+            module, path = rel_modules[rel], join(prefix, rel)
+            if bool(shared.arg) == bool(shared.output_of):
+                work.problems.append(f"{path}: a SharedInput names exactly one of arg and output_of")
+            elif shared.arg and shared.arg not in inspect.signature(module.forward).parameters:
+                work.problems.append(f"{path}: {type(module).__name__}.forward has no argument {shared.arg!r}")
+            elif shared.output_of and join(rel, shared.output_of) not in rel_modules:
+                work.problems.append(f"{path}: no child {shared.output_of!r} for the shared input")
+            elif not any(a.path.startswith(path + ".") and a.style in _READS_SHARED for a in work.assignments):
+                work.problems.append(f"{path}: shared input rule but no column-parallel layer below it")
+            else:
+                work.shared.append((path, module, shared))
+
+
+def _shared_input_apply(work: Work, tp_mesh: DeviceMesh) -> None:
+    """Apply ``f`` once per shared input; the column-parallel layers below skip their own."""
+    for path, module, shared in work.shared:
+        install_shared_input(module, shared, tp_mesh)
+        for a in work.assignments:
+            if a.path.startswith(path + ".") and a.style in _READS_SHARED:
+                a.module._mp_shared_input = True
+
+
 def _collect_holders(plan: ModulePlan, rel_modules: dict[str, nn.Module], work: Work) -> None:
     """Record the parameters a plan declares as mere holders of a tie (``module.param`` globs)."""
     for rel, module in rel_modules.items():
         for name in module._parameters:
             if first_match(plan.tied_holders, join(rel, name)):
                 work.holders.add((id(module), name))
-
-
-def _base_prefix(model: nn.Module) -> str:
-    prefix = getattr(model, "base_model_prefix", "")
-    return prefix if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
 
 
 def _check_config(model: nn.Module, spec: ArchSpec, tp: int, problems: list[str]) -> None:
@@ -140,25 +179,16 @@ def collect(model: nn.Module, spec: ArchSpec | None, tp: int) -> Work:
     skip = tuple(path for path, _, _ in work.registered)
     if spec is not None and marks.is_enabled(model, ""):
         _check_config(model, spec, tp, work.problems)
-        _collect_plan(model, spec.base, _base_prefix(model), tp, work, skip)
+        work.loss = spec.loss_for(type(model))
+        _collect_plan(model, spec.base, base_prefix(model), tp, work, skip)
         _collect_plan(model, spec.head, "", tp, work, skip)
     _check_ties(model, work)
     return work
 
 
-def _tied_groups(model: nn.Module) -> list[list[tuple[str, nn.Module, str]]]:
-    """Parameters shared by several modules (e.g. GPT-2's ``wte`` and ``lm_head``)."""
-    holders: dict[int, dict[tuple[int, str], tuple[str, nn.Module, str]]] = {}
-    for mpath, mod in model.named_modules(remove_duplicate=False):
-        for name, p in mod._parameters.items():
-            if p is not None:
-                holders.setdefault(id(p), {})[(id(mod), name)] = (mpath, mod, name)
-    return [list(h.values()) for h in holders.values() if len(h) > 1]
-
-
 def _check_ties(model: nn.Module, work: Work) -> None:
     styled = {id(a.module): a.style for a in work.assignments}
-    for group in _tied_groups(model):
+    for group in tied_parameters(model):
         styles = {styled.get(id(mod)) for _, mod, name in group if (id(mod), name) not in work.holders}
         if len(styles) > 1 and None in styles:
             paths = ", ".join(join(p, n) for p, _, n in group)
@@ -195,16 +225,17 @@ def _apply_registered(model: nn.Module, tp_mesh: DeviceMesh, path: str, module: 
 
 def apply(model: nn.Module, tp_mesh: DeviceMesh, work: Work) -> None:
     """Carry out checked ``work``: shard, rewrite per-rank sizes, restore ties, install the loss."""
-    groups = _tied_groups(model)
+    groups = tied_parameters(model)
     for a in work.assignments:
-        parallelize_module(a.module, tp_mesh, build_style(a.style, a.module, a.chunks))
+        parallelize_module(a.module, tp_mesh, build_style(a.style, a.module, a.packed or a.chunks))
+    _shared_input_apply(work, tp_mesh)
     for _, module, attr, value in work.rewrites:
         setattr(module, attr, value)
     for path, module, reg in work.registered:
         _apply_registered(model, tp_mesh, path, module, reg)
     _retie(groups)
     if any(a.style == "vocab_colwise" and not a.registered for a in work.assignments):
-        install_vocab_parallel_loss(model)
+        install_vocab_parallel_loss(model, work.loss)
 
 
 def replicated_paths(model: nn.Module, work: Work) -> list[str]:

@@ -10,13 +10,8 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-
-def local_grad(p: torch.nn.Parameter) -> torch.Tensor | None:
-    """This rank's gradient tensor of ``p`` (the local shard for a DTensor parameter)."""
-    g = p.grad
-    return g.to_local() if isinstance(g, DTensor) else g
+from ..tp.layout import local_grad
 
 
 def allreduce_gradients(params: Iterable[torch.nn.Parameter], group: dist.ProcessGroup, size: int) -> None:

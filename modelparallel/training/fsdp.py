@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from ..tp.layout import base_prefix
 from ..tp.plan import ArchSpec, block_prefix, glob_match, join
 
 
@@ -26,8 +27,7 @@ def block_modules(module: nn.Module, spec: ArchSpec | None) -> list[nn.Module]:
     """The repeated blocks of ``module``'s plan (``layers.*``, ``h.*``...), in model order."""
     if spec is None:
         return []
-    prefix = getattr(module, "base_model_prefix", "")
-    prefix = prefix if prefix and isinstance(getattr(module, prefix, None), nn.Module) else ""
+    prefix = base_prefix(module)
     globs = {join(prefix, b) for b in map(block_prefix, spec.base.rules) if b}
     globs |= {b for b in map(block_prefix, spec.head.rules) if b}
     return [m for path, m in module.named_modules() if path and any(glob_match(g, path) for g in globs)]

@@ -20,8 +20,9 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.distributed.fsdp import _optim_utils
 from torch.distributed.tensor import DTensor, Replicate
+
+from ..compat import fsdp_optim_utils as _optim_utils
 
 _MARK = "_mp_tp_local"
 

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial
 
+from ..tp.layout import local_part
+
 
 def _distinct_pieces(g: torch.Tensor) -> int:
     """Distinct blocks ``g`` is cut into across ranks: every placement that is not Replicate
@@ -45,7 +47,7 @@ def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0,
     inf = math.isinf(norm_type)
     total = torch.zeros((), dtype=torch.float64)
     for g in grads:
-        shard = (g.to_local() if isinstance(g, DTensor) else g).detach().double()
+        shard = local_part(g).detach().double()
         if shard.numel() == 0:
             continue
         if inf:
@@ -79,5 +81,5 @@ def clip_by_global_norm(params: Iterable[torch.Tensor], max_norm: float, norm_ty
     if coef < 1.0:
         for p in params:
             g = p.grad
-            (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
+            local_part(g).mul_(coef)
     return norm

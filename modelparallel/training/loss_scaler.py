@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+
+from ..tp.layout import local_part
 
 DYNAMIC_DEFAULTS: Mapping[str, Any] = MappingProxyType({
     "init_scale": 2.0 ** 32,
@@ -34,11 +35,6 @@ DYNAMIC_DEFAULTS: Mapping[str, Any] = MappingProxyType({
     "consecutive_hysteresis": False,
 })
 """SageMaker's ``dynamic_loss_args`` keys and their defaults (read-only)."""
-
-
-def _local(g: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of a gradient: only the local shard of a DTensor lives here."""
-    return g.to_local() if isinstance(g, DTensor) else g
 
 
 def _flag_device(grads: list[torch.Tensor], group: dist.ProcessGroup) -> torch.device:
@@ -70,7 +66,7 @@ class LossScaler:
 
         A collective: every rank of the group must call it. ``None`` entries are ignored.
         """
-        local = [_local(g) for g in grads if g is not None]
+        local = [local_part(g) for g in grads if g is not None]
         bad = torch.stack([(~torch.isfinite(g)).any() for g in local]).any() if local else False
         if not dist.is_initialized():
             return bool(bad)

@@ -28,14 +28,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..tp.layout import from_local_like, local_part
+
 HALF = (torch.float16, torch.bfloat16)
 
 _OWN_ATTRS = {"param_groups", "state", "defaults"}
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of ``t`` (the local shard of a DTensor)."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def check_supported(optimizer: torch.optim.Optimizer) -> None:
@@ -80,8 +77,7 @@ def _fp32_copy(p: torch.Tensor) -> nn.Parameter:
     with torch.no_grad():
         if isinstance(p, DTensor):
             shard = p.to_local().to(torch.float32, copy=True)
-            t = DTensor.from_local(shard, p.device_mesh, p.placements, run_check=False,
-                                   shape=p.shape, stride=p.stride())
+            t = from_local_like(shard, p)
         else:
             t = p.detach().to(torch.float32, copy=True)
     return nn.Parameter(t, requires_grad=p.requires_grad)
@@ -154,26 +150,24 @@ class MasterWeights:
                 continue
             if t is p:
                 if scale != 1.0:
-                    local(g).mul_(inv)
+                    local_part(g).mul_(inv)
                 continue
-            g32 = local(g).to(torch.float32)
+            g32 = local_part(g).to(torch.float32)
             if scale != 1.0:
                 g32.mul_(inv)
-            t.grad = (DTensor.from_local(g32, t.device_mesh, t.placements, run_check=False,
-                                         shape=t.shape, stride=t.stride())
-                      if isinstance(t, DTensor) else g32)
+            t.grad = from_local_like(g32, t) if isinstance(t, DTensor) else g32
 
     @torch.no_grad()
     def masters_to_params(self) -> None:
         """Round the updated masters into the model's half-precision parameters."""
         for p, master in self.pairs:
-            local(p).copy_(local(master))
+            local_part(p).copy_(local_part(master))
 
     @torch.no_grad()
     def params_to_masters(self) -> None:
         """Recreate the masters from the model's parameters (after loading weights only)."""
         for p, master in self.pairs:
-            local(master).copy_(local(p))
+            local_part(master).copy_(local_part(p))
 
     def clear_master_grads(self) -> None:
         for _, master in self.pairs:

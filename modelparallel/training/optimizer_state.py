@@ -14,10 +14,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
-from ..checkpoint.legacy import to_param_layout
-from .master_weights import local
+from ..tp.layout import distribute_like, from_local_like, local_part, shard_of
 
 logger = logging.getLogger("modelparallel")
 
@@ -27,7 +26,7 @@ MASTERS = "fp32_from_fp16"
 def state_dict(optimizer, partial: bool) -> dict[str, Any]:
     """SageMaker's layout of a ``DistributedOptimizer``'s state; with ``partial``, DTensor
     entries are this rank's local shards (views of the live tensors, nothing copied)."""
-    conv = local if partial else (lambda t: t)
+    conv = local_part if partial else (lambda t: t)
     inner = optimizer.optimizer.state_dict()
     state = {i: {k: conv(v) if isinstance(v, DTensor) else v for k, v in slots.items()}
              for i, slots in inner["state"].items()}
@@ -67,7 +66,7 @@ def load_masters(optimizer, masters: Mapping[int, torch.Tensor] | None) -> None:
         p, t = pairs[int(index)]
         if t is p:
             raise ValueError(f"saved fp32 master for parameter {index}, which is not half precision here")
-        local(t).copy_(_local_piece(t, value, index))
+        local_part(t).copy_(_local_piece(t, value, index))
 
 
 def _local_piece(master: torch.Tensor, value: torch.Tensor, index) -> torch.Tensor:
@@ -75,11 +74,32 @@ def _local_piece(master: torch.Tensor, value: torch.Tensor, index) -> torch.Tens
     another TP degree) sliced like ``master`` without communication, or a local shard as is."""
     if isinstance(value, DTensor):
         value = value.to_local()
-    want = local(master)
+    want = local_part(master)
     if isinstance(master, DTensor) and tuple(value.shape) == tuple(master.shape) != tuple(want.shape):
-        value = distribute_tensor(value.to(want.device), master.device_mesh, master.placements,
-                                  src_data_rank=None).to_local()
+        value = shard_of(value, master)
     if tuple(value.shape) != tuple(want.shape):
         raise ValueError(f"saved fp32 master for parameter {index} has shape {tuple(value.shape)}; "
                          f"expected {tuple(master.shape)} (global) or {tuple(want.shape)} (this rank's shard)")
     return value
+
+
+def to_param_layout(torch_optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A torch optimizer state dict whose entries for DTensor parameters are plain tensors (global
+    shape from ``smp.load`` at another degree, or this rank's shard) made DTensors like their
+    parameter: torch's own load would keep them plain, and the next step would mix the two."""
+    params = [p for g in torch_optimizer.param_groups for p in g["params"]]
+    state = {}
+    for index, slots in state_dict["state"].items():
+        p = params[int(index)]
+        state[index] = {k: _like(p, v) for k, v in slots.items()} if isinstance(p, DTensor) else slots
+    return {**state_dict, "state": state}
+
+
+def _like(param: DTensor, value: Any) -> Any:
+    if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+        return value
+    if value.shape == param.shape:  # global: each rank slices its own shard, no communication
+        return distribute_like(value, param)
+    if value.shape == param.to_local().shape:  # this rank's shard, same layout
+        return from_local_like(value.to(param.device), param)
+    return value  # e.g. Adam's scalar step: torch's load handles it

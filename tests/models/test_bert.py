@@ -14,8 +14,9 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.debug import CommDebugMode
-from transformers import (BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel, RobertaConfig,
-                          RobertaForMaskedLM, RobertaForSequenceClassification, RobertaModel)
+from transformers import (BertConfig, BertForMaskedLM, BertForSequenceClassification, BertLMHeadModel, BertModel,
+                          RobertaConfig, RobertaForCausalLM, RobertaForMaskedLM, RobertaForSequenceClassification,
+                          RobertaModel)
 
 import harness
 import modelparallel as smp
@@ -168,6 +169,26 @@ def test_two_allreduces_per_layer_each_way_and_no_gather(arch):
     # constant part: embedding all-reduce + 2 small loss all-reduces forward; decoder input grad backward
     assert all_reduces(f2) == 2 * 2 + 3, f2
     assert all_reduces(b2) == 2 * 2 + 1, b2
+
+
+def check_causal_heads(tp):
+    """The family's decoder heads (``BertLMHeadModel``, ``RobertaForCausalLM``) declare a causal
+    loss next to the masked one: their vocab-parallel loss and gradients equal HF's next-token loss."""
+    for arch, cls in (("bert", BertLMHeadModel), ("roberta", RobertaForCausalLM)):
+        config = tiny(arch, is_decoder=True)
+        ids, mask, types = batch(config)
+        kw = dict(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=ids.masked_fill(mask == 0, -100))
+        ref, model = build_pair(cls, config, tp)
+        want, got = ref(**kw), model(**kw)
+        assert_close(got.logits, want.logits, what=f"{cls.__name__} logits")
+        assert_close(got.loss, want.loss, what=f"{cls.__name__} loss (causal, not masked)")
+        want.loss.backward()
+        model.backward(got.loss)
+        assert_grads_match(ref, model, rerun=lambda m: m(**kw).loss)
+
+
+def test_causal_heads_take_the_causal_loss():
+    harness.run(2, check_causal_heads, 2)
 
 
 def test_heads_not_divisible_named_with_numbers():

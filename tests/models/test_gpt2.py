@@ -6,6 +6,8 @@ something else than HF does. Look first at which quantity differs: logits -> sty
 only -> tp/loss.py; gradients only -> the backward of a style or of the loss.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from torch.distributed.tensor.debug import CommDebugMode
@@ -13,6 +15,9 @@ from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadMo
 
 import harness
 import modelparallel as smp
+from modelparallel.models import spec_for
+from modelparallel.tp.plan import Packed
+from modelparallel.tp.walker import collect
 from reference import (assert_close, assert_grads_match, assert_same_training, build_pair,
                        comm_counts_by_kind, gathered)
 
@@ -141,3 +146,16 @@ def test_two_allreduces_per_layer_each_way_and_no_logit_gather():
     # constant part: embedding all-reduce + 2 small loss all-reduces forward, LM-head input grad backward
     assert f2.get("all_reduce", 0) + f2.get("allreduce", 0) == 2 * 2 + 3
     assert b2["all_reduce"] == 2 * 2 + 1
+
+
+def test_packed_dims_that_are_not_the_output_refused_before_sharding():
+    """``c_attn`` fuses q|k|v along dim 1 of its ``Conv1D`` weight; a descriptor naming dim 0 would
+    split the input features, so the walker refuses it, naming the module and the dims."""
+    model = GPT2LMHeadModel(tiny(vocab=1000))
+    spec = spec_for(model)
+    wrong = {"h.*.attn.c_attn": Packed(chunks=3, dims={"weight": 0, "bias": 0})}
+    bad = dataclasses.replace(spec, base=dataclasses.replace(spec.base, packed=wrong))
+    problems = collect(model, bad, tp=2).problems
+    assert any(p.startswith("transformer.h.0.attn.c_attn: packed dims {'weight': 0} are not the output dims "
+                            "of a Conv1D") for p in problems), problems
+    assert not collect(model, spec, tp=2).problems

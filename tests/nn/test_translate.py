@@ -1,6 +1,6 @@
 """HF <-> distributed state-dict translation for the six architectures, at TP=1, 2 and 4.
 
-A failure means a key table in modelparallel/nn/huggingface/<arch>.py (or the engine in
+A failure means a key table in modelparallel/models/<arch>.py (or the engine in nn/huggingface/
 translate.py) maps a key or a fused tensor wrongly. The reference is always an untouched HF model:
 its outputs, and its own ``load_state_dict(strict=True)``.
 """
@@ -123,3 +123,23 @@ def test_fused_tensor_that_cannot_split_refused():
     sd["transformer.h.0.attn.c_attn.bias"] = torch.zeros(190)
     with pytest.raises(ValueError, match=r"transformer.h.0.attn.c_attn.bias: dim 0 of shape \(190,\) does not split"):
         gpt2.translate_hf_state_dict_to_smdistributed_gpt2(sd)
+
+
+def test_sagemaker_functions_keep_their_names_and_pickle():
+    """Generated from the key tables, SageMaker's functions still carry their own names and
+    signatures, and pickle by reference (they are passed to other processes as translate hooks)."""
+    import inspect
+    import pickle
+
+    for module in (bert, gpt2, gptj, gptneo, llama, roberta):
+        arch = module.__name__.rpartition(".")[2]
+        export = getattr(module, f"translate_state_dict_to_hf_{arch}")
+        import_ = getattr(module, f"translate_hf_state_dict_to_smdistributed_{arch}")
+        assert export.__name__ == f"translate_state_dict_to_hf_{arch}"
+        want = ["state_dict", "max_seq_len", *(["config"] if arch == "gptneo" else []), "legacy_buffers"]
+        assert list(inspect.signature(export).parameters) == want, (arch, inspect.signature(export))
+        assert list(inspect.signature(import_).parameters) == ["state_dict"]
+        for fn in (export, import_):
+            assert pickle.loads(pickle.dumps(fn)) is fn, fn.__name__
+    assert list(inspect.signature(gptj.translate_hf_gptj_state_dict_to_smdistributed).parameters) == [
+        "state_dict", "max_seq_len"]

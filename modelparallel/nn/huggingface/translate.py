@@ -29,9 +29,9 @@ class KeyTable:
         packed: template -> (dim, chunks): HF concatenates ``chunks`` equal parts along ``dim``;
             the distributed format keeps them as a separate dimension at ``dim``.
         tied: HF key -> the key it shares storage with (filled in on export when absent).
-        legacy_buffers: template (relative to the base model) -> ``fn(max_seq_len, layer_index)``
-            building a buffer older HF checkpoints stored; dropped on import, added on export
-            only when ``max_seq_len`` is given.
+        legacy_buffers: template (relative to the base model) -> ``fn(max_seq_len, layer_index,
+            config)`` building a buffer older HF checkpoints stored (``config``: the model's, or
+            None); dropped on import, added on export only when asked for.
     """
 
     arch: str
@@ -40,7 +40,7 @@ class KeyTable:
     head_keys: tuple[str, ...] = ()
     packed: dict[str, tuple[int, int]] = field(default_factory=dict)
     tied: dict[str, str] = field(default_factory=dict)
-    legacy_buffers: dict[str, Callable[[int, int], torch.Tensor]] = field(default_factory=dict)
+    legacy_buffers: dict[str, Callable[[int, int, object], torch.Tensor]] = field(default_factory=dict)
 
     def match(self, key: str) -> tuple[str, str, str | None]:
         """(prefix, template, layer index) of ``key``; raises ``KeyError`` for unknown keys."""
@@ -70,21 +70,27 @@ def _match(template: str, key: str):
     return m.group(1) if m.groups() else None
 
 
+def _template(table: KeyTable, key: str) -> str | None:
+    """The template of ``key``, or None for a legacy buffer (not stored in either format)."""
+    _, template, _ = table.match(key)
+    return None if template in table.legacy_buffers else template
+
+
 def to_hf_items(table: KeyTable, key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """One distributed-format entry as HF entries ([] for keys HF does not store)."""
-    _, template, _ = table.match(key)
-    if template in table.legacy_buffers:
+    template = _template(table, key)
+    if template is None:
         return []
     if template in table.packed:
-        dim, _ = table.packed[template]
+        dim = table.packed[template][0]
         tensor = tensor.flatten(dim, dim + 1)
     return [(key, tensor)]
 
 
 def from_hf_items(table: KeyTable, key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """One HF entry in distributed format ([] for legacy buffers, which the model recomputes)."""
-    _, template, _ = table.match(key)
-    if template in table.legacy_buffers:
+    template = _template(table, key)
+    if template is None:
         return []
     if template in table.packed:
         dim, chunks = table.packed[template]
@@ -95,25 +101,25 @@ def from_hf_items(table: KeyTable, key: str, tensor: torch.Tensor) -> list[tuple
     return [(key, tensor)]
 
 
-def _legacy(table: KeyTable, state_dict: dict, max_seq_len: int) -> dict[str, torch.Tensor]:
+def _legacy(table: KeyTable, state_dict: dict, max_seq_len: int, config) -> dict[str, torch.Tensor]:
     layers, prefix = set(), ""
     for key in state_dict:
         p, template, layer = table.match(key)
         if layer is not None and template in table.base_keys:
             layers.add(int(layer))
             prefix = p
-    return {prefix + template.format(i): build(max_seq_len, i)
+    return {prefix + template.format(i): build(max_seq_len, i, config)
             for template, build in table.legacy_buffers.items() for i in sorted(layers)}
 
 
 def to_hf(table: KeyTable, state_dict: dict, max_seq_len: int | None = None,
-          legacy_buffers: bool = False) -> dict[str, torch.Tensor]:
+          legacy_buffers: bool = False, config=None) -> dict[str, torch.Tensor]:
     """A full distributed-format state dict in HF format, tied aliases included.
 
     Hugging Face transformers 5 models hold no causal-mask buffers, so by default ``max_seq_len``
     adds nothing and the result loads with ``load_state_dict(strict=True)``; ``legacy_buffers=True``
     adds the per-layer masks that models of older transformers releases stored, sized
-    ``max_seq_len``.
+    ``max_seq_len`` (``config``, the model's, decides per-layer details such as local windows).
 
     Raises:
         KeyError: naming the first key that is not of this architecture.
@@ -128,7 +134,7 @@ def to_hf(table: KeyTable, state_dict: dict, max_seq_len: int | None = None,
         if alias not in out and source in out:
             out[alias] = out[source]
     if legacy_buffers:
-        out.update(_legacy(table, state_dict, max_seq_len))
+        out.update(_legacy(table, state_dict, max_seq_len, config))
     return out
 
 
@@ -149,11 +155,46 @@ def from_hf(table: KeyTable, state_dict: dict) -> dict[str, torch.Tensor]:
     return out
 
 
-def causal_mask(max_seq_len: int, layer: int) -> torch.Tensor:
+def causal_mask(max_seq_len: int, layer: int, config=None) -> torch.Tensor:
     """The [1, 1, n, n] lower-triangular mask older GPT-2/GPT-J checkpoints stored per layer."""
     return torch.tril(torch.ones(max_seq_len, max_seq_len, dtype=torch.bool)).view(1, 1, max_seq_len, max_seq_len)
 
 
 def masked_bias(value: float) -> Callable[[int, int], torch.Tensor]:
     """The scalar fill value older checkpoints stored beside the mask."""
-    return lambda max_seq_len, layer: torch.tensor(value)
+    return lambda max_seq_len, layer, config=None: torch.tensor(value)
+
+
+def sagemaker_functions(table: KeyTable, name: str, module: str, config_arg: bool = False) -> tuple[Callable, Callable]:
+    """SageMaker's pair of translation functions for one architecture, generated from its table:
+    ``translate_state_dict_to_hf_<name>(state_dict, max_seq_len=None, [config=None,]
+    legacy_buffers=False)`` and ``translate_hf_state_dict_to_smdistributed_<name>(state_dict)``.
+
+    Args:
+        table: the architecture's key table.
+        name: the architecture's name in SageMaker's function names (``gptneo``).
+        module: the module that binds them under those names (so they pickle by reference, as
+            functions passed to other processes must).
+        config_arg: whether the export takes the model ``config`` (GPT-Neo's local-window masks).
+
+    Returns:
+        (to HF, from HF) functions.
+    """
+    if config_arg:
+        def export(state_dict, max_seq_len=None, config=None, legacy_buffers=False):
+            return to_hf(table, state_dict, max_seq_len, legacy_buffers, config)
+    else:
+        def export(state_dict, max_seq_len=None, legacy_buffers=False):
+            return to_hf(table, state_dict, max_seq_len, legacy_buffers)
+
+    def import_(state_dict):
+        return from_hf(table, state_dict)
+
+    export.__module__ = import_.__module__ = module
+    export.__name__ = export.__qualname__ = f"translate_state_dict_to_hf_{name}"
+    export.__doc__ = (f"Distributed-format {table.arch} state dict (``DistributedModel.state_dict()``) -> HF "
+                      f"state dict; see ``to_hf``." + (" Give the model ``config`` with ``max_seq_len`` for "
+                      "per-layer masks that depend on it." if config_arg else ""))
+    import_.__name__ = import_.__qualname__ = f"translate_hf_state_dict_to_smdistributed_{name}"
+    import_.__doc__ = f"HF {table.arch} state dict -> distributed format, for ``DistributedModel.load_state_dict``."
+    return export, import_

@@ -1,0 +1,203 @@
+"""What every benchmark shares: starting ranks, one thread each, honest peak memory, the machine's
+load, and where results go.
+
+Ranks start one of two ways, both on gloo with one thread per rank (``OMP_NUM_THREADS=1`` before
+torch is imported, and ``torch.set_num_threads(1)``):
+
+- ``spawn(fn, nproc, *args)``: ``torch.multiprocessing`` processes with the environment torchrun
+  would set (``MASTER_ADDR``/``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``...), so
+  ``smp.init()`` joins them as it joins a torchrun job. ``fn`` must be a module-level function;
+  each rank's return value (JSON-serializable, or None) comes back in a list indexed by rank.
+- ``torchrun(script, nproc, argv)``: the real launcher on ``script argv``; each rank hands its
+  record back with ``report(record)``.
+
+Peak memory: safetensors weights are memory-mapped, so a freshly loaded model's resident size
+hides them until they are read. ``peak_above_baseline_mb`` touches every local tensor in place,
+then reads ``VmHWM`` and subtracts the resident size taken by ``baseline_mb()`` right after the
+imports (the interpreter, torch and transformers are not the model's cost).
+
+Results go to ``bench/results/<name>.json`` (or ``$BENCH_RESULTS_DIR``, for trial runs that must not
+replace the recorded results), with the machine and its load averages: with one thread per rank
+on a small machine any other process takes time straight out of a rank.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path(os.environ.get("BENCH_RESULTS_DIR") or Path(__file__).resolve().parent / "results")
+_RANK_DIR = "BENCH_RANK_RECORDS"  # where ``report`` writes, set by ``torchrun``
+_ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+               "TOKENIZERS_PARALLELISM": "false"}
+
+
+# ---- starting ranks -------------------------------------------------------------------------------
+
+def one_thread() -> None:
+    """Pin this process's torch to one thread (the launchers also set the environment)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, fn: Callable, nproc: int, port: int, out: str, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nproc),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc), **_ONE_THREAD)
+    one_thread()
+    record = fn(*args)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(record))
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable, nproc: int, *args: Any) -> list[Any]:
+    """Run ``fn(*args)`` on ``nproc`` fresh processes forming one gloo job; returns each rank's
+    return value, indexed by rank.
+
+    Raises:
+        torch.multiprocessing.ProcessRaisedException: naming the rank whose ``fn`` raised.
+    """
+    import torch.multiprocessing as mp
+
+    saved = {k: os.environ.get(k) for k in _ONE_THREAD}
+    os.environ.update(_ONE_THREAD)  # children import torch with it already set
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-ranks-") as out:
+            mp.start_processes(_rank_main, args=(fn, nproc, _free_port(), out, args), nprocs=nproc,
+                               start_method="spawn")
+            return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(nproc)]
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def torchrun(script: str | Path, nproc: int, argv: Sequence[str] = ()) -> list[Any]:
+    """Run ``script argv`` under torchrun on ``nproc`` local ranks, one thread each; returns what
+    each rank passed to ``report`` (None for a rank that did not), indexed by rank.
+
+    Raises:
+        subprocess.CalledProcessError: if a rank failed (its output went to the terminal).
+    """
+    with tempfile.TemporaryDirectory(prefix="bench-ranks-") as out:
+        env = {**os.environ, **_ONE_THREAD, _RANK_DIR: out}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               str(Path(script).resolve()), *argv]
+        subprocess.run(cmd, env=env, check=True)
+        files = [Path(out, f"rank{r}.json") for r in range(nproc)]
+        return [json.loads(f.read_text()) if f.is_file() else None for f in files]
+
+
+def report(record: Any) -> None:
+    """Hand this rank's record (JSON-serializable) back to ``torchrun``'s caller."""
+    rank = int(os.environ.get("RANK", 0))
+    Path(os.environ[_RANK_DIR], f"rank{rank}.json").write_text(json.dumps(record))
+
+
+def slowest(seconds: Sequence[float]) -> list[float]:
+    """Per entry, the largest value over all ranks (a collective): a step ends when its slowest
+    rank ends."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(list(seconds), dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+# ---- memory --------------------------------------------------------------------------------------
+
+def status_mb(field: str) -> float:
+    """A ``/proc/self/status`` field (``VmRSS``, ``VmHWM``...) in MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise KeyError(f"{field} not in /proc/self/status")
+
+
+def baseline_mb() -> float:
+    """The resident size now: call it right after the imports, before building anything."""
+    return status_mb("VmRSS")
+
+
+def touch(*modules) -> None:
+    """An in-place no-op on every local floating-point parameter and buffer shard (a read of the
+    others), so memory-mapped weights become resident and count in ``VmHWM``."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        for module in modules:
+            for t in [*module.parameters(), *module.buffers()]:
+                local = t.to_local() if isinstance(t, DTensor) else t
+                if local.is_floating_point():
+                    local.mul_(1)
+                else:
+                    local.sum()
+
+
+def peak_above_baseline_mb(baseline: float, *modules) -> float:
+    """Peak resident size (``VmHWM``) above ``baseline``, after touching ``modules``' tensors."""
+    touch(*modules)
+    return status_mb("VmHWM") - baseline
+
+
+def reset_peak() -> float:
+    """Return freed memory to the system and restart ``VmHWM`` from the current resident size
+    (to measure one phase's peak); returns that size in MiB."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # memory kept by malloc would hide growth
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return status_mb("VmRSS")
+
+
+# ---- machine and results -------------------------------------------------------------------------
+
+def load_average() -> list[float]:
+    """The 1, 5 and 15-minute load averages (above the core count: the cores were shared)."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def machine() -> dict[str, Any]:
+    """CPU, cores, library versions and the load averages now."""
+    import torch
+    import transformers
+
+    cpuinfo = Path("/proc/cpuinfo")
+    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                if line.startswith("model name")), None) if cpuinfo.exists() else None
+    return {"cpu": cpu or platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "load_average": load_average()}
+
+
+def write_result(name: str, result: dict[str, Any], out: Path | None = None) -> Path:
+    """Write ``result`` with the machine (and the load averages at the end) to
+    ``RESULTS_DIR/<name>.json`` (or ``out``); returns the path."""
+    path = out or RESULTS_DIR / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**result, "machine": machine()}, indent=1) + "\n")
+    print(f"wrote {path} (load average {load_average()} on {os.cpu_count()} cores)")
+    return path

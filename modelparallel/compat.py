@@ -1,0 +1,31 @@
+"""Every private PyTorch name this package uses, imported here and nowhere else.
+
+Names that start with ``_`` may change or vanish in any PyTorch release. Keeping them in one
+module means an upgrade breaks one import, named by ``tests/test_compat.py``, instead of
+failures scattered through the package. Each entry says why the public API does not suffice.
+"""
+
+from __future__ import annotations
+
+# The (local shape, global offset) of any mesh coordinate's block, for every placement DTensor
+# has (FSDP's strided shard of a TP shard included); the public API only answers for this rank.
+from torch.distributed.tensor._utils import (
+    _compute_local_shape_and_global_offset as compute_local_shape_and_global_offset,
+)
+
+# DCP's own rule for turning a nested state dict into checkpoint entry names (and back): the
+# keys we compare and load must be exactly the ones DCP wrote.
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+# Puts a non-tensor value read by DCP back at its place in a nested state dict, by the path
+# ``flatten_state_dict`` recorded; DCP's planners do the same and export no public helper.
+from torch.distributed.checkpoint._traverse import set_element
+
+# FSDP1 loads optimizer state through this module's ``_gather_state_dict``, which gathers a TP
+# shard's state to the global tensor; the FSDP1 x TP resume wraps it to keep the TP-local block.
+# PyTorch has no hook for it, so the module itself is patched (the function is imported only so
+# that a rename fails here).
+from torch.distributed.fsdp import _optim_utils as fsdp_optim_utils
+from torch.distributed.fsdp._optim_utils import _gather_state_dict  # noqa: F401 - checked, patched on the module
+
+__all__ = ["compute_local_shape_and_global_offset", "flatten_state_dict", "fsdp_optim_utils", "set_element"]

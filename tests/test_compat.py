@@ -1,0 +1,56 @@
+"""Every private PyTorch name the package relies on still exists, and only compat.py imports one.
+
+A failure in ``test_private_names_exist`` means a PyTorch upgrade removed or moved a private
+name: the message names it and the installed torch version; find its replacement and change
+``modelparallel/compat.py`` alone. A failure in ``test_only_compat_imports_private_names``
+means a module imports a private PyTorch name directly: move the import into compat.py.
+"""
+
+import ast
+import importlib
+from pathlib import Path
+
+import torch
+
+import modelparallel
+
+PACKAGE = Path(modelparallel.__file__).parent
+COMPAT = PACKAGE / "compat.py"
+
+
+def _private_imports(path: Path) -> list[tuple[str, str]]:
+    """(module, name) of every ``from torch... import name`` in ``path`` whose module path or name
+    is private (a segment starting with ``_``)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ("torch", "transformers"):
+            for alias in node.names:
+                if any(seg.startswith("_") for seg in node.module.split(".")) or alias.name.startswith("_"):
+                    out.append((node.module, alias.name))
+    return out
+
+
+def test_private_names_exist():
+    names = _private_imports(COMPAT)
+    assert names, "compat.py lists no private imports: the parser above no longer finds them"
+    missing = []
+    for module, name in names:
+        try:
+            if not hasattr(importlib.import_module(module), name):
+                importlib.import_module(f"{module}.{name}")  # a submodule not loaded yet
+        except ImportError as e:
+            missing.append(f"{module}.{name} ({e})")
+    assert not missing, (f"torch {torch.__version__} no longer provides {', '.join(missing)}; "
+                         "replace it in modelparallel/compat.py")
+
+
+def test_compat_exports_each_name():
+    compat = importlib.import_module("modelparallel.compat")
+    assert all(getattr(compat, name, None) is not None for name in compat.__all__)
+
+
+def test_only_compat_imports_private_names():
+    offenders = [f"{path.relative_to(PACKAGE)}: from {module} import {name}"
+                 for path in sorted(PACKAGE.rglob("*.py")) if path != COMPAT
+                 for module, name in _private_imports(path)]
+    assert not offenders, "private PyTorch imports outside compat.py:\n" + "\n".join(offenders)

@@ -101,13 +101,19 @@ def _row_input(x: torch.Tensor) -> torch.Tensor:
     return x.redistribute(x.device_mesh, [Shard(-1)]).to_local() if isinstance(x, DTensor) else x
 
 
+def _bias_like(bias: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The bias in the product's dtype: under autocast the GEMM ran in half precision, and the
+    unsharded layer (``addmm`` / ``linear``, which autocast casts whole) returns that dtype too."""
+    return bias.to_local().to(y.dtype)
+
+
 class RowwiseLinear:
     """Forward of an ``nn.Linear`` with weight Shard(1) [out, in/tp], bias replicated: ``g`` sums
     the partial products, then the bias is added once."""
 
     def forward(self, x):
         y = reduce_from_tp(F.linear(_row_input(x), self.weight.to_local()), self.weight.device_mesh)
-        return y if self.bias is None else y + self.bias.to_local()
+        return y if self.bias is None else y + _bias_like(self.bias, y)
 
 
 class RowwiseConv1D:
@@ -116,7 +122,7 @@ class RowwiseConv1D:
     def forward(self, x):
         x = _row_input(x)
         y = torch.mm(x.reshape(-1, x.size(-1)), self.weight.to_local())
-        y = reduce_from_tp(y, self.weight.device_mesh) + self.bias.to_local()
+        y = reduce_from_tp(y, self.weight.device_mesh) + _bias_like(self.bias, y)
         return y.view(*x.shape[:-1], -1)
 
 

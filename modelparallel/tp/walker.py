@@ -116,6 +116,11 @@ def _collect_plan(model, plan: ModulePlan, prefix: str, tp: int, work: Work, ski
 _READS_SHARED = ("colwise", "packed_colwise")
 
 
+def _below(path: str, other: str) -> bool:
+    """True when module ``other`` sits strictly below module ``path`` ("" is the root)."""
+    return other != path and (not path or other.startswith(path + "."))
+
+
 def _collect_shared(plan: ModulePlan, prefix: str, rel_modules: dict[str, nn.Module], live, work: Work) -> None:
     """Match and check a plan's shared-input rules: the argument or child must exist and
     column-parallel layers must sit below."""
@@ -131,7 +136,7 @@ def _collect_shared(plan: ModulePlan, prefix: str, rel_modules: dict[str, nn.Mod
                 work.problems.append(f"{path}: {type(module).__name__}.forward has no argument {shared.arg!r}")
             elif shared.output_of and join(rel, shared.output_of) not in rel_modules:
                 work.problems.append(f"{path}: no child {shared.output_of!r} for the shared input")
-            elif not any(a.path.startswith(path + ".") and a.style in _READS_SHARED for a in work.assignments):
+            elif not any(_below(path, a.path) and a.style in _READS_SHARED for a in work.assignments):
                 work.problems.append(f"{path}: shared input rule but no column-parallel layer below it")
             else:
                 work.shared.append((path, module, shared))
@@ -142,7 +147,7 @@ def _shared_input_apply(work: Work, tp_mesh: DeviceMesh) -> None:
     for path, module, shared in work.shared:
         install_shared_input(module, shared, tp_mesh)
         for a in work.assignments:
-            if a.path.startswith(path + ".") and a.style in _READS_SHARED:
+            if _below(path, a.path) and a.style in _READS_SHARED:
                 a.module._mp_shared_input = True
 
 

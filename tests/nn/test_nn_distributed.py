@@ -77,6 +77,27 @@ def check_attention(tp, cross, causal, pre, post):
     return sharded
 
 
+def attention_backward_all_reduces(cross):
+    """All-reduces in one backward of a TP=2 attention layer: one per distinct input of q, k and v
+    (their input gradients summed over the ranks once per input, not once per projection)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    kw = dict(SIZES, cross_attention=cross)
+    kw.pop("intermediate_size")
+    smp.init({"tensor_parallel_degree": 2, "prescaled_batch": True})
+    model = smp.DistributedModel(smp.nn.DistributedAttentionLayer(**kw))
+    x, c = torch.randn(2, 8, 32, requires_grad=True), torch.randn(2, 5, 32, requires_grad=True)
+    out = model((x, c, None) if cross else (x, None))
+    with CommDebugMode() as mode:
+        out.sum().backward()
+    return sum(n for op, n in mode.get_comm_counts().items() if "all_reduce" in str(op) or "allreduce" in str(op))
+
+
+def test_attention_input_gradient_is_all_reduced_once_per_input():
+    assert harness.run(2, attention_backward_all_reduces, False) == [1, 1]
+    assert harness.run(2, attention_backward_all_reduces, True) == [2, 2]
+
+
 def check_output_layer(tp, activation, pre, post, fp32):
     kw = dict(hidden_size=32, intermediate_size=64, hidden_dropout_prob=0.0, activation=activation,
               pre_layernorm=pre, post_layernorm=post, fp32_residual_addition=fp32)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...tp.plan import ModulePlan
+from ...tp.plan import ModulePlan, SharedInput
 from .base import DistributedModule, FusedLayerNorm, InitLinear, check_layernorms
 
 MASKED = -10000.0
@@ -41,7 +41,11 @@ class DistributedAttentionLayer(DistributedModule):
     """
 
     tp_plan = ModulePlan(rules={"query": "colwise", "key": "colwise", "value": "colwise", "dense": "rowwise"},
-                         per_rank_attrs={"": ("local_attention_heads",)})
+                         per_rank_attrs={"": ("local_attention_heads",)},
+                         shared_inputs={"": SharedInput(output_of="projection_input")})
+    """q, k and v read their input through ``projection_input`` (an identity): under tensor
+    parallelism the input's gradient is then all-reduced once for the three projections, not
+    once each (for cross-attention: once for q's input, once for k and v's)."""
 
     def __init__(self, num_attention_heads: int = 32, attention_head_size: int = 32, hidden_size: int = 1024,
                  attention_dropout_prob: float = 0.1, hidden_dropout_prob: float = 0.1,
@@ -61,6 +65,7 @@ class DistributedAttentionLayer(DistributedModule):
         self.key = InitLinear(hidden_size, inner, std=std)
         self.value = InitLinear(hidden_size, inner, std=std)
         self.dense = InitLinear(inner, hidden_size, std=std)
+        self.projection_input = nn.Identity()
         self.dropout1 = nn.Dropout(attention_dropout_prob)
         self.dropout2 = nn.Dropout(hidden_dropout_prob)
         self.pre_layernorm = FusedLayerNorm(hidden_size, eps=layernorm_epsilon) if pre_layernorm else None
@@ -83,7 +88,8 @@ class DistributedAttentionLayer(DistributedModule):
         else:
             (hidden_states, attention_mask), cross_states = inputs, None
         norm = self.pre_layernorm(hidden_states) if self.pre_layernorm is not None else hidden_states
-        source = norm if cross_states is None else cross_states
+        norm = self.projection_input(norm)
+        source = norm if cross_states is None else self.projection_input(cross_states)
         q, k, v = self._heads(self.query(norm)), self._heads(self.key(source)), self._heads(self.value(source))
         scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.attention_head_size)
         if not self.cross_attention and self.causal_mask_size is not None:

@@ -28,4 +28,11 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.fsdp import _optim_utils as fsdp_optim_utils
 from torch.distributed.fsdp._optim_utils import _gather_state_dict  # noqa: F401 - checked, patched on the module
 
-__all__ = ["compute_local_shape_and_global_offset", "flatten_state_dict", "fsdp_optim_utils", "set_element"]
+# FSDP1 flattens each unit's parameters in ``FlatParamHandle`` and then keeps this rank's chunk
+# (``shard``); between the two the unit's original tensors are dead on ranks other than 0. The
+# v2 recipe frees them there so a rank never holds its shards plus a whole unit twice; PyTorch
+# exposes no hook at that point.
+from torch.distributed.fsdp._flat_param import FlatParamHandle
+
+__all__ = ["FlatParamHandle", "compute_local_shape_and_global_offset", "flatten_state_dict", "fsdp_optim_utils",
+           "set_element"]

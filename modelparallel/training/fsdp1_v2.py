@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
-from torch.distributed.fsdp._flat_param import FlatParamHandle
+
+from ..compat import FlatParamHandle
 
 _MARK = "_mp_v2_layout"
 _inside = contextvars.ContextVar("modelparallel_fsdp1_inside", default=False)

@@ -11,6 +11,7 @@ import copy
 import math
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import modelparallel as smp
@@ -80,9 +81,14 @@ def assert_grads_match(ref, dist_model, rerun=None):
     top of the rule above (two fp32 evaluations each that close to exact differ by at most
     twice it; the factor 4 leaves room for the other one rounding more).
     """
+    _assert_module_grads_match(ref, dist_model.module, rerun)
+
+
+def _assert_module_grads_match(ref, module, rerun=None):
+    """``assert_grads_match`` on a parallelized module whose parameter names are HF's."""
     ref_params = dict(ref.named_parameters())
     noise = _fp32_gradient_noise(ref, rerun) if rerun is not None else {}
-    for name, p in dist_model.module.named_parameters():
+    for name, p in module.named_parameters():
         expected = ref_params[name].grad
         assert p.grad is not None, f"{name}: no gradient"
         atol = tolerance(expected) + NOISE_FACTOR * noise.get(name, 0.0)
@@ -142,6 +148,72 @@ def assert_same_training(ref, dist_model, batches, lr=1e-3, what=""):
         rel = abs(loss.item() - loss_ref.item()) / abs(loss_ref.item())
         assert rel < training_rtol(step), \
             f"{what}step {step}: loss {loss.item()} vs HF {loss_ref.item()} (rel {rel:.2e})"
+
+
+def token_batches(vocab: int, steps: int, rows: int = 4, seq: int = 10) -> list[torch.Tensor]:
+    """``steps`` fixed batches of token ids in ``[1, vocab)``, ``rows`` x ``seq`` each."""
+    g = torch.Generator().manual_seed(4)
+    return [torch.randint(1, vocab, (rows, seq), generator=g) for _ in range(steps)]
+
+
+def assert_replicas_train_like_one_process(ref, model, batches, optimizer=None, after_backward=None, lr=1e-3,
+                                           compare_grads=True):
+    """Data-parallel training against one process on the whole batch, step by step.
+
+    Each data-parallel replica of ``model`` (every TP rank of it alike) trains on its contiguous
+    share of each batch's rows; ``ref`` trains on all of them. Equal-length rows make the mean of
+    the replicas' mean losses the whole batch's mean loss, so gradients averaged over the replicas
+    equal the reference's up to rounding, and so does every step's loss. The first step's
+    gradients are compared too: AdamW's update hardly changes when every gradient is scaled by
+    the same factor, so a wrong average (summed instead of averaged, or the average applied
+    twice) would leave the losses within rounding of the reference's.
+
+    Args:
+        ref: single-process model, trained with AdamW at ``lr``.
+        model: a ``DistributedModel`` (backward through it, ``DistributedOptimizer`` by default) or
+            a module the caller parallelized itself (plain ``loss.backward()``, AdamW by default).
+        batches: token-id tensors whose row count divides by the number of replicas.
+        optimizer: ``model``'s optimizer, if not the default.
+        after_backward: ``after_backward(step)``, called once both models hold the step's
+            gradients and before either optimizer steps (extra checks, a manual gradient average).
+        compare_grads: compare the first step's gradients (after ``after_backward``) with the
+            reference's by parameter name; off for FSDP1's flattened parameters, and where
+            ``after_backward`` clips (the fp64 rerun measuring rounding noise does not clip).
+
+    Raises:
+        AssertionError: a first-step gradient differs from the reference's beyond
+            ``assert_grads_match``'s tolerance, or a step's mean loss over the replicas differs
+            from the reference's by more than ``training_rtol(step)`` relative.
+    """
+    distributed = isinstance(model, smp.DistributedModel)
+    if optimizer is None:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+        optimizer = smp.DistributedOptimizer(optimizer) if distributed else optimizer
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=lr)
+    rank, replicas = smp.rdp_rank(), smp.rdp_size()
+    for step, ids in enumerate(batches):
+        want = ref(ids, labels=ids).loss
+        want.backward()
+        mine = ids[rank * len(ids) // replicas:(rank + 1) * len(ids) // replicas]
+        loss = model(mine, labels=mine).loss
+        if distributed:
+            model.backward(loss)
+        else:
+            loss.backward()
+        if after_backward is not None:
+            after_backward(step)
+        if step == 0 and compare_grads:
+            module = model.module if distributed else model
+            _assert_module_grads_match(ref, module, rerun=lambda twin: twin(ids, labels=ids).loss)
+        for opt in (opt_ref, optimizer):
+            opt.step()
+            opt.zero_grad()
+        mean = gathered(loss.detach()).clone()
+        dist.all_reduce(mean, group=smp.get_rdp_process_group())
+        mean /= replicas
+        rel = abs(mean.item() - want.item()) / abs(want.item())
+        assert rel < training_rtol(step), \
+            f"step {step}: loss {mean.item()} vs single process {want.item()} (rel {rel:.1e})"
 
 
 def comm_counts_by_kind(mode) -> dict[str, int]:

@@ -16,7 +16,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 import harness
 import modelparallel as smp
 from modelparallel.activations import offloader_for
-from reference import assert_close, assert_grads_match
+from reference import assert_close, assert_grads_match, assert_replicas_train_like_one_process, token_batches
 
 LAYERS = 3
 
@@ -155,10 +155,6 @@ def test_patches_checkpoint_on_tensor_parallel_layers(tp):
 
 def check_fsdp_training(steps=3):
     """FSDP2 over 2 data-parallel ranks, blocks checkpointed and offloaded, vs one process on the whole batch."""
-    import torch.distributed as dist
-
-    from reference import training_rtol
-
     smp.init({"sharded_data_parallel_degree": 2, "random_seed": 0, "sm_activation_offloading": True})
     torch.manual_seed(0)
     ref = GPT2LMHeadModel(tiny())
@@ -166,24 +162,7 @@ def check_fsdp_training(steps=3):
     smp.set_activation_checkpointing(model.module.transformer.h)
     mlp_calls = []
     model.module.transformer.h[0].mlp.register_forward_pre_hook(lambda *_: mlp_calls.append(1))
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
-    half = slice(2 * smp.dp_rank(), 2 * smp.dp_rank() + 2)
-    g = torch.Generator().manual_seed(4)
-    for step in range(steps):
-        ids = torch.randint(1, 500, (4, 10), generator=g)
-        want = ref(ids, labels=ids).loss
-        want.backward()
-        opt_ref.step()
-        opt_ref.zero_grad()
-        loss = model(ids[half], labels=ids[half]).loss
-        model.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean, group=smp.get_dp_process_group())
-        rel = abs(mean.item() / smp.dp_size() - want.item()) / abs(want.item())
-        assert rel < training_rtol(step), f"step {step}: loss rel diff {rel:.1e}"
+    assert_replicas_train_like_one_process(ref, model, token_batches(500, steps))
     assert len(mlp_calls) == 2 * steps, "block 0 was not recomputed in backward"
 
 

@@ -1,49 +1,25 @@
 """Sharded data parallelism (FSDP2 over "dp") composed with TP on 4 ranks (TP=2 x DP=2).
 
 Each data-parallel replica trains on half of the batch; the single-process HF model trains on the
-whole batch. Equal losses over 10 AdamW steps mean FSDP's reduce-scatter averages exactly what
-the full batch's gradient is (and that DistributedModel no longer all-reduces on top of it: a
-doubled gradient shows as losses drifting from step 2). A failure in the meta variant but not
+whole batch. Equal first-step gradients and equal losses over 10 AdamW steps mean FSDP's
+reduce-scatter averages exactly what the full batch's gradient is (and that DistributedModel no
+longer all-reduces on top of it: a doubled gradient shows in the first step's gradients; AdamW's
+losses barely move under a constant factor). A failure in the meta variant but not
 the real one points at loading into FSDP-sharded parameters (loading.py / meta.py).
 """
 
 import copy
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import harness
 import modelparallel as smp
+from reference import assert_replicas_train_like_one_process, token_batches
 
 CONFIG = {"tensor_parallel_degree": 2, "sharded_data_parallel_degree": 2}
-
-
-def _batches(vocab, steps):
-    g = torch.Generator().manual_seed(4)
-    return [torch.randint(1, vocab, (4, 10), generator=g) for _ in range(steps)]
-
-
-def _train_and_compare(ref, model, vocab, steps=10):
-    """Losses of ``model`` (half batch per replica, averaged over "dp") vs ``ref`` (full batch)."""
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
-    half = slice(2 * smp.rdp_rank(), 2 * smp.rdp_rank() + 2)  # both TP ranks of a replica: same rows
-    for step, ids in enumerate(_batches(vocab, steps)):
-        want = ref(ids, labels=ids).loss
-        want.backward()
-        opt_ref.step()
-        opt_ref.zero_grad()
-        loss = model(ids[half], labels=ids[half]).loss
-        model.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean, group=smp.get_dp_process_group())
-        mean /= smp.dp_size()
-        rel = abs(mean.item() - want.item()) / abs(want.item())
-        assert rel < 1e-4, f"step {step}: loss {mean.item()} vs single process {want.item()} (rel {rel:.1e})"
+STEPS = 10
 
 
 def fsdp_gpt2():
@@ -55,7 +31,7 @@ def fsdp_gpt2():
     model = smp.DistributedModel(copy.deepcopy(ref))
     w = model.module.transformer.h[0].mlp.c_fc.weight
     assert isinstance(w, DTensor) and w.device_mesh.ndim == 2 and w.to_local().numel() == w.numel() // 4
-    _train_and_compare(ref, model, 1000)
+    assert_replicas_train_like_one_process(ref, model, token_batches(1000, STEPS))
 
 
 def test_fsdp_tp_training_equals_single_process():
@@ -71,7 +47,7 @@ def fsdp_meta_llama(path):
     with torch.device("meta"):
         model = smp.DistributedModel(LlamaForCausalLM(cfg))
     smp.load_hf_checkpoint(model, path)
-    _train_and_compare(ref, model, 101)
+    assert_replicas_train_like_one_process(ref, model, token_batches(101, STEPS))
 
 
 def test_fsdp_tp_meta_model_loaded_shard_on_read(tmp_path):
@@ -95,7 +71,7 @@ def fsdp_from_rank0_only():
     else:
         with torch.device("meta"):
             model = LlamaForCausalLM(cfg)
-    _train_and_compare(ref, smp.DistributedModel(model), 101)
+    assert_replicas_train_like_one_process(ref, smp.DistributedModel(model), token_batches(101, STEPS))
 
 
 def test_fsdp_tp_weights_from_rank0_only():
@@ -111,9 +87,10 @@ def shard_optimizer_state_gpt2():
     torch.manual_seed(0)
     ref = GPT2LMHeadModel(cfg)
     model = smp.DistributedModel(copy.deepcopy(ref))
-    _train_and_compare(ref, model, 1000, steps=4)
+    assert_replicas_train_like_one_process(ref, model, token_batches(1000, 4))
     opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
-    model.backward(model(_batches(1000, 1)[0][:2], labels=_batches(1000, 1)[0][:2]).loss)
+    ids = token_batches(1000, 1)[0][:2]
+    model.backward(model(ids, labels=ids).loss)
     opt.step()
     w = model.module.transformer.h[0].mlp.c_fc.weight
     moment = opt.state[w]["exp_avg"]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError
 from torch import nn
 
 from . import hf_init, meta, safetensors_io
@@ -45,13 +45,18 @@ class Entry:
 
 def checkpoint_files(path: str | Path) -> dict[str, str]:
     """Checkpoint key -> safetensors file, for a file, a directory with ``model.safetensors`` or
-    a sharded directory with ``model.safetensors.index.json``."""
+    a sharded directory with ``model.safetensors.index.json``.
+
+    Raises:
+        FileNotFoundError: naming the path when it holds no checkpoint, or the index and the
+            shard it names that does not exist.
+        ValueError: naming the file, for an unreadable index or a damaged safetensors file.
+    """
     path = Path(path)
     if path.is_file():
         files = [path]
     elif (path / INDEX).is_file():
-        weight_map = json.loads((path / INDEX).read_text())["weight_map"]
-        return {k: str(path / f) for k, f in weight_map.items()}
+        return _indexed_files(path / INDEX)
     elif (path / SINGLE).is_file():
         files = [path / SINGLE]
     else:
@@ -59,20 +64,51 @@ def checkpoint_files(path: str | Path) -> dict[str, str]:
                                 "shard by shard; save with save_pretrained(..., safe_serialization=True))")
     out = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as h:
+        with safetensors_io.open_file(str(f)) as h:
             out.update({k: str(f) for k in h.keys()})
     return out
 
 
-def _shapes(files: dict[str, str]) -> dict[str, tuple[int, ...]]:
+def _indexed_files(index: Path) -> dict[str, str]:
+    """Key -> shard file of a sharded checkpoint's index, every named shard checked to exist."""
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (ValueError, AttributeError) as e:
+        raise ValueError(f"{index}: not a JSON object ({e})") from None
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index}: no 'weight_map' object (checkpoint key -> shard file)")
+    files = {k: str(index.parent / f) for k, f in weight_map.items()}
+    for f in sorted(set(files.values())):
+        if not Path(f).is_file():
+            raise FileNotFoundError(f"{index}: names shard {f}, which does not exist")
+    return files
+
+
+def _metadata(files: dict[str, str]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Checkpoint key -> (shape, safetensors dtype name), every file opened once."""
     by_file: dict[str, list[str]] = {}
     for key, f in files.items():
         by_file.setdefault(f, []).append(key)
-    shapes = {}
+    out = {}
     for f, keys in by_file.items():
-        with safe_open(f, framework="pt") as h:
-            shapes.update({k: tuple(h.get_slice(k).get_shape()) for k in keys})
-    return shapes
+        with safetensors_io.open_file(f) as h:
+            for k in keys:
+                try:
+                    sl = h.get_slice(k)
+                except SafetensorError:
+                    raise ValueError(f"{f}: no tensor {k}, which the index places in this file") from None
+                out[k] = (tuple(sl.get_shape()), sl.get_dtype())
+    return out
+
+
+def _kind(dtype: torch.dtype | str) -> str:
+    """"float", "int", "bool" or "complex": values of one kind are cast on read, across kinds never.
+    A torch dtype, or a safetensors name (``F32``, ``BF16``, ``F8_E4M3``, ``I64``, ``U8``, ``BOOL``)."""
+    if isinstance(dtype, str):
+        return {"B": "bool" if dtype == "BOOL" else "float", "F": "float", "C": "complex"}.get(dtype[0], "int")
+    if dtype == torch.bool:
+        return "bool"
+    return "float" if dtype.is_floating_point else "complex" if dtype.is_complex else "int"
 
 
 def _packed_dims(module: nn.Module) -> dict[int, int]:
@@ -115,9 +151,10 @@ def _candidates(module: nn.Module, key: str) -> list[str]:
 
 
 def plan(module: nn.Module, files: dict[str, str], strict: bool) -> tuple[list[Entry], LoadReport]:
-    """Match every model tensor with its checkpoint tensor and check shapes; raise ``ValueError``
-    naming every problem before anything is allocated."""
-    shapes = _shapes(files)
+    """Match every model tensor with its checkpoint tensor and check shapes and dtype kinds; raise
+    ``ValueError`` naming every problem (file and key) before anything is allocated."""
+    metadata = _metadata(files)
+    shapes = {k: shape for k, (shape, _) in metadata.items()}
     table = table_for(getattr(getattr(module, "config", None), "model_type", None))
     packed_dims = _packed_dims(module)
     state = module.state_dict(keep_vars=True)
@@ -131,8 +168,11 @@ def plan(module: nn.Module, files: dict[str, str], strict: bool) -> tuple[list[E
         used.add(key)
         packed = _packed(packed_dims.get(id(t)), tuple(t.shape), shapes[key])
         if _hf_shape(t.shape, packed) != shapes[key]:
-            problems.append(f"{key}: the checkpoint holds shape {shapes[key]}, the model (its config) expects "
-                            f"{_hf_shape(t.shape, packed)}")
+            problems.append(f"{files[key]}: {key}: the checkpoint holds shape {shapes[key]}, the model (its "
+                            f"config) expects {_hf_shape(t.shape, packed)}")
+        if _kind(metadata[key][1]) != _kind(t.dtype):
+            problems.append(f"{files[key]}: {key}: the checkpoint holds dtype {metadata[key][1]}, the model "
+                            f"{t.dtype} (only casts within floating-point or integer dtypes are made on read)")
         entries.append(Entry(names, t, key, files[key], packed))
     unexpected = sorted(k for k in shapes if k not in used and not _ignored(module, table, k))
     if strict and (missing or unexpected):
@@ -214,7 +254,7 @@ def load_hf_checkpoint(model: nn.Module, path: str | Path, strict: bool = True) 
             dst = local_part(target)
             if e.packed is None and safetensors_io.read_into(e.file, e.key, dst, *block_of(target)):
                 continue  # one byte range read straight into the shard
-            with safe_open(e.file, framework="pt") as h:
+            with safetensors_io.open_file(e.file) as h:
                 dst.copy_(read_block(h, e.key, target, e.packed))
     if meta.has_meta(module):  # non-persistent buffers, and missing weights when not strict
         with hf_init.frozen(loaded):

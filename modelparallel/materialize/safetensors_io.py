@@ -13,13 +13,16 @@ The format: 8 bytes little-endian header length, a JSON header (per tensor ``dty
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
 import os
 import struct
+from collections.abc import Iterator
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -54,6 +57,25 @@ def _header(path: str, size: int, mtime_ns: int, ctime_ns: int, inode: int) -> t
             return 8 + n, json.loads(f.read(n))
         except ValueError as e:
             raise ValueError(f"{path}: unreadable safetensors header ({e})") from e
+
+
+@contextlib.contextmanager
+def open_file(path: str) -> Iterator:
+    """``safe_open(path)`` whose failures name the file: safetensors' own errors ("incomplete
+    metadata, file not fully covered") do not say which of a checkpoint's files is damaged.
+
+    Raises:
+        ValueError: naming the file, if it is not a complete safetensors file.
+        OSError: of the same type (``FileNotFoundError``...), naming the file, if it cannot be opened.
+    """
+    try:
+        handle = safe_open(str(path), framework="pt")
+    except SafetensorError as e:
+        raise ValueError(f"{path}: not a complete safetensors file ({e})") from None
+    except OSError as e:
+        raise type(e)(f"{path}: {e.strerror or e}") from None
+    with handle:
+        yield handle
 
 
 def contiguous_range(shape: tuple[int, ...], offset: tuple[int, ...], full: tuple[int, ...]) -> tuple[int, int] | None:

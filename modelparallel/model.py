@@ -110,7 +110,6 @@ class DistributedModel(TensorParallelMethods, nn.Module):
         grads = [None if g is None else g * scale for g in grad_tensors]
         if scale != 1.0:
             tensors = [t * scale if g is None else t for t, g in zip(tensors, grads)]
-        import os; tensors = [t * float(os.environ.get('MP_BREAK_SCALE', '1')) for t in tensors]  # BREAK
         torch.autograd.backward(tensors, grads)
         if rt.step is None:
             self._finish_backward()

@@ -22,7 +22,8 @@ import harness
 import modelparallel as smp
 from modelparallel.models import spec_for
 from modelparallel.tp.walker import collect
-from reference import all_reduces, assert_close, assert_grads_match, assert_same_training, build_pair, comm_counts_by_kind
+from reference import (all_reduces, assert_close, assert_grads_match, assert_same_training, build_pair,
+                       comm_counts_by_kind)
 
 # Real vocabularies: 30522 rows are uneven at TP=4, 50265 at TP=2 and 4. Padding rows 0 and 1.
 ARCHS = {

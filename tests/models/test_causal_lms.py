@@ -17,7 +17,8 @@ from transformers import (GPTJConfig, GPTJForCausalLM, GPTNeoConfig, GPTNeoForCa
 
 import harness
 import modelparallel as smp
-from reference import all_reduces, assert_close, assert_grads_match, assert_same_training, build_pair, comm_counts_by_kind
+from reference import (all_reduces, assert_close, assert_grads_match, assert_same_training, build_pair,
+                       comm_counts_by_kind)
 
 VOCAB = 1001  # not divisible by 2 or 4: vocabulary shards are uneven, shapes must stay HF's
 TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)

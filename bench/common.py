@@ -9,7 +9,8 @@ torch is imported, and ``torch.set_num_threads(1)``):
   ``smp.init()`` joins them as it joins a torchrun job. ``fn`` must be a module-level function;
   each rank's return value (JSON-serializable, or None) comes back in a list indexed by rank.
 - ``torchrun(script, nproc, argv)``: the real launcher on ``script argv``; each rank hands its
-  record back with ``report(record)``.
+  record back with ``report(record)``. ``start`` / ``finish`` do the same in two halves, so jobs
+  can run side by side, and ``start(source=checkout(ref))`` runs an older revision's package.
 
 Peak memory: safetensors weights are memory-mapped, so a freshly loaded model's resident size
 hides them until they are read. ``peak_above_baseline_mb`` touches every local tensor in place,
@@ -35,7 +36,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-RESULTS_DIR = Path(os.environ.get("BENCH_RESULTS_DIR") or Path(__file__).resolve().parent / "results")
+_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = Path(os.environ.get("BENCH_RESULTS_DIR") or _ROOT / "bench" / "results")
 _RANK_DIR = "BENCH_RANK_RECORDS"  # where ``report`` writes, set by ``torchrun``
 _ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
                "TOKENIZERS_PARALLELISM": "false"}
@@ -93,6 +95,48 @@ def spawn(fn: Callable, nproc: int, *args: Any) -> list[Any]:
                 os.environ[k] = v
 
 
+class Launch:
+    """A torchrun job started by ``start``: its process and the directory its ranks report to."""
+
+    def __init__(self, proc: subprocess.Popen, out: tempfile.TemporaryDirectory, nproc: int):
+        self.proc, self.out, self.nproc = proc, out, nproc
+
+
+def start(script: str | Path, nproc: int, argv: Sequence[str] = (), source: str = "",
+          capture: bool = True) -> Launch:
+    """Start ``script argv`` under torchrun on ``nproc`` local ranks, one thread each, without
+    waiting (two jobs side by side measure how much they slow each other).
+
+    Args:
+        source: a checkout whose ``modelparallel`` the ranks import instead of this one (``checkout``).
+        capture: keep the job's output (printed only if it fails) instead of passing it through.
+    """
+    out = tempfile.TemporaryDirectory(prefix="bench-ranks-")
+    env = {**os.environ, **_ONE_THREAD, _RANK_DIR: out.name, **({"PYTHONPATH": source} if source else {})}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(Path(script).resolve()), *argv]
+    pipe = subprocess.PIPE if capture else None
+    return Launch(subprocess.Popen(cmd, env=env, stdout=pipe, stderr=pipe, text=True), out, nproc)
+
+
+def finish(launch: Launch) -> list[Any]:
+    """Wait for a ``start``ed job; what each rank passed to ``report`` (None if it did not), by rank.
+
+    Raises:
+        subprocess.CalledProcessError: if a rank failed (a captured job's output tail is printed first).
+    """
+    stdout, stderr = launch.proc.communicate()
+    try:
+        if launch.proc.returncode:
+            if stdout or stderr:
+                print(f"{(stdout or '')[-2000:]}\n{(stderr or '')[-4000:]}", file=sys.stderr)
+            raise subprocess.CalledProcessError(launch.proc.returncode, launch.proc.args)
+        files = [Path(launch.out.name, f"rank{r}.json") for r in range(launch.nproc)]
+        return [json.loads(f.read_text()) if f.is_file() else None for f in files]
+    finally:
+        launch.out.cleanup()
+
+
 def torchrun(script: str | Path, nproc: int, argv: Sequence[str] = ()) -> list[Any]:
     """Run ``script argv`` under torchrun on ``nproc`` local ranks, one thread each; returns what
     each rank passed to ``report`` (None for a rank that did not), indexed by rank.
@@ -100,13 +144,20 @@ def torchrun(script: str | Path, nproc: int, argv: Sequence[str] = ()) -> list[A
     Raises:
         subprocess.CalledProcessError: if a rank failed (its output went to the terminal).
     """
-    with tempfile.TemporaryDirectory(prefix="bench-ranks-") as out:
-        env = {**os.environ, **_ONE_THREAD, _RANK_DIR: out}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               str(Path(script).resolve()), *argv]
-        subprocess.run(cmd, env=env, check=True)
-        files = [Path(out, f"rank{r}.json") for r in range(nproc)]
-        return [json.loads(f.read_text()) if f.is_file() else None for f in files]
+    return finish(start(script, nproc, argv, capture=False))
+
+
+def checkout(ref: str) -> str:
+    """A detached ``git worktree`` of revision ``ref`` (a "before" package for ``start(source=)``)."""
+    dest = Path(tempfile.mkdtemp(prefix="bench-baseline-")) / "src"
+    subprocess.run(["git", "-C", str(_ROOT), "worktree", "add", "--detach", str(dest), ref], check=True,
+                   capture_output=True)
+    return str(dest)
+
+
+def drop_checkout(path: str) -> None:
+    """Remove a ``checkout``."""
+    subprocess.run(["git", "-C", str(_ROOT), "worktree", "remove", "--force", path], capture_output=True)
 
 
 def report(record: Any) -> None:

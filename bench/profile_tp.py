@@ -32,19 +32,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_tp_vs_hf import ARCHS, baseline_checkout, batch, build, command, drop_checkout, package_env  # noqa: E402
+import common  # noqa: E402
+from bench_tp_vs_hf import ARCHS, batch, build  # noqa: E402
 from profile_parts import (CATEGORIES, COUNTED, _wrap_collectives, analyse, dtensor_op_counts,  # noqa: E402
                            gemm_calls, replay_gemms)
 
-RESULTS = Path(__file__).resolve().parent / "results" / "tp_profile.json"
+RESULTS = common.RESULTS_DIR / "tp_profile.json"
 def worker(args) -> None:
     """One rank: warm up, count DTensor ops over one step, then profile ``--steps`` steps."""
     import torch
@@ -83,31 +82,21 @@ def worker(args) -> None:
     row.update(rank=dist.get_rank() if dist.is_initialized() else 0, method=args.method, arch=args.arch,
                dtensor_ops=sum(dtensor_ops.values()), dtensor_ops_by_name=dict(dtensor_ops.most_common()),
                gemm_replay_cpu_s=sum(g["cpu_s"] for g in gemms), gemm_replay=gemms)
-    Path(args.result_dir, f"rank{row['rank']}.json").write_text(json.dumps(row))
+    common.report(row)
 
 
 def run(method: str, arch: str, nproc: int, args, source: str = "", wait: bool = True):
-    result_dir = tempfile.mkdtemp(prefix="profile-tp-")
+    """Profile one job (``wait=False``: started, for ``common.finish``); each rank's record."""
     extra = ["--worker", "--method", method, "--arch", arch, "--steps", str(args.steps), "--warmup",
-             str(args.warmup), "--result-dir", result_dir] + (["--quick"] if args.quick else [])
-    proc = subprocess.Popen(command(__file__, nproc, extra), env=package_env(source), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    return (proc, result_dir, nproc) if not wait else collect((proc, result_dir, nproc), f"{method}/{arch}")
-
-
-def collect(handle, what: str) -> list[dict]:
-    proc, result_dir, nproc = handle
-    out, err = proc.communicate()
-    rows = [json.loads(f.read_text()) for f in Path(result_dir).glob("rank*.json")]
-    if proc.returncode or len(rows) != nproc:
-        raise RuntimeError(f"{what} failed:\n{out[-2000:]}\n{err[-4000:]}")
-    return sorted(rows, key=lambda r: r["rank"])
+             str(args.warmup)] + (["--quick"] if args.quick else [])
+    job = common.start(__file__, nproc, extra, source=source)
+    return common.finish(job) if wait else job
 
 
 def ceiling(args, arch: str = "llama") -> dict:
     """One TP=1 process alone, then two side by side: the step-time ratio pair / alone."""
     alone = run("tp1", arch, 1, args)[0]["step_s"]
-    pair = [collect(h, "ceiling")[0]["step_s"] for h in [run("tp1", arch, 1, args, wait=False) for _ in range(2)]]
+    pair = [common.finish(h)[0]["step_s"] for h in [run("tp1", arch, 1, args, wait=False) for _ in range(2)]]
     return dict(arch=arch, alone_s=alone, side_by_side_s=pair, slowdown=max(pair) / alone)
 
 
@@ -148,7 +137,6 @@ def main() -> None:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--method", default="", help=argparse.SUPPRESS)
     ap.add_argument("--arch", default="llama", help=argparse.SUPPRESS)
-    ap.add_argument("--result-dir", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
@@ -156,7 +144,7 @@ def main() -> None:
     if set(archs) - set(ARCHS):
         ap.error(f"unknown architectures {sorted(set(archs) - set(ARCHS))}; known: {', '.join(ARCHS)}")
     result = dict(quick=args.quick, steps=args.steps, load_average_at_start=list(os.getloadavg()), archs={})
-    before_src = baseline_checkout(args.baseline_ref) if args.baseline_ref else ""
+    before_src = common.checkout(args.baseline_ref) if args.baseline_ref else ""
     try:
         for arch in archs:
             tp1 = run("tp1", arch, 1, args)[0]
@@ -172,7 +160,7 @@ def main() -> None:
                   f"{', '.join(f'{t:.3f}' for t in c['side_by_side_s'])} s: slowdown {c['slowdown']:.3f}")
     finally:
         if before_src:
-            drop_checkout(before_src)
+            common.drop_checkout(before_src)
     result["load_average_at_end"] = list(os.getloadavg())
     print(f"load average at start {result['load_average_at_start']}, at end {result['load_average_at_end']}")
     out = RESULTS.with_name("tp_profile_quick.json") if args.quick else RESULTS

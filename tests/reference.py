@@ -223,3 +223,9 @@ def comm_counts_by_kind(mode) -> dict[str, int]:
         kind = str(op).split(".")[-1].rstrip("_'>) ")
         counts[kind] = counts.get(kind, 0) + n
     return counts
+
+
+def all_reduces(counts: dict[str, int]) -> int:
+    """All-reduces in ``comm_counts_by_kind`` counts, functional (out of place) and c10d (in
+    place) alike: which of the two a layer uses is an implementation choice, the count is not."""
+    return counts.get("all_reduce", 0) + counts.get("allreduce", 0)

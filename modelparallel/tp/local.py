@@ -7,8 +7,14 @@ backward) before a column-parallel layer, ``g`` (all-reduce forward, identity ba
 row-parallel one. Running the GEMMs on DTensors instead costs a sharding propagation and a re-wrap
 per op, forward and backward, which on a GPU is host time the kernels wait for.
 
-The collectives are the functional ones (``_c10d_functional``), the same DTensor issues: they work
-on every backend (gloo, NCCL) and are visible to ``CommDebugMode`` and compilers.
+The backward collectives are the functional ones (``_c10d_functional``), the same DTensor issues;
+the forward one is c10d's in-place all-reduce. Both work on every backend (gloo, NCCL) and are
+visible to ``CommDebugMode`` and compilers. The forward sum
+of a row-parallel layer runs in place on the GEMM's output, and the bias is added in place after
+it: that output is a fresh tensor no autograd node saves, so reusing it is safe, and it spares a
+[tokens, hidden] buffer and a copy per layer (fewer large allocations also leave the C allocator
+less fragmented, which shows in peak RSS). The backward sums stay out of place: the gradient a
+backward receives may be the very tensor autograd hands to another branch too.
 
 Layouts: ``nn.Linear`` stores [out, in], HF's ``Conv1D`` [in, out]; column parallel shards ``out``,
 row parallel ``in``. Each rank's shard is stored contiguous, so every GEMM reads it as is.
@@ -19,6 +25,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -45,12 +52,21 @@ class _CopyToTP(torch.autograd.Function):
         return _all_reduce(grad, ctx.group), None
 
 
+def _all_reduce_(x: torch.Tensor, group) -> torch.Tensor:
+    dist.all_reduce(x, group=group)  # c10d's in-place op: the functional in-place one is not traced by CommDebugMode
+    return x
+
+
 class _ReduceFromTP(torch.autograd.Function):
-    """Megatron's ``g``: the partial outputs of a row-parallel layer summed over the ranks."""
+    """Megatron's ``g``: the partial outputs of a row-parallel layer summed over the ranks, in
+    place (the caller passes a fresh product that nothing else holds)."""
 
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x, group)
+        if not x.is_contiguous():
+            return _all_reduce(x, group)
+        ctx.mark_dirty(x)
+        return _all_reduce_(x, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -63,7 +79,8 @@ def copy_to_tp(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 
 
 def reduce_from_tp(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """``g`` over ``mesh``: all-reduce (sum) forward, identity backward."""
+    """``g`` over ``mesh``: all-reduce (sum) forward, in place on ``x``, identity backward. ``x``
+    must be a fresh tensor no autograd node saved (a GEMM's output)."""
     return _ReduceFromTP.apply(x, mesh.get_group())
 
 
@@ -107,13 +124,18 @@ def _bias_like(bias: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return bias.to_local().to(y.dtype)
 
 
+def _add_bias_(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``y + bias`` in place on the summed product (no autograd node needs ``y`` itself)."""
+    return y if bias is None else y.add_(_bias_like(bias, y))
+
+
 class RowwiseLinear:
     """Forward of an ``nn.Linear`` with weight Shard(1) [out, in/tp], bias replicated: ``g`` sums
     the partial products, then the bias is added once."""
 
     def forward(self, x):
         y = reduce_from_tp(F.linear(_row_input(x), self.weight.to_local()), self.weight.device_mesh)
-        return y if self.bias is None else y + _bias_like(self.bias, y)
+        return _add_bias_(y, self.bias)
 
 
 class RowwiseConv1D:
@@ -122,7 +144,7 @@ class RowwiseConv1D:
     def forward(self, x):
         x = _row_input(x)
         y = torch.mm(x.reshape(-1, x.size(-1)), self.weight.to_local())
-        y = reduce_from_tp(y, self.weight.device_mesh) + _bias_like(self.bias, y)
+        y = _add_bias_(reduce_from_tp(y, self.weight.device_mesh), self.bias)
         return y.view(*x.shape[:-1], -1)
 
 

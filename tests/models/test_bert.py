@@ -22,7 +22,8 @@ import harness
 import modelparallel as smp
 from modelparallel.models import spec_for
 from modelparallel.tp.walker import collect
-from reference import assert_close, assert_grads_match, assert_same_training, build_pair, comm_counts_by_kind
+from reference import (all_reduces, assert_close, assert_grads_match, assert_same_training, build_pair,
+                       comm_counts_by_kind)
 
 # Real vocabularies: 30522 rows are uneven at TP=4, 50265 at TP=2 and 4. Padding rows 0 and 1.
 ARCHS = {
@@ -160,8 +161,6 @@ def test_ten_adamw_steps(arch, tp):
 @pytest.mark.parametrize("arch", ["bert", "roberta"])
 def test_two_allreduces_per_layer_each_way_and_no_gather(arch):
     (f2, b2), (f3, b3) = harness.run(2, collective_counts, arch, 2)[0], harness.run(2, collective_counts, arch, 3)[0]
-    def all_reduces(counts):
-        return counts.get("all_reduce", 0) + counts.get("allreduce", 0)
     assert all_reduces(f3) - all_reduces(f2) == 2, (f2, f3)
     assert all_reduces(b3) - all_reduces(b2) == 2, (b2, b3)
     for counts in (f2, b2, f3, b3):

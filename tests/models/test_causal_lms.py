@@ -17,7 +17,8 @@ from transformers import (GPTJConfig, GPTJForCausalLM, GPTNeoConfig, GPTNeoForCa
 
 import harness
 import modelparallel as smp
-from reference import assert_close, assert_grads_match, assert_same_training, build_pair
+from reference import (all_reduces, assert_close, assert_grads_match, assert_same_training, build_pair,
+                       comm_counts_by_kind)
 
 VOCAB = 1001  # not divisible by 2 or 4: vocabulary shards are uneven, shapes must stay HF's
 TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -122,14 +123,6 @@ def check_all(arch, tp):
     _check_training_steps(arch, tp)
 
 
-def _by_kind(mode):
-    counts = {}
-    for op, n in mode.get_comm_counts().items():
-        kind = str(op).split(".")[-1].rstrip("_'>) ").replace("allreduce", "all_reduce")
-        counts[kind] = counts.get(kind, 0) + n
-    return counts
-
-
 def collective_counts(arch, layers):
     """Collectives of one forward, and of one backward plus AdamW step, by kind.
 
@@ -148,7 +141,7 @@ def collective_counts(arch, layers):
     with CommDebugMode() as bwd:
         model.backward(loss)
         opt.step()
-    return _by_kind(fwd), _by_kind(bwd)
+    return comm_counts_by_kind(fwd), comm_counts_by_kind(bwd)
 
 
 @pytest.mark.parametrize("arch,tp", CASES, ids=[f"{a}-tp{t}" for a, t in CASES])
@@ -164,9 +157,9 @@ BACKWARD_PER_LAYER = {"gptj": 1, "gptneo": 2, "llama_gqa": 2}
 @pytest.mark.parametrize("arch", sorted(BACKWARD_PER_LAYER))
 def test_allreduces_per_layer_and_no_gather(arch):
     (f2, b2), (f3, b3) = harness.run(2, collective_counts, arch, 2)[0], harness.run(2, collective_counts, arch, 3)[0]
-    assert f3["all_reduce"] - f2["all_reduce"] == 2, (f2, f3)
-    assert b3["all_reduce"] - b2["all_reduce"] == BACKWARD_PER_LAYER[arch], (b2, b3)
+    assert all_reduces(f3) - all_reduces(f2) == 2, (f2, f3)
+    assert all_reduces(b3) - all_reduces(b2) == BACKWARD_PER_LAYER[arch], (b2, b3)
     for counts in (f2, b2, f3, b3):
         assert not any("gather" in kind for kind in counts), counts
     # constant part: embedding + 2 small loss all-reduces forward; LM-head input gradient backward
-    assert f2["all_reduce"] == 2 * 2 + 3 and b2["all_reduce"] == 2 * BACKWARD_PER_LAYER[arch] + 1, (f2, b2)
+    assert all_reduces(f2) == 2 * 2 + 3 and all_reduces(b2) == 2 * BACKWARD_PER_LAYER[arch] + 1, (f2, b2)

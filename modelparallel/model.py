@@ -14,7 +14,7 @@ from torch.utils.hooks import RemovableHandle
 from . import runtime
 from .materialize import wrapping
 from .training import batch
-from .training.dp import allreduce_gradients
+from .training.dp import OverlappedAverage, allreduce_gradients
 from .model_tp import TensorParallelMethods
 from .materialize.state_dict import LoadReport, full_state_dict, load_state_dict, local_state_dict
 from .tp import walker
@@ -42,8 +42,11 @@ class DistributedModel(TensorParallelMethods, nn.Module):
             (True, for a loss that is a mean) or sum them (False, for a summed loss).
         trace_device, trace_execution_times, trace_memory_usage: accepted, no effect (there is
             no tracing step).
-        overlapping_allreduce, bucket_cap_mb, gradient_as_bucket_view: accepted, no effect: the
-            gradient average runs once per step in one flat buffer per dtype.
+        overlapping_allreduce: average gradients over data-parallel replicas in buckets launched
+            during the backward pass that ends a step (True), or after it (False).
+        bucket_cap_mb: the largest such bucket, in MiB of gradients.
+        gradient_as_bucket_view: accepted, no effect: buckets are copies, the gradients stay
+            the parameters' own tensors.
         broadcast_buffers: accepted, no effect: every rank builds the same buffers (same seed,
             or rank 0's weights sent to every rank) and no data-dependent buffer update is
             synchronized.
@@ -70,7 +73,8 @@ class DistributedModel(TensorParallelMethods, nn.Module):
             logger.info("replicated on every TP rank: %s", ", ".join(replicated))
         wrapping.after_shard(module, rt, state)
         self._mp_state = state
-        self._v1 = V1Options(backward_passes_per_step, average_grads_across_microbatches)
+        self._v1 = V1Options(backward_passes_per_step, average_grads_across_microbatches, overlapping_allreduce,
+                             bucket_cap_mb)
         self._mp_optimizers: list = []  # DistributedOptimizers holding this model's parameters, newest last
         module._mp_wrapped = True
         self.module = module
@@ -110,6 +114,7 @@ class DistributedModel(TensorParallelMethods, nn.Module):
         grads = [None if g is None else g * scale for g in grad_tensors]
         if scale != 1.0:
             tensors = [t * scale if g is None else t for t, g in zip(tensors, grads)]
+        self._arm_overlap(rt)
         torch.autograd.backward(tensors, grads)
         if rt.step is None:
             self._finish_backward()
@@ -122,8 +127,36 @@ class DistributedModel(TensorParallelMethods, nn.Module):
         self._v1.passes += 1
         if self._v1.passes % self._v1.backward_passes_per_step:
             return
-        if rt.config.ddp and not self._mp_state.fsdp:  # FSDP reduce-scatters gradients itself
+        if not self._averages(rt):
+            return
+        if self._v1.overlap is not None and self._v1.overlap.armed:
+            self._v1.overlap.finish()
+        else:
             allreduce_gradients(self.module.parameters(), rt.group(runtime.RDP_GROUP), rt.config.dp_degree)
+
+    def _averages(self, rt) -> bool:
+        """Whether this model's gradients are averaged over data-parallel replicas here (FSDP
+        reduce-scatters them itself)."""
+        return rt.config.ddp and not self._mp_state.fsdp and rt.config.dp_degree > 1
+
+    def _arm_overlap(self, rt) -> None:
+        """Before a backward pass that ends with the data-parallel average (the last microbatch
+        of a step whose pass count averages), let its buckets launch during the pass. A second
+        backward in that same microbatch cancels it: its gradients would come after the launch,
+        so that step averages after the backward instead."""
+        v1 = self._v1
+        if not (v1.overlapping_allreduce and self._averages(rt)):
+            return
+        if v1.overlap is not None and v1.overlap.armed:
+            v1.overlap.finish(apply=False)
+            return
+        last = rt.step is None or rt.step.microbatch == rt.step.num_microbatches - 1
+        if not last or (v1.passes + 1) % v1.backward_passes_per_step:
+            return
+        if v1.overlap is None:
+            v1.overlap = OverlappedAverage(self.module.parameters(), rt.group(runtime.RDP_GROUP), rt.config.dp_degree,
+                                           v1.bucket_cap_mb)
+        v1.overlap.arm()
 
     @property
     def partitioned(self) -> bool:
@@ -228,6 +261,9 @@ class V1Options:
 
     backward_passes_per_step: int = 1
     average_grads_across_microbatches: bool = True
+    overlapping_allreduce: bool = True
+    bucket_cap_mb: float = 25
+    overlap: OverlappedAverage | None = None  # made at the first pass it serves
     passes: int = 0
     steps: int = 0
     post_step_hooks: OrderedDict = field(default_factory=OrderedDict)  # weakly referenced by handles

@@ -39,7 +39,7 @@ def batches(steps=STEPS):
     return token_batches(101, steps)
 
 
-def train_and_compare(ref, model, clip=None, after_backward=None, compare_grads=True):
+def train_and_compare(ref, model, clip=None, after_backward=None, compare_grads=True, steps=STEPS):
     """Losses of ``model`` (half batch per data-parallel replica, FSDP averaging gradients over
     "dp") against ``ref`` (full batch, one process), step by step; with ``clip``, both clip their
     gradients to that norm every step and the norms must agree."""
@@ -53,7 +53,7 @@ def train_and_compare(ref, model, clip=None, after_backward=None, compare_grads=
             # a sum of ~10^4 squares in fp32 in another order: eps 1.2e-7 x sqrt(10^4) ~ 1e-5
             torch.testing.assert_close(norm, norm_ref, rtol=1e-5, atol=0, msg=lambda m: f"step {step}: {m}")
 
-    assert_replicas_train_like_one_process(ref, model, batches(), after_backward=between,
+    assert_replicas_train_like_one_process(ref, model, batches(steps), after_backward=between,
                                            compare_grads=compare_grads and clip is None)
 
 

@@ -76,7 +76,7 @@ def recipe_a(path, tp):
         sync_module_states=SYNC,
     )
     ref.train()
-    train_and_compare(ref, model, compare_grads=False)  # FSDP1's parameters are flat shards
+    train_and_compare(ref, model)
 
 
 @pytest.mark.parametrize("tp,world", [(2, 4), (1, 2)])
@@ -114,7 +114,7 @@ def recipe_b(path, tp):
             param_init_fn=delayed_initer.get_param_init_fn() if delayed_initer else None
         )
     ref.train()
-    train_and_compare(ref, model, compare_grads=False)  # FSDP1's parameters are flat shards
+    train_and_compare(ref, model)
 
 
 @pytest.mark.parametrize("tp,world", [(2, 4), (1, 2)])

@@ -16,10 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-
 from ..materialize import state_dict as sd_mod
-from ..materialize.safetensors_io import DTYPES
+from ..materialize.safetensors_io import DTYPES, open_file
 from ..tp.layout import copy_shard
 from . import parts
 from .full import translation
@@ -30,7 +28,7 @@ def _sources(directory: Path, files: list[str], from_hf) -> dict[str, tuple[str,
     """distributed key -> (file, stored key, global shape), from the headers only."""
     out = {}
     for name in files:
-        with safe_open(directory / name, framework="pt") as f:
+        with open_file(directory / name) as f:
             for key in f.keys():
                 piece = f.get_slice(key)
                 meta = torch.empty(piece.get_shape(), dtype=DTYPES[piece.get_dtype()], device="meta")
@@ -75,7 +73,7 @@ def load_weights(directory: Path, manifest: dict, model, strict: bool,
             name, stored, _ = sources[key]
             wanted.setdefault(name, []).append((key, stored))
     for name, entries in wanted.items():
-        with safe_open(directory / name, framework="pt") as f:
+        with open_file(directory / name) as f:
             for key, stored in entries:
                 items = dict(from_hf(stored, f.get_tensor(stored)) if from_hf else [(stored, f.get_tensor(stored))])
                 copy_shard(state[key], items.get(key, next(iter(items.values()))))
@@ -85,7 +83,7 @@ def load_weights(directory: Path, manifest: dict, model, strict: bool,
 def _load_whole(directory: Path, files: list[str], model, strict: bool, translate_function) -> LoadReport:
     whole = {}
     for name in files:
-        with safe_open(directory / name, framework="pt") as f:
+        with open_file(directory / name) as f:
             whole.update({k: f.get_tensor(k) for k in f.keys()})
     result = sd_mod.load_state_dict(model.module, translate_function(whole), strict=strict)
     return result

@@ -45,3 +45,14 @@ def _convert_both_ways(tmp_path, model, umask=0o027):
         assert stat.S_IMODE((tmp_path / f).stat().st_mode) == 0o666 & ~umask, f  # the user's umask
     with pytest.raises(FileExistsError, match="already holds"):
         convert(tmp_path / "dist", tmp_path / "back", "hf")
+
+
+def test_convert_names_a_damaged_source_file(tmp_path):
+    """A truncated weights file fails with its path in the message, before the destination exists."""
+    model = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=31, n_positions=8))
+    model.save_pretrained(tmp_path / "hf")
+    weights = tmp_path / "hf" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])
+    with pytest.raises(ValueError, match=r"model\.safetensors: not a complete safetensors file"):
+        convert(tmp_path / "hf", tmp_path / "dist", "distributed")
+    assert not (tmp_path / "dist").exists()

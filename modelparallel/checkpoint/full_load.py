@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
 from ..materialize import state_dict as sd_mod
 from ..materialize.safetensors_io import DTYPES, open_file
 from ..tp.layout import copy_shard

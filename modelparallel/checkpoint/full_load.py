@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..materialize import state_dict as sd_mod
-from ..materialize.safetensors_io import DTYPES, open_file
+from ..materialize.safetensors_io import DTYPES, load_all, open_file
 from ..tp.layout import copy_shard
 from . import parts
 from .full import translation
@@ -84,7 +84,6 @@ def load_weights(directory: Path, manifest: dict, model, strict: bool,
 def _load_whole(directory: Path, files: list[str], model, strict: bool, translate_function) -> LoadReport:
     whole = {}
     for name in files:
-        with open_file(directory / name) as f:
-            whole.update({k: f.get_tensor(k) for k in f.keys()})
+        whole.update(load_all(directory / name))
     result = sd_mod.load_state_dict(model.module, translate_function(whole), strict=strict)
     return result

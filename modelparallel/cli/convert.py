@@ -24,15 +24,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _read_state_dict(directory: Path) -> dict:
-    from ..materialize.safetensors_io import open_file
+    from ..materialize.safetensors_io import load_all
 
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{directory}: no *.safetensors files")
     state_dict = {}
     for f in files:
-        with open_file(f) as h:  # its errors name the damaged file
-            state_dict.update({k: h.get_tensor(k) for k in h.keys()})
+        state_dict.update(load_all(f))
     return state_dict
 
 

@@ -78,6 +78,13 @@ def open_file(path: str) -> Iterator:
         yield handle
 
 
+def load_all(path) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file (``safetensors.torch.load_file``), through ``open_file``
+    so a damaged file is named in the error."""
+    with open_file(path) as handle:
+        return {key: handle.get_tensor(key) for key in handle.keys()}
+
+
 def contiguous_range(shape: tuple[int, ...], offset: tuple[int, ...], full: tuple[int, ...]) -> tuple[int, int] | None:
     """(first element, element count) if the block is one contiguous run of the C-contiguous
     ``full`` tensor, else None."""

@@ -43,7 +43,7 @@ get_tp_group = _members(TP_GROUP, "get_tp_group", "this rank's tensor-parallel g
 get_dp_group = _members(DP_GROUP, "get_dp_group", "the ranks holding replicas of this rank's model partition")
 get_rdp_group = _members(RDP_GROUP, "get_rdp_group", "the ranks holding the same shard as this rank")
 get_mp_group = _members(MP_GROUP, "get_mp_group", "the ranks over which this rank's model replica is partitioned")
-get_pp_group = _members(PP_GROUP, "get_pp_group", "this rank's pipeline group (only itself)")
+get_pp_group = _members(PP_GROUP, "get_pp_group", "this rank's pipeline group (one rank per stage)")
 
 
 def tp_mesh() -> DeviceMesh:

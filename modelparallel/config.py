@@ -31,7 +31,12 @@ class _Derived:
     def dp_degree(self) -> int:
         """Replicas of one model copy: the size of the mesh's "dp" dimension (SageMaker's
         reduced-data-parallel group, ranks with the same tp and pp rank)."""
-        return self.world_size // (self.tensor_parallel_degree * self.pipeline_parallel_degree)
+        return self.world_size // self.model_ranks
+
+    @property
+    def model_ranks(self) -> int:
+        """Ranks that one replica spans: tensor x pipeline x context parallel degrees."""
+        return self.tensor_parallel_degree * self.pipeline_parallel_degree * self.context_parallel_degree
 
     @property
     def shard_degree(self) -> int:
@@ -147,15 +152,16 @@ def _check_placement(value: str, problems: list[str]) -> None:
 
 
 def _check_degrees(cfg: Config, problems: list[str]) -> None:
-    tp, pp, world = cfg.tensor_parallel_degree, cfg.pipeline_parallel_degree, cfg.world_size
+    world = cfg.world_size
     for key in KEYS:
         if key.minimum is not None and getattr(cfg, key.name) < key.minimum:
             problems.append(f"{key.name} must be >= {key.minimum}, got {getattr(cfg, key.name)}")
-    if tp >= 1 and pp >= 1 and world % (tp * pp) != 0:
-        problems.append(
-            f"world size {world} is not divisible by tensor_parallel_degree {tp} x "
-            f"pipeline_parallel_degree {pp} = {tp * pp}"
-        )
+    factors = {k: getattr(cfg, k) for k in ("tensor_parallel_degree", "pipeline_parallel_degree",
+                                            "context_parallel_degree")}
+    valid = all(v >= 1 for v in factors.values())
+    if valid and world % cfg.model_ranks != 0:
+        shown = " x ".join(f"{k} {v}" for k, v in factors.items() if v > 1 or k == "tensor_parallel_degree")
+        problems.append(f"world size {world} is not divisible by {shown} = {cfg.model_ranks}")
     sdp, hsd = cfg.sharded_data_parallel_degree, cfg.hybrid_shard_degree
     if sdp > 1 and hsd > 1 and sdp != hsd:
         problems.append(
@@ -163,10 +169,10 @@ def _check_degrees(cfg: Config, problems: list[str]) -> None:
             "and disagree"
         )
     shard = cfg.shard_degree
-    if shard > 1 and tp >= 1 and pp >= 1 and world % (tp * pp) == 0 and cfg.dp_degree % shard:
+    if shard > 1 and valid and world % cfg.model_ranks == 0 and cfg.dp_degree % shard:
         problems.append(
             f"sharded data parallel degree {shard} does not divide the data-parallel degree "
-            f"{cfg.dp_degree} (world {world} / tensor_parallel_degree {tp})"
+            f"{cfg.dp_degree} (world {world} / {cfg.model_ranks} ranks per model replica)"
         )
     if cfg.fp16 and cfg.bf16:
         problems.append("fp16 and bf16 are both true; choose one")

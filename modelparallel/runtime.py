@@ -1,16 +1,21 @@
-"""The one runtime handle: process group, device, the ("dp", "tp") mesh and SMP's rank API.
+"""The one runtime handle: process group, device, the world mesh and SMP's rank API.
 
 ``init`` is the only place that reads the launcher's environment. Everything inside the library
 takes the mesh (or this handle) as an argument; the module-level ``_RUNTIME`` exists only so the
 SMP-style facade (``smp.tp_rank()``, ``smp.get_tp_process_group()``...) has something to read.
 
-Rank vocabulary (SageMaker's): the mesh is [rdp, tp]. ``TP_GROUP``: ranks sharing one copy of
-each layer. ``RDP_GROUP`` (reduced data parallel): ranks with the same tp (and pp) rank, holding
-the same shard; gradients are averaged over it. ``DP_GROUP``: ranks with the same pp rank, so with
-pipeline degree 1 every rank, ``dp_size == world / pp``; the TP group is a subset of it, because
-with ``prescaled_batch`` false each TP rank brings its own batch. ``MP_GROUP``: the ranks that
-together hold one model copy (the TP group here). ``PP_GROUP``: ranks with the same tp and rdp
-rank (just this rank, pipeline degree being 1).
+The world mesh has one named dimension per kind of parallelism, ``("pp", "dp", "cp", "tp")``
+(pipeline stages, reduced data parallelism, context parallelism, tensor parallelism); a degree of
+1 gives a dimension of size 1. ``Runtime.mesh`` is its ``("dp", "tp")`` slice holding this rank:
+the ranks of one pipeline stage and one context slice, the mesh TP and FSDP work on.
+
+Rank vocabulary (SageMaker's). ``TP_GROUP``: ranks sharing one copy of each layer. ``RDP_GROUP``
+(reduced data parallel): ranks with the same tp, cp and pp rank, holding the same shard; gradients
+are averaged over it. ``DP_GROUP``: ranks with the same pp rank; the TP group is a subset of it,
+because with ``prescaled_batch`` false each TP rank brings its own batch. ``MP_GROUP``: the ranks
+that together hold one model copy (tp x pp). ``PP_GROUP``: ranks with the same tp, rdp and cp
+rank: one per pipeline stage. Every group is "the ranks that differ from this one only along
+these dimensions" (``GROUP_DIMS``), numbered in global-rank order as torch numbers a group.
 """
 
 from __future__ import annotations
@@ -47,6 +52,19 @@ class CommGroup(str, Enum):
 WORLD, DP_GROUP, TP_GROUP = CommGroup.WORLD, CommGroup.DP_GROUP, CommGroup.TP_GROUP
 RDP_GROUP, MP_GROUP, PP_GROUP = CommGroup.RDP_GROUP, CommGroup.MP_GROUP, CommGroup.PP_GROUP
 
+DIMS = ("pp", "dp", "cp", "tp")
+"""The world mesh's dimensions, in the order of its axes."""
+
+GROUP_DIMS: dict[CommGroup, tuple[str, ...]] = {
+    WORLD: DIMS,
+    TP_GROUP: ("tp",),
+    PP_GROUP: ("pp",),
+    RDP_GROUP: ("dp",),
+    DP_GROUP: ("dp", "cp", "tp"),
+    MP_GROUP: ("pp", "tp"),
+}
+"""The mesh dimensions along which a group's members differ from each other."""
+
 _RUNTIME: Runtime | None = None
 
 
@@ -61,7 +79,11 @@ class Runtime:
     """
 
     config: Config
+    world_mesh: DeviceMesh
+    """Every rank, with the dimensions ``DIMS``."""
     mesh: DeviceMesh
+    """This rank's ``("dp", "tp")`` slice of ``world_mesh``: the ranks of its pipeline stage and
+    context slice, the mesh TP and FSDP work on."""
     device: torch.device
     models: list = field(default_factory=list)
     optimizers: list = field(default_factory=list)
@@ -70,7 +92,8 @@ class Runtime:
     ``reports`` are what ``smp.last_load_report()`` returns."""
     step: Any = None
     """The running ``@smp.step`` call's ``StepContext``, or None outside a step."""
-    _pp_group: Any = None
+    _groups: dict = field(default_factory=dict)
+    """Process groups spanning several mesh dimensions, made by ``init`` (every rank at once)."""
     _object_group: Any = None
 
     @property
@@ -88,29 +111,16 @@ class Runtime:
 
     def group(self, name: str | CommGroup) -> dist.ProcessGroup:
         """The process group for one of ``CommGroup``'s members (or its string value)."""
-        name = _group_name(name)
-        if name == WORLD or name == DP_GROUP:  # pipeline degree 1: every rank shares the pp rank
+        dims = _spanned(GROUP_DIMS[_group_name(name)], self.world_mesh)
+        if len(dims) == 1:
+            return self.world_mesh.get_group(dims[0])
+        if set(dims) == set(_spanned(DIMS, self.world_mesh)):
             return dist.group.WORLD
-        if name == RDP_GROUP:
-            return self.mesh.get_group("dp")
-        if name in (TP_GROUP, MP_GROUP):
-            return self.mesh.get_group("tp")
-        if self._pp_group is None:  # only this rank; created by this rank alone
-            self._pp_group = dist.new_group([dist.get_rank()], use_local_synchronization=True)
-        return self._pp_group
+        return self._groups[dims]
 
     def ranks(self, name: str | CommGroup) -> list[int]:
-        """Global ranks of this rank's group ``name``, in group-rank order."""
-        name = _group_name(name)
-        grid = self.mesh.mesh  # [rdp, tp] global ranks
-        rdp, tp = self.mesh.get_local_rank("dp"), self.mesh.get_local_rank("tp")
-        if name in (WORLD, DP_GROUP):
-            return list(range(self.config.world_size))
-        if name == RDP_GROUP:
-            return grid[:, tp].tolist()
-        if name in (TP_GROUP, MP_GROUP):
-            return grid[rdp, :].tolist()
-        return [dist.get_rank()]
+        """Global ranks of this rank's group ``name``, in group-rank order (ascending)."""
+        return members(self.world_mesh.mesh, GROUP_DIMS[_group_name(name)], dist.get_rank())
 
     def object_group(self) -> dist.ProcessGroup | None:
         """The group for object collectives (``all_gather_object``): the world on gloo (None), a
@@ -128,6 +138,43 @@ def _group_name(name: str | CommGroup) -> CommGroup:
         return CommGroup(name)
     except ValueError:
         raise ValueError(f"unknown group {name!r}; use one of {[g.value for g in CommGroup]}") from None
+
+
+def _spanned(dims: tuple[str, ...], mesh: DeviceMesh) -> tuple[str, ...]:
+    """The dimensions of ``dims`` with more than one rank (those a group actually spans); the
+    first one if none has, so a trivial group is a one-rank mesh dimension's group."""
+    wide = tuple(d for d in dims if mesh.size(DIMS.index(d)) > 1)
+    return wide or dims[:1]
+
+
+def members(grid: torch.Tensor, dims: tuple[str, ...], rank: int) -> list[int]:
+    """Global ranks of the ``[pp, dp, cp, tp]`` grid that differ from ``rank`` only along
+    ``dims``, ascending."""
+    where = (grid == rank).nonzero()[0].tolist()
+    index = tuple(slice(None) if d in dims else where[i] for i, d in enumerate(DIMS))
+    return sorted(grid[index].flatten().tolist())
+
+
+def _partition(mesh: DeviceMesh, dims: tuple[str, ...]) -> list[list[int]]:
+    """Every group spanning ``dims``: the world cut into member lists."""
+    seen, groups = set(), []
+    for rank in mesh.mesh.flatten().tolist():
+        if rank not in seen:
+            group = members(mesh.mesh, dims, rank)
+            seen.update(group)
+            groups.append(group)
+    return groups
+
+
+def _multi_dim_groups(mesh: DeviceMesh) -> dict[tuple[str, ...], dist.ProcessGroup]:
+    """Process groups for the groups spanning several (non-trivial) mesh dimensions short of the
+    whole world; every rank creates every one of them, in the same order."""
+    groups = {}
+    for dims in dict.fromkeys(_spanned(d, mesh) for d in GROUP_DIMS.values()):
+        if len(dims) > 1 and set(dims) != set(_spanned(DIMS, mesh)):
+            mine, _ = dist.new_subgroups_by_enumeration(_partition(mesh, dims))
+            groups[dims] = mine
+    return groups
 
 
 def _device() -> torch.device:
@@ -150,17 +197,18 @@ def _ensure_process_group(timeout: timedelta) -> None:
 
 
 def mesh_layout(config: Config) -> torch.Tensor:
-    """Global ranks arranged as a [dp, tp] grid according to ``placement_strategy``.
+    """Global ranks arranged as a ``[pp, dp, cp, tp]`` grid according to ``placement_strategy``.
 
     The strategy is an order of the letters D, P, T, slowest-varying first: "cluster" is "DPT"
     (a TP group on consecutive ranks, so on one node), "spread" is "TPD" (TP ranks strided).
+    Context-parallel ranks (C) sit just outside the tensor-parallel ones, as SageMaker v2 lays
+    them out: a rank's data-parallel index is its global rank // (tp x cp) under "cluster".
     """
-    order = PLACEMENTS.get(config.placement_strategy, config.placement_strategy.upper())
+    order = PLACEMENTS.get(config.placement_strategy, config.placement_strategy.upper()).replace("T", "CT")
     sizes = {"D": config.dp_degree, "P": config.pipeline_parallel_degree,
-             "T": config.tensor_parallel_degree}
+             "C": config.context_parallel_degree, "T": config.tensor_parallel_degree}
     grid = torch.arange(config.world_size).reshape([sizes[c] for c in order])
-    grid = grid.permute([order.index(c) for c in "DPT"])
-    return grid.reshape(config.dp_degree, config.tensor_parallel_degree)
+    return grid.permute([order.index(c) for c in "PDCT"]).contiguous()
 
 
 def _setup_logging(global_rank: int) -> None:
@@ -192,15 +240,17 @@ def init(config: dict | str | None = None, *, timeout_s: float = 300.0) -> Runti
     cfg = build_config(config, world)
     _ensure_process_group(timedelta(seconds=timeout_s))
     device = _device()
-    mesh = DeviceMesh(device.type, mesh_layout(cfg), mesh_dim_names=("dp", "tp"))
+    world_mesh = DeviceMesh(device.type, mesh_layout(cfg), mesh_dim_names=DIMS)
     torch.manual_seed(cfg.random_seed)
     random.seed(cfg.random_seed)
-    _RUNTIME = Runtime(config=cfg, mesh=mesh, device=device)
-    _fsdp1_layout(cfg, mesh)
+    _RUNTIME = Runtime(config=cfg, world_mesh=world_mesh, mesh=world_mesh["dp", "tp"], device=device,
+                       _groups=_multi_dim_groups(world_mesh))
+    _fsdp1_layout(cfg, _RUNTIME.mesh)
     _setup_logging(dist.get_rank())
     if dist.get_rank() == 0:
-        logger.info("world %d = rdp %d x tp %d on %s", cfg.world_size, cfg.dp_degree,
-                    cfg.tensor_parallel_degree, device.type)
+        logger.info("world %d = %s on %s", cfg.world_size,
+                    " x ".join(f"{d} {n}" for d, n in zip(DIMS, world_mesh.mesh.shape) if n > 1 or d in ("dp", "tp")),
+                    device.type)
         _log_without_effect(without_effect(config))
     return _RUNTIME
 
@@ -239,7 +289,7 @@ def is_initialized() -> bool:
 
 # ---- SMP's rank API -------------------------------------------------------------------------
 # One rule for every group: a rank's number in a group is its place in ``Runtime.ranks``, the
-# group's size is that list's length (at pipeline degree 1: pp rank 0 of 1, dp = the world).
+# group's size is that list's length.
 
 _GROUP_DOCS = {
     WORLD: "every rank of the job",
@@ -249,7 +299,7 @@ _GROUP_DOCS = {
     DP_GROUP: "the data-parallel group: ranks with this rank's pp rank (all of them at pipeline "
               "degree 1); shard data with dp_rank/dp_size when prescaled_batch is false",
     MP_GROUP: "the ranks that together hold one model copy",
-    PP_GROUP: "the pipeline group: ranks with this rank's tp and rdp rank (only this rank)",
+    PP_GROUP: "the pipeline group: ranks with this rank's tp and rdp rank, one per stage",
 }
 
 

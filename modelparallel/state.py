@@ -45,7 +45,7 @@ class _State:
     cfg = config = property(lambda self: runtime.current().config)
     model = _newest("models")
     optimizer = _newest("optimizers")
-    device_mesh = property(lambda self: runtime.current().mesh, doc="The [rdp (\"dp\"), tp] DeviceMesh.")
+    device_mesh = property(lambda self: runtime.current().mesh, doc="This rank's [rdp (\"dp\"), tp] DeviceMesh.")
 
     rank = _asks("rank")
     world_size = size = _asks("size")

@@ -13,13 +13,28 @@ import torch.distributed as dist
 import harness
 import modelparallel as smp
 from modelparallel.config import build_config
-from modelparallel.runtime import mesh_layout
+from modelparallel.runtime import GROUP_DIMS, mesh_layout, members
 
 
 def test_mesh_layout_cluster_and_spread():
-    assert mesh_layout(build_config({"tensor_parallel_degree": 2}, 4)).tolist() == [[0, 1], [2, 3]]
+    """The grid is [pp, dp, cp, tp]; at pipeline and context degree 1 its [dp, tp] face is the layout."""
+    assert mesh_layout(build_config({"tensor_parallel_degree": 2}, 4))[0, :, 0].tolist() == [[0, 1], [2, 3]]
     spread = build_config({"tensor_parallel_degree": 2, "placement_strategy": "spread"}, 4)
-    assert mesh_layout(spread).tolist() == [[0, 2], [1, 3]]
+    assert mesh_layout(spread)[0, :, 0].tolist() == [[0, 2], [1, 3]]
+    assert mesh_layout(spread).shape == (1, 2, 1, 2)
+
+
+def test_groups_of_a_pipeline_layout():
+    """SageMaker's groups at pp 2 x tp 2 x rdp 2 under "cluster" (rank = 4 d + 2 p + t): the
+    grid arithmetic alone, before pipelining exists to start such a job."""
+    cfg = build_config({"tensor_parallel_degree": 2}, 8)
+    grid = torch.arange(8).reshape(2, 2, 2).permute(1, 0, 2).unsqueeze(2)  # [pp, dp, cp, tp] from D, P, T
+    expected = {smp.TP_GROUP: [0, 1], smp.PP_GROUP: [0, 2], smp.RDP_GROUP: [0, 4],
+                smp.DP_GROUP: [0, 1, 4, 5], smp.MP_GROUP: [0, 1, 2, 3], smp.WORLD: list(range(8))}
+    for group, ranks in expected.items():
+        assert members(grid, GROUP_DIMS[group], 0) == ranks, group
+    assert members(grid, GROUP_DIMS[smp.DP_GROUP], 7) == [2, 3, 6, 7]
+    assert cfg.dp_degree == 4
 
 
 def _ranks(strategy):

@@ -17,7 +17,7 @@ from .training import batch
 from .training.dp import OverlappedAverage, allreduce_gradients
 from .model_tp import TensorParallelMethods
 from .materialize.state_dict import LoadReport, full_state_dict, load_state_dict, local_state_dict
-from .tp import walker
+from .parallelize import parallelize
 
 logger = logging.getLogger("modelparallel")
 
@@ -68,7 +68,7 @@ class DistributedModel(TensorParallelMethods, nn.Module):
         super().__init__()
         dtype = torch.float16 if rt.config.fp16 else torch.bfloat16 if rt.config.bf16 else None
         state = wrapping.before_shard(module, rt, dtype)  # meta / rank-0-only / delayed-init models
-        replicated = walker.parallelize(module, rt.tp_mesh, state.spec)
+        replicated = parallelize(module, rt, state.spec)
         if replicated and runtime.rank() == 0:
             logger.info("replicated on every TP rank: %s", ", ".join(replicated))
         wrapping.after_shard(module, rt, state)

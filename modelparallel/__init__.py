@@ -15,6 +15,7 @@ from .materialize.loading import load_hf_checkpoint
 from .materialize.meta import MetaTensorError
 from .model import DistributedModel
 from .optimizer import DistributedOptimizer
+from .pipeline import partition, set_partition
 from .runtime import (
     DP_GROUP, MP_GROUP, PP_GROUP, RDP_GROUP, TP_GROUP, WORLD, CommGroup, dp_rank, dp_size,
     get_dp_process_group, get_mp_process_group, get_pp_process_group, get_rdp_process_group,
@@ -48,5 +49,5 @@ __all__ = [
     "last_load_report", "resume_from_checkpoint", "save_checkpoint",
     "MetaTensorError", "delay_param_initialization", "delayed_param", "load_hf_checkpoint", "model_creation",
     "transform", "clip_grad_norm_",
-    "patches", "set_activation_checkpointing",
+    "patches", "set_activation_checkpointing", "partition", "set_partition",
 ]

@@ -178,6 +178,17 @@ def _check_degrees(cfg: Config, problems: list[str]) -> None:
         problems.append("fp16 and bf16 are both true; choose one")
 
 
+PIPELINE_SCHEDULES = ("interleaved", "simple")
+
+
+def _check_pipeline(cfg: Config, problems: list[str]) -> None:
+    if cfg.pipeline not in PIPELINE_SCHEDULES:
+        problems.append(f"pipeline must be one of {PIPELINE_SCHEDULES}, got {cfg.pipeline!r}")
+    if cfg.pipeline_parallel_degree > 1 and cfg.default_partition >= cfg.pipeline_parallel_degree:
+        problems.append(f"default_partition {cfg.default_partition} is not a partition: pipeline_parallel_degree "
+                        f"is {cfg.pipeline_parallel_degree} (partitions 0 .. {cfg.pipeline_parallel_degree - 1})")
+
+
 def build_config(config: dict | str | os.PathLike | None, world_size: int) -> Config:
     """Parse and validate a config for a job of ``world_size`` ranks.
 
@@ -197,6 +208,7 @@ def build_config(config: dict | str | os.PathLike | None, world_size: int) -> Co
     cfg = Config(**known, world_size=world_size)
     _check_placement(cfg.placement_strategy, problems)
     _check_degrees(cfg, problems)
+    _check_pipeline(cfg, problems)
     if problems:
         raise ValueError("invalid modelparallel config:\n  - " + "\n  - ".join(problems))
     _refuse_unbuilt(known)

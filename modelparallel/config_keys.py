@@ -38,8 +38,9 @@ KEYS: tuple[Key, ...] = (
     # --- layout ------------------------------------------------------------------------------
     Key("tensor_parallel_degree", int, 1, IMPLEMENTED,
         "Ranks sharing one copy of each layer, each holding 1/degree of its weights.", "v1+v2", minimum=1),
-    Key("pipeline_parallel_degree", int, 1, DEFAULT_ONLY,
-        "Pipeline stages (alias ``partitions``); pipelining is not built, so only 1.", minimum=1),
+    Key("pipeline_parallel_degree", int, 1, IMPLEMENTED,
+        "Pipeline stages (alias ``partitions``): each stage holds a contiguous range of layers and "
+        "``@smp.step``'s microbatches flow through them.", minimum=1),
     Key("placement_strategy", str, "cluster", IMPLEMENTED,
         "Rank order: \"cluster\" (= \"DPT\"), \"spread\" (= \"TPD\") or any order of D, P, T."),
     Key("random_seed", int, 12345, IMPLEMENTED, "Seed set on every rank by ``init``.", "v1+v2"),
@@ -92,14 +93,22 @@ KEYS: tuple[Key, ...] = (
         "How many checkpointed modules ahead activations are brought back.", "v1+v2", minimum=1),
     Key("sm_activation_offloading", bool, False, IMPLEMENTED, "v2 name of offload_activations.", "v2"),
     # --- SageMaker's tracer and pipeline scheduler -------------------------------------------
-    Key("pipeline", str, "interleaved", NO_EFFECT, "Pipeline schedule; no pipeline here."),
-    Key("active_microbatches", int, 0, NO_EFFECT, "Pipeline in-flight limit; no pipeline here."),
+    Key("pipeline", str, "interleaved", IMPLEMENTED,
+        "Pipeline schedule: \"interleaved\" = one forward, one backward (1F1B; with fewer microbatches "
+        "than stages, GPipe), \"simple\" = all forwards, then all backwards (GPipe)."),
+    Key("active_microbatches", int, 0, IMPLEMENTED,
+        "Pipeline in-flight limit: the step's microbatches run through the schedule in rounds of "
+        "this many (0: all at once).", minimum=0),
     Key("deterministic_server", bool, False, NO_EFFECT, "Pipeline execution server; none here."),
     Key("optimize", str, "memory", NO_EFFECT,
         "SageMaker's layer distribution choice; results are the same either way."),
-    Key("auto_partition", bool, True, NO_EFFECT, "Pipeline partitioning; no pipeline here."),
-    Key("default_partition", int, 0, NO_EFFECT, "Pipeline partitioning; no pipeline here."),
-    Key("memory_weight", float, 0.8, NO_EFFECT, "Pipeline partitioning objective."),
+    Key("auto_partition", bool, True, IMPLEMENTED,
+        "True: layers balanced over the stages by parameter count (partition marks ignored); false: "
+        "``smp.partition`` / ``smp.set_partition`` marks place them."),
+    Key("default_partition", int, 0, IMPLEMENTED,
+        "With ``auto_partition`` false, the partition of layers without a mark.", minimum=0),
+    Key("memory_weight", float, 0.8, NO_EFFECT,
+        "Pipeline partitioning objective; a layer's memory and compute are both its parameter count here."),
     Key("contiguous", bool, True, NO_EFFECT, "Pipeline partitioning (TensorFlow)."),
     Key("skip_tracing", bool, False, NO_EFFECT, "No tracing step exists here."),
     Key("static_mode", bool, False, NO_EFFECT, "Tracer/scheduler caching; none here."),

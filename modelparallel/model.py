@@ -18,6 +18,7 @@ from .training.dp import OverlappedAverage, allreduce_gradients
 from .model_tp import TensorParallelMethods
 from .materialize.state_dict import LoadReport, full_state_dict, load_state_dict, local_state_dict
 from .parallelize import parallelize
+from .pipeline import Runner
 
 logger = logging.getLogger("modelparallel")
 
@@ -73,6 +74,9 @@ class DistributedModel(TensorParallelMethods, nn.Module):
             logger.info("replicated on every TP rank: %s", ", ".join(replicated))
         wrapping.after_shard(module, rt, state)
         self._mp_state = state
+        # at pipeline degree > 1, runs @smp.step's microbatches through this rank's stage
+        self._mp_pipeline = Runner(module, rt, rt.group(runtime.PP_GROUP), self._finish_backward) \
+            if hasattr(module, "_mp_stage") else None
         self._v1 = V1Options(backward_passes_per_step, average_grads_across_microbatches, overlapping_allreduce,
                              bucket_cap_mb)
         self._mp_optimizers: list = []  # DistributedOptimizers holding this model's parameters, newest last
@@ -114,6 +118,8 @@ class DistributedModel(TensorParallelMethods, nn.Module):
         grads = [None if g is None else g * scale for g in grad_tensors]
         if scale != 1.0:
             tensors = [t * scale if g is None else t for t, g in zip(tensors, grads)]
+        if self._mp_pipeline is not None:  # the pipeline schedule back-propagates it later
+            return self._mp_pipeline.record_backward(tensors, grads)
         self._arm_overlap(rt)
         torch.autograd.backward(tensors, grads)
         if rt.step is None:
@@ -121,18 +127,20 @@ class DistributedModel(TensorParallelMethods, nn.Module):
         elif self not in rt.step.models:
             rt.step.models.append(self)
 
-    def _finish_backward(self) -> None:
-        """One backward pass (or step) done: average gradients when ``backward_passes_per_step`` says so."""
+    def _finish_backward(self) -> bool:
+        """One backward pass (or step) done: average gradients when ``backward_passes_per_step``
+        says so. Returns whether the gradients are final (the end of such a window)."""
         rt = runtime.current()
         self._v1.passes += 1
         if self._v1.passes % self._v1.backward_passes_per_step:
-            return
+            return False
         if not self._averages(rt):
-            return
+            return True
         if self._v1.overlap is not None and self._v1.overlap.armed:
             self._v1.overlap.finish()
         else:
             allreduce_gradients(self.module.parameters(), rt.group(runtime.RDP_GROUP), rt.config.dp_degree)
+        return True
 
     def _averages(self, rt) -> bool:
         """Whether this model's gradients are averaged over data-parallel replicas here (FSDP

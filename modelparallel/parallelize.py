@@ -5,7 +5,10 @@ here, so every dimension is applied in the same order whichever API the script u
 dimension lives in its own package that takes the model and the mesh it needs, and knows nothing
 of the others; this module only orders them:
 
-1. tensor parallelism (``tp.walker``): shards each layer over the ``tp`` mesh dimension.
+1. the pipeline split (``pipeline``): at ``pipeline_parallel_degree`` > 1 the model is cut down
+   to this rank's stage (its blocks; embeddings on the first, final modules on the last), so
+   every later dimension only sees, and only allocates, the stage's modules;
+2. tensor parallelism (``tp.walker``): shards each layer over the ``tp`` mesh dimension.
 
 Data parallelism (replica gradient averaging, FSDP) is applied after this by the caller, over
 ``Runtime.mesh["dp"]``, because the two APIs differ there (v1 wraps it itself, v2 scripts call
@@ -14,9 +17,12 @@ FSDP themselves).
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch import nn
 
-from .runtime import Runtime
+from . import pipeline
+from .models import pipeline_split_for
+from .runtime import PP_GROUP, Runtime
 from .tp import walker
 from .tp.plan import ArchSpec
 
@@ -35,4 +41,8 @@ def parallelize(module: nn.Module, rt: Runtime, spec: ArchSpec | None) -> list[s
     Raises:
         ValueError: when a dimension's plan does not fit the model, before any tensor is touched.
     """
+    stage = pipeline.split_model(module, rt.config, rt.ranks(PP_GROUP).index(dist.get_rank()),
+                                 pipeline_split_for(module))
+    if stage is not None and spec is not None:
+        spec = pipeline.stage_spec(spec, module)
     return walker.parallelize(module, rt.tp_mesh, spec)

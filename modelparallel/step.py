@@ -116,10 +116,7 @@ def _run(f: Callable, splitter: _Splitter, args: tuple, kwargs: dict, detach: bo
     ctx = StepContext(num_microbatches=n)
     rt.step = ctx
     try:
-        results = []
-        for i, (a, kw) in enumerate(pieces):
-            ctx.microbatch = i
-            results.append(f(*a, **kw))
+        results = _microbatches(f, pieces, ctx, rt)
     finally:
         rt.step = None
     for model in ctx.models:
@@ -127,6 +124,19 @@ def _run(f: Callable, splitter: _Splitter, args: tuple, kwargs: dict, detach: bo
     for model in rt.models:
         model._after_step()
     return _collect(results, detach)
+
+
+def _microbatches(f: Callable, pieces: list, ctx: StepContext, rt) -> list:
+    """``f``'s result on every microbatch: one after the other, or through the pipeline stages
+    of the (newest) pipelined model, which then also averages its gradients."""
+    pipelined = [m._mp_pipeline for m in rt.models if getattr(m, "_mp_pipeline", None) is not None]
+    if pipelined:
+        return pipelined[-1].run(f, pieces, ctx)
+    results = []
+    for i, (a, kw) in enumerate(pieces):
+        ctx.microbatch = i
+        results.append(f(*a, **kw))
+    return results
 
 
 def _collect(results: list, detach: bool):

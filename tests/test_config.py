@@ -109,8 +109,7 @@ def test_alias_and_sharding_degrees():
     assert build_config({"partitions": 1}, 2).pipeline_parallel_degree == 1
     with pytest.raises(ValueError, match="partitions=1 and pipeline_parallel_degree=2 name the same setting"):
         build_config({"partitions": 1, "pipeline_parallel_degree": 2}, 2)
-    with pytest.raises(NotImplementedError, match="pipeline_parallel_degree=2"):
-        build_config({"partitions": 2}, 2)
+    assert build_config({"partitions": 2}, 2).pipeline_parallel_degree == 2
     v2 = build_config({"tensor_parallel_degree": 2}, 8)
     assert v2.hybrid_shard_degree == 0 and v2.fsdp_shard_degree == 4 and v2.shard_degree == 1
     assert build_config({"hybrid_shard_degree": 2}, 8).fsdp_shard_degree == 2

@@ -1,8 +1,10 @@
 """Built-in architectures, one module each, found by listing this package.
 
 A module here (any whose name does not start with ``_``) describes one HF architecture and
-exports ``SPEC`` (its ``ArchSpec``: plan, packed weights, loss kind) and ``TABLE`` (its
-``KeyTable`` for state-dict translation). Adding the file is all it takes to register it.
+exports ``SPEC`` (its ``ArchSpec``: plan, packed weights, loss kind), ``TABLE`` (its
+``KeyTable`` for state-dict translation) and, if it can be pipelined, ``PIPELINE`` (its
+``PipelineSplit``: where the blocks are, what runs before and after them). Adding the file is
+all it takes to register it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from types import ModuleType
 from torch import nn
 
 from ..nn.huggingface.translate import KeyTable
+from ..pipeline.split import PipelineSplit
 from ..tp.plan import ArchSpec
 
 
@@ -34,6 +37,8 @@ def _check(module: ModuleType) -> ModuleType:
 _ALL = [_check(m) for m in _modules()]
 ARCHITECTURES: dict[str, ArchSpec] = {m.SPEC.model_type: m.SPEC for m in _ALL}
 TABLES: dict[str, KeyTable] = {m.SPEC.model_type: m.TABLE for m in _ALL}
+PIPELINES: dict[str, PipelineSplit] = {m.SPEC.model_type: m.PIPELINE for m in _ALL
+                                       if isinstance(getattr(m, "PIPELINE", None), PipelineSplit)}
 
 
 def spec_for(model: nn.Module) -> ArchSpec | None:
@@ -44,3 +49,8 @@ def spec_for(model: nn.Module) -> ArchSpec | None:
 def table_for(model_type: str | None) -> KeyTable | None:
     """The key table of an HF ``model_type``, or None if it has no translation."""
     return TABLES.get(model_type)
+
+
+def pipeline_split_for(model: nn.Module) -> PipelineSplit | None:
+    """The built-in pipeline split for an HF model, or None if its architecture has none."""
+    return PIPELINES.get(getattr(getattr(model, "config", None), "model_type", None))

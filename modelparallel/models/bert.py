@@ -22,6 +22,7 @@ and head names.
 import torch
 
 from ..nn.huggingface.translate import KeyTable
+from ..pipeline.split import PipelineSplit
 from ..tp.plan import ArchSpec, ModulePlan, SharedInput
 from ._parts import column_row
 
@@ -34,6 +35,9 @@ ENCODER = ModulePlan(
     shared_inputs={"encoder.layer.*.attention.self": SharedInput(arg="hidden_states")},  # q, k, v
 )
 """The BERT-family base model (also RoBERTa's: same module tree)."""
+
+ENCODER_PIPELINE = PipelineSplit(blocks="encoder.layer", first=("embeddings",), last=("pooler",))
+"""Embeddings on the first stage; the pooler (and the heads) on the last."""
 
 _LAYER = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
           "attention.output.LayerNorm", "intermediate.dense", "output.dense", "output.LayerNorm")
@@ -93,3 +97,4 @@ SPEC, TABLE = encoder_arch(
                "classifier.weight", "classifier.bias"),
     causal_head="BertLMHeadModel",
 )
+PIPELINE = ENCODER_PIPELINE

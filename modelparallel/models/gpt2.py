@@ -11,6 +11,7 @@ import and re-created on export when asked for.
 """
 
 from ..nn.huggingface.translate import KeyTable, causal_mask, masked_bias
+from ..pipeline.split import PipelineSplit
 from ..tp.plan import ArchSpec, ModulePlan, Packed, packed_keys
 from ._parts import LM_HEAD, column_row
 
@@ -31,6 +32,9 @@ SPEC = ArchSpec(
     head=LM_HEAD,
     loss="causal",
 )
+
+PIPELINE = PipelineSplit(blocks="h", first=("wte", "wpe"), last=("ln_f",))
+"""Token and position embeddings on the first stage, the final norm (and the head) on the last."""
 
 GPT_KEYS = (
     "wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias",

@@ -11,6 +11,7 @@ only weights (the rotary table ``embed_positions`` is recomputed).
 """
 
 from ..nn.huggingface.translate import KeyTable, causal_mask, masked_bias
+from ..pipeline.split import PipelineSplit
 from ..tp.plan import SharedInput
 from ._parts import decoder_lm
 
@@ -21,6 +22,8 @@ SPEC = decoder_lm(
     divisible=("num_attention_heads",), per_rank=("num_attention_heads",),
     shared_inputs={"h.*": SharedInput(output_of="ln_1")},  # q, k, v and fc_in read ln_1's output
 )
+
+PIPELINE = PipelineSplit(blocks="h", first=("wte",), last=("ln_f",))
 
 TABLE = KeyTable(
     arch="gptj",

@@ -12,6 +12,7 @@ local layers, the causal mask restricted to a window.
 import torch
 
 from ..nn.huggingface.translate import KeyTable, causal_mask, masked_bias
+from ..pipeline.split import PipelineSplit
 from ..tp.plan import SharedInput
 from ._parts import decoder_lm
 from .gpt2 import GPT_KEYS
@@ -23,6 +24,8 @@ SPEC = decoder_lm(
     divisible=("num_heads",), per_rank=("num_heads",),
     shared_inputs={"h.*.attn.attention": SharedInput(arg="hidden_states")},  # q, k, v
 )
+
+PIPELINE = PipelineSplit(blocks="h", first=("wte", "wpe"), last=("ln_f",))
 
 
 def legacy_mask(max_seq_len: int, layer: int, config=None) -> torch.Tensor:

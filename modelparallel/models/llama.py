@@ -13,6 +13,7 @@ buffer the model recomputes, so nothing else is stored.
 """
 
 from ..nn.huggingface.translate import KeyTable
+from ..pipeline.split import PipelineSplit
 from ..tp.plan import SharedInput
 from ._parts import decoder_lm
 
@@ -24,6 +25,9 @@ SPEC = decoder_lm(
     shared_inputs={"layers.*.self_attn": SharedInput(arg="hidden_states"),  # q, k, v
                    "layers.*.mlp": SharedInput(arg="x")},  # gate, up
 )
+
+PIPELINE = PipelineSplit(blocks="layers", first=("embed_tokens",), last=("norm",))
+"""The rotary table holds no parameters and stays on every stage."""
 
 TABLE = KeyTable(
     arch="llama",

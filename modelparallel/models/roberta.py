@@ -8,7 +8,7 @@ decoder's tied bias. The classification head (``classifier.dense``, ``classifier
 replicated.
 """
 
-from .bert import encoder_arch
+from .bert import ENCODER_PIPELINE, encoder_arch
 
 SPEC, TABLE = encoder_arch(
     "roberta", "roberta", "lm_head",
@@ -17,3 +17,4 @@ SPEC, TABLE = encoder_arch(
                "classifier.out_proj.bias"),
     causal_head="RobertaForCausalLM",
 )
+PIPELINE = ENCODER_PIPELINE

@@ -1,0 +1,210 @@
+"""Cutting a Hugging Face model into pipeline stages, from its architecture's data.
+
+An architecture says where its repeated blocks are and which base-model modules run before
+them (embeddings) and after them (final norm, pooler): ``PipelineSplit`` in
+``models/<arch>.py``. Stage ``s`` of ``P`` keeps a contiguous range of blocks; the first stage
+also the embeddings, the last the final modules and everything of the head model outside the
+base model (LM head, classifier). Parameter-free base-model modules (rotary tables, dropout)
+stay on every stage.
+
+Nothing is traced and the HF forward is not rewritten: every stage runs the model's own
+``forward`` on the microbatch's inputs (masks, position ids and rotary tables are computed
+locally from them). Modules of other stages are replaced by ``Elsewhere`` stubs holding no
+parameters: a stub of an embedding returns zeros of the embedding's output shape (the first
+local block's input is then swapped for the activation received from the previous stage), a
+stub of a final module raises if called (the stage's forward ends after its last block). Blocks
+of other stages are removed from their ``ModuleList`` (the others keep their indices, so
+parameter names are those of the whole model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..tp.layout import base_prefix, tie_groups
+from ..tp.plan import join
+
+
+@dataclass(frozen=True)
+class PipelineSplit:
+    """Where an architecture cuts into stages (paths relative to the base model).
+
+    Attributes:
+        blocks: the ``nn.ModuleList`` of repeated blocks (``h``, ``layers``, ``encoder.layer``).
+        first: modules that run before the blocks, kept by the first stage (embeddings).
+        last: modules that run after the blocks, kept by the last stage with the head model's
+            own modules (final norm, pooler).
+    """
+
+    blocks: str
+    first: tuple[str, ...]
+    last: tuple[str, ...] = ()
+
+
+@dataclass
+class Stage:
+    """This rank's stage of a split model (kept on the model as ``_mp_stage``).
+
+    Attributes:
+        index, count: this stage and the number of stages.
+        ranges: the blocks ``[start, stop)`` of every stage.
+        blocks: this stage's blocks, in order.
+        owner: every key of the whole model's state dict -> the stage holding it (a tensor
+            every stage holds, such as a rotary buffer: -1).
+        ties: a key whose tensor is also held, under another key, by an earlier stage (GPT-2's
+            ``lm_head.weight`` on the last stage) -> that key (``transformer.wte.weight``): the
+            two are one weight, stored once, their gradients summed.
+        shapes: every key -> (shape, dtype) in the whole model, before tensor parallelism.
+    """
+
+    index: int
+    count: int
+    ranges: tuple[tuple[int, int], ...]
+    blocks: list[nn.Module] = field(repr=False)
+    owner: dict[str, int] = field(repr=False)
+    ties: dict[str, str] = field(repr=False)
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(repr=False)
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.count - 1
+
+    def holds(self, key: str) -> bool:
+        """Whether this stage holds ``key`` (its own, shared by every stage, or a tie's copy)."""
+        return self.owner.get(key) in (self.index, -1) or key in self.ties
+
+
+class Elsewhere(nn.Module):
+    """Stands in for a module that lives on another pipeline stage; holds no parameters.
+
+    ``kind`` "embedding": returns zeros of the replaced embedding's output shape (input shape +
+    ``dim`` for an index tensor, the shape of a floating input), so the base model's code before
+    the blocks runs unchanged; the first local block then gets the received activation.
+    ``kind`` "final": must never run (the stage's forward ends after its last block).
+    """
+
+    def __init__(self, path: str, stage: int, kind: str, dim: int = 0, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.path, self.stage, self.kind, self.dim, self.dtype = path, stage, kind, dim, dtype
+
+    def forward(self, *args, **kwargs):
+        if self.kind != "embedding":
+            raise RuntimeError(f"{self.path} lives on pipeline stage {self.stage}; it cannot run here")
+        x = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
+        if x is None:
+            raise RuntimeError(f"{self.path} (on pipeline stage {self.stage}): no tensor input to size the stand-in")
+        shape = tuple(x.shape) if x.is_floating_point() else (*x.shape, self.dim)
+        return torch.zeros(shape, dtype=self.dtype, device=x.device)
+
+    def extra_repr(self) -> str:
+        return f"{self.path!r} on stage {self.stage}"
+
+
+def blocks_of(model: nn.Module, split: PipelineSplit) -> tuple[str, nn.ModuleList]:
+    """(path, ModuleList) of the model's blocks.
+
+    Raises:
+        ValueError: if the path does not name a ``ModuleList`` of the model.
+    """
+    path = join(base_prefix(model), split.blocks)
+    try:
+        blocks = model.get_submodule(path)
+    except AttributeError:
+        blocks = None
+    if not isinstance(blocks, nn.ModuleList):
+        raise ValueError(f"{type(model).__name__}: the pipeline split names blocks at {path!r}, which is not a "
+                         "ModuleList of the model")
+    return path, blocks
+
+
+def present(model: nn.Module, path: str) -> bool:
+    """Whether ``path`` names a module of ``model`` (optional parts, such as a BERT model's
+    pooler, may be absent)."""
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def regions(model: nn.Module, split: PipelineSplit) -> tuple[list[str], list[str]]:
+    """Module paths of the first stage's own modules and of the last stage's (those present)."""
+    base = base_prefix(model)
+    first = [join(base, p) for p in split.first if present(model, join(base, p))]
+    last = [join(base, p) for p in split.last if present(model, join(base, p))]
+    if base:  # the head model's own modules (LM head, classifier) come after the base model
+        last += [name for name, _ in model.named_children() if name != base]
+    return first, last
+
+
+def _stage_of_key(key: str, block_path: str, block_stage: dict[int, int], first, last, count: int) -> int:
+    if key.startswith(block_path + "."):
+        return block_stage[int(key[len(block_path) + 1:].split(".")[0])]
+    if any(key.startswith(p + ".") for p in first):
+        return 0
+    if any(key.startswith(p + ".") for p in last):
+        return count - 1
+    return -1
+
+
+def describe(model: nn.Module, split: PipelineSplit, ranges: tuple[tuple[int, int], ...], index: int) -> Stage:
+    """The stage record of the whole (not yet split) ``model``, with nothing changed.
+
+    Raises:
+        ValueError: naming a parameter outside the blocks, the first and the last modules (it
+            would have to live on every stage).
+    """
+    block_path, blocks = blocks_of(model, split)
+    block_stage = {b: s for s, (lo, hi) in enumerate(ranges) for b in range(lo, hi)}
+    first, last = regions(model, split)
+    entries = model.state_dict(keep_vars=True)
+    owner = {k: _stage_of_key(k, block_path, block_stage, first, last, len(ranges)) for k in entries}
+    params = {k for k, _ in model.named_parameters(remove_duplicate=False)}
+    stray = sorted(k for k, s in owner.items() if s == -1 and k in params)
+    if stray:
+        raise ValueError(f"{type(model).__name__}: parameters {stray} are neither in the blocks ({block_path}) nor "
+                         "in the modules the pipeline split places on the first or last stage")
+    ties = {}
+    for keys in tie_groups(entries.items()):
+        stages = [owner[k] for k in keys]
+        keep = keys[stages.index(min(stages))]
+        ties.update({k: keep for k, s in zip(keys, stages) if s != owner[keep]})
+    shapes = {k: (tuple(t.shape), t.dtype) for k, t in entries.items()}
+    local = [blocks[i] for i in range(*ranges[index])]
+    return Stage(index, len(ranges), ranges, local, owner, ties, shapes)
+
+
+def _floating_dtype(module: nn.Module) -> torch.dtype:
+    return next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.get_default_dtype())
+
+
+def apply(model: nn.Module, split: PipelineSplit, stage: Stage, hidden_size: int) -> None:
+    """Cut ``model`` down to ``stage`` in place: other stages' blocks removed, their embeddings
+    and final modules replaced by ``Elsewhere`` stubs; ``model._mp_stage`` records the stage."""
+    _, blocks = blocks_of(model, split)
+    lo, hi = stage.ranges[stage.index]
+    for i in range(len(blocks)):
+        if not lo <= i < hi:
+            del blocks._modules[str(i)]
+    first, last = regions(model, split)
+    if not stage.is_first:
+        for path in first:
+            module = model.get_submodule(path)
+            dim = module.embedding_dim if isinstance(module, nn.Embedding) else hidden_size
+            _replace(model, path, Elsewhere(path, 0, "embedding", dim, _floating_dtype(module)))
+    if not stage.is_last:
+        for path in last:
+            _replace(model, path, Elsewhere(path, stage.count - 1, "final"))
+    model._mp_stage = stage
+
+
+def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent), name, new)

@@ -1,0 +1,122 @@
+"""One stage's edges and its ``torch.distributed.pipelining`` objects.
+
+``Boundary`` hooks the stage's first and last local blocks: the activation received from the
+previous stage replaces the first block's hidden-states input, and the last block's output ends
+the forward by raising ``StageExit`` (a ``BaseException``, so a user's ``except Exception``
+does not swallow it), which also ends the user's step function on that stage for the
+microbatch. The hooks act only while the runner is running a microbatch (``active``); a forward
+outside ``@smp.step`` is refused.
+
+``build_schedule`` makes a ``PipelineStage`` with static tensor metadata (the activation is one
+``[batch, sequence, hidden]`` tensor between every pair of stages; the last stage's output is
+the microbatch's scalar loss) and wraps it in ``ScheduleGPipe`` ("simple") or ``Schedule1F1B``
+("interleaved"), with an identity loss function: the loss is what the user's function passed to
+``model.backward``, already scaled.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from .split import Stage
+
+logger = logging.getLogger("modelparallel")
+
+SCHEDULES = {"simple": ScheduleGPipe, "interleaved": Schedule1F1B}
+
+
+class StageExit(BaseException):
+    """Carries a non-last stage's output (its last block's hidden states) out of the forward."""
+
+    def __init__(self, hidden: torch.Tensor):
+        super().__init__("pipeline stage output")
+        self.hidden = hidden
+
+
+NOT_IN_STEP = ("at pipeline_parallel_degree > 1 the model runs inside an @smp.step function (the step's "
+               "microbatches flow through the stages); calling it directly (or model.generate) is not supported")
+
+
+class Boundary:
+    """The hooks at a stage's two ends (see the module docstring)."""
+
+    def __init__(self, stage: Stage, hidden_arg: str = "hidden_states"):
+        self.stage, self.hidden_arg = stage, hidden_arg
+        self.active = False
+        self.pending: torch.Tensor | None = None
+        if not stage.is_first:
+            stage.blocks[0].register_forward_pre_hook(self._enter, with_kwargs=True)
+        if not stage.is_last:
+            stage.blocks[-1].register_forward_hook(self._exit)
+
+    def _enter(self, module, args, kwargs):
+        if not self.active:
+            raise RuntimeError(NOT_IN_STEP)
+        if self.pending is None:
+            raise RuntimeError("at pipeline_parallel_degree > 1 the step function calls the model once per "
+                               "microbatch; it was called again")
+        x, self.pending = self.pending, None
+        if args:
+            return (x, *args[1:]), kwargs
+        return args, {**kwargs, self.hidden_arg: x}
+
+    def _exit(self, module, args, output):
+        if not self.active:
+            raise RuntimeError(NOT_IN_STEP)
+        raise StageExit(output[0] if isinstance(output, (tuple, list)) else output)
+
+
+class _Microbatch(nn.Module):
+    """The module ``PipelineStage`` runs: microbatch ``mb`` of the step through ``run``.
+
+    It holds no parameters (the model's gradients are accumulated by autograd through the
+    user's forward); the first stage gets ``mb`` as its root argument too, later stages the
+    received activation."""
+
+    def __init__(self, run: Callable[[int, torch.Tensor | None], torch.Tensor], first: bool):
+        super().__init__()
+        self.run, self.first = run, first
+
+    def forward(self, *args, mb: torch.Tensor):
+        return self.run(int(mb), None if self.first else args[0])
+
+
+def _meta(shape, dtype, requires_grad: bool = True) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta", requires_grad=requires_grad)
+
+
+def build_schedule(stage: Stage, run, activation: tuple[tuple[int, ...], torch.dtype], microbatches: int,
+                   kind: str, group: dist.ProcessGroup, device: torch.device):
+    """A schedule for ``microbatches`` microbatches whose activations have ``activation``'s
+    (shape, dtype). ``kind`` "interleaved" with fewer microbatches than stages runs GPipe
+    (1F1B needs one microbatch per stage to fill the pipeline; with fewer it is GPipe anyway)."""
+    act = _meta(*activation)
+    first = torch.empty(1, dtype=torch.long, device="meta")
+    loss = _meta((), torch.float32)
+    pipe_stage = PipelineStage(_Microbatch(run, stage.is_first), stage.index, stage.count, device,
+                               input_args=(first,) if stage.is_first else (act,),
+                               output_args=(loss,) if stage.is_last else (act,), group=group)
+    cls = SCHEDULES[kind]
+    if cls is Schedule1F1B and microbatches < stage.count:
+        cls = ScheduleGPipe
+    return cls(pipe_stage, microbatches, loss_fn=_identity, scale_grads=False)
+
+
+def _identity(output, target):
+    return output
+
+
+def step_schedule(schedule, stage: Stage, first_mb: int, microbatches: int, train: bool) -> None:
+    """Run ``schedule`` on microbatches ``first_mb`` .. ``first_mb + microbatches - 1``."""
+    mbs = torch.arange(first_mb, first_mb + microbatches)
+    root = (mbs,) if stage.is_first else ()
+    kwargs = dict(mb=mbs, return_outputs=False)
+    if stage.is_last:
+        kwargs["target"] = mbs
+    (schedule.step if train else schedule.eval)(*root, **kwargs)

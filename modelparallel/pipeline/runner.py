@@ -108,10 +108,11 @@ class Runner:
         stage (None: it failed, and nobody runs the schedule)."""
         box = [None]
         if self.stage.is_first:
-            out = self._forward(0, None)
-            if self._step.failure is None:
-                self._step.cache[0] = out
+            try:
+                out = self._step.cache[0] = self._call(0, None)
                 box[0] = (tuple(out.shape), out.dtype)
+            except Exception as e:  # noqa: BLE001 - every stage must hear that there is no schedule
+                self._fail(e)
         dist.broadcast_object_list(box, group=self.group, group_src=0)
         return box[0]
 
@@ -129,7 +130,7 @@ class Runner:
             if len(self.schedules) >= _CACHED_SCHEDULES:
                 self.schedules.popitem(last=False)
             self.schedules[key] = build_schedule(self.stage, self._forward, activation, count, kind, self.group,
-                                                 self.rt.device)
+                                                 self.rt.device, self._fail)
         self.schedules.move_to_end(key)
         return self.schedules[key]
 

@@ -7,7 +7,8 @@ does not swallow it), which also ends the user's step function on that stage for
 microbatch. The hooks act only while the runner is running a microbatch (``active``); a forward
 outside ``@smp.step`` is refused.
 
-``build_schedule`` makes a ``PipelineStage`` with static tensor metadata (the activation is one
+``build_schedule`` makes a ``PipelineStage`` (one that survives a failing backward) with static
+tensor metadata (the activation is one
 ``[batch, sequence, hidden]`` tensor between every pair of stages; the last stage's output is
 the microbatch's scalar loss) and wraps it in ``ScheduleGPipe`` ("simple") or ``Schedule1F1B``
 ("interleaved"), with an identity loss function: the loss is what the user's function passed to
@@ -87,21 +88,42 @@ class _Microbatch(nn.Module):
         return self.run(int(mb), None if self.first else args[0])
 
 
+class _KeepGoing(PipelineStage):
+    """A ``PipelineStage`` whose backward records a failure instead of leaving the schedule:
+    the previous stage then receives zero gradients and every rank reaches the step's end,
+    where the failure is raised everywhere (a raise here would leave the peers waiting)."""
+
+    def __init__(self, *args, on_error: Callable[[BaseException], None], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.on_error = on_error
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
+        try:
+            return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                              last_backward=last_backward)
+        except Exception as e:  # noqa: BLE001 - raised on every rank at the step's end
+            self.on_error(e)
+            self.fwd_cache.pop(bwd_chunk_id, None)
+            self.bwd_cache[bwd_chunk_id] = (None,)  # one input, the activation: zeros are sent
+            return None
+
+
 def _meta(shape, dtype, requires_grad: bool = True) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="meta", requires_grad=requires_grad)
 
 
 def build_schedule(stage: Stage, run, activation: tuple[tuple[int, ...], torch.dtype], microbatches: int,
-                   kind: str, group: dist.ProcessGroup, device: torch.device):
+                   kind: str, group: dist.ProcessGroup, device: torch.device,
+                   on_error: Callable[[BaseException], None]):
     """A schedule for ``microbatches`` microbatches whose activations have ``activation``'s
     (shape, dtype). ``kind`` "interleaved" with fewer microbatches than stages runs GPipe
     (1F1B needs one microbatch per stage to fill the pipeline; with fewer it is GPipe anyway)."""
     act = _meta(*activation)
     first = torch.empty(1, dtype=torch.long, device="meta")
     loss = _meta((), torch.float32)
-    pipe_stage = PipelineStage(_Microbatch(run, stage.is_first), stage.index, stage.count, device,
-                               input_args=(first,) if stage.is_first else (act,),
-                               output_args=(loss,) if stage.is_last else (act,), group=group)
+    pipe_stage = _KeepGoing(_Microbatch(run, stage.is_first), stage.index, stage.count, device,
+                            input_args=(first,) if stage.is_first else (act,),
+                            output_args=(loss,) if stage.is_last else (act,), group=group, on_error=on_error)
     cls = SCHEDULES[kind]
     if cls is Schedule1F1B and microbatches < stage.count:
         cls = ScheduleGPipe

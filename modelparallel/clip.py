@@ -17,8 +17,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from . import runtime
+from .pipeline.ties import norm_holders
 from .training.grad_clip import clip_by_global_norm
 
 
@@ -54,4 +57,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
             f"clip_grad_norm_ over {len(flat)} parameters flattened by FSDP1 (FullyShardedDataParallel): "
             "their flat shards do not record which are tensor-parallel; wrap with fully_shard (FSDP2), "
             "or at tensor_parallel_degree 1 use the FSDP module's own clip_grad_norm_")
-    return clip_by_global_norm(params, max_norm, norm_type)
+    held = norm_holders([m.module for m in runtime.current().models], dist.get_world_size()) \
+        if runtime.is_initialized() else {}
+    return clip_by_global_norm(params, max_norm, norm_type,
+                               holders=(lambda p: held.get(id(p), dist.get_world_size())) if held else None)

@@ -224,10 +224,11 @@ class DistributedModel(TensorParallelMethods, nn.Module):
         return self.module
 
     def state_dict(self, gather_to_rank0: bool = False, **_) -> dict[str, torch.Tensor]:
-        """The full state dict at global shapes (a collective). With ``gather_to_rank0`` only rank
-        0 receives it and other ranks get ``{}``."""
+        """The full state dict at global shapes, every pipeline stage's entries included (a
+        collective). With ``gather_to_rank0`` only rank 0 receives it and other ranks get ``{}``."""
         wrapping.check_ready(self.module, self._mp_state)
-        return full_state_dict(self.module, gather_to_rank0)
+        pp_group = runtime.current().group(runtime.PP_GROUP) if self._mp_pipeline is not None else None
+        return full_state_dict(self.module, gather_to_rank0, pp_group)
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's shards, keyed like ``state_dict()``."""

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from . import runtime
 from .training import optimizer_state
 from .training.dp import local_grad
+from .pipeline.ties import norm_holders
 from .training.grad_clip import clip_by_global_norm
 from .training.loss_scaler import DynamicLossScaler, LossScaler
 from .training.master_weights import MasterWeights
@@ -181,7 +182,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         if not self._prepare_grads():
             return torch.tensor(float("inf"))
-        return clip_by_global_norm((t for _, t in self.master_weights.params_and_masters()), max_norm, norm_type)
+        pairs = list(self.master_weights.params_and_masters())
+        held = norm_holders([m.module for m in self.models], dist.get_world_size())  # pipeline stages
+        by_step = {id(t): held[id(p)] for p, t in pairs if id(p) in held}
+        return clip_by_global_norm((t for _, t in pairs), max_norm, norm_type,
+                                   holders=(lambda t: by_step.get(id(t), dist.get_world_size())) if by_step else None)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)

@@ -1,9 +1,9 @@
 """Full checkpoints (``partial=False``): ``path/{tag}/`` is a Hugging Face model directory.
 
 Export streams tensor by tensor: the shards of one tensor are sent to global rank 0 (every rank
-of its TP group takes part, for every tensor, in the same order), rank 0 translates it to HF's
-layout and appends it to its planned safetensors shard, and the tensor is dropped before the
-next one. Rank 0 holds at most one full tensor and one shard beyond its own shards; the others
+of its TP group takes part, for every tensor, in the same order; a tensor of a later pipeline
+stage is gathered on that stage and sent on), rank 0 translates it to HF's layout and appends it
+to its planned safetensors shard, and the tensor is dropped before the next one. Rank 0 holds at most one full tensor and one shard beyond its own shards; the others
 nothing new. A write error on rank 0 does not stop its receives (the senders would wait
 forever); it is reported once every tensor has been sent.
 
@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from .. import runtime
 from ..tp.layout import block_slices, local_block
 from . import commit, export_dtype, parts
 from .errors import run_phase
@@ -50,11 +51,11 @@ def translation(model_type: str | None, to_hf: bool) -> Items | None:
     return lambda key, tensor: fn(model_type, key, tensor)
 
 
-def _plan(state: dict[str, torch.Tensor], translate: Items | None, prefix: str, max_bytes: int):
+def _plan(entries: list[tuple[str, tuple, torch.dtype, int]], translate: Items | None, prefix: str, max_bytes: int):
     """Shards for the translated entries, from shapes alone (meta tensors: nothing gathered)."""
     items, seen = [], set()
-    for key, t in state.items():
-        meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+    for key, shape, dtype, _ in entries:
+        meta = torch.empty(shape, dtype=dtype, device="meta")
         for out_key, out in (translate(key, meta) if translate else [(key, meta)]):
             if out_key in seen:
                 raise ValueError(f"two entries translate to the same key {out_key!r}")
@@ -97,12 +98,48 @@ def _gather_to_rank0(t: torch.Tensor, writer_rank: int) -> torch.Tensor | None:
     return full
 
 
-def _stream(state, translate: Items | None, writer: ShardWriter | None) -> Exception | None:
-    """Bring every tensor to global rank 0 in order (every rank of its TP group takes part);
-    rank 0 (``writer``) writes each one and drops it before the next."""
+def _entries(state: dict[str, torch.Tensor]) -> list[tuple[str, tuple, torch.dtype, int]]:
+    """(key, global shape, dtype, pipeline stage) of the whole model's entries, in stage order: a
+    collective of the pipeline group when the model is split (each stage holds its own entries;
+    a tied weight two stages hold is listed once, under its first stage)."""
+    rt = runtime.current()
+    mine = [(k, tuple(t.shape), t.dtype) for k, t in state.items()]
+    if rt.config.pipeline_parallel_degree == 1:
+        return [(*e, 0) for e in mine]
+    stages: list = [None] * rt.config.pipeline_parallel_degree
+    dist.all_gather_object(stages, mine, group=rt.group(runtime.PP_GROUP))
+    seen, out = set(), []
+    for s, entries in enumerate(stages):
+        out += [(*e, s) for e in entries if e[0] not in seen and not seen.add(e[0])]
+    return out
+
+
+def _to_writer(t: torch.Tensor | None, shape, dtype, stage: int, leaders: list[int]) -> torch.Tensor | None:
+    """The global tensor on global rank 0 (None elsewhere): a later pipeline stage gathers it on
+    its rank of rank 0's pipeline group (``leaders``), which sends it to rank 0."""
+    if stage == 0:
+        return _gather_to_rank0(t, writer_rank=0)
+    me = dist.get_rank()
+    if me == 0:
+        full = torch.empty(shape, dtype=dtype)
+        dist.recv(full, src=leaders[stage])
+        return full
+    if t is not None:
+        full = _gather_to_rank0(t, writer_rank=leaders[stage])
+        if me == leaders[stage]:
+            dist.send(full.contiguous(), dst=0)
+    return None
+
+
+def _stream(state, translate: Items | None, writer: ShardWriter | None,
+            entries: list[tuple[str, tuple, torch.dtype, int]]) -> Exception | None:
+    """Bring every tensor to global rank 0 in order (every rank of its TP group takes part, and
+    of a later pipeline stage the rank sending it on); rank 0 (``writer``) writes each one and
+    drops it before the next."""
     error = None
-    for key, t in state.items():
-        full = _gather_to_rank0(t, writer_rank=0)
+    leaders = runtime.members(runtime.current().world_mesh.mesh, runtime.GROUP_DIMS[runtime.PP_GROUP], 0)
+    for key, shape, dtype, stage in entries:
+        full = _to_writer(state.get(key), shape, dtype, stage, leaders)
         if writer is not None and error is None:
             try:
                 for out_key, out in (translate(key, full) if translate else [(key, full)]):
@@ -131,11 +168,12 @@ def save(path: Path, tag: str, model, user_content: Any, translate_if_full: bool
     translate = translation(getattr(model.module.config, "model_type", None), True) if translate_if_full else None
     prefix = HF_PREFIX if translate else PLAIN_PREFIX
     state = export_dtype.export_state(model, dtype)
+    entries = _entries(state)
     found: dict[str, Any] = {}
     lock = commit.DirectoryLock(path)
 
     def prepare():
-        found["shards"] = _plan(state, translate, prefix, max_shard_bytes or MAX_SHARD_BYTES)
+        found["shards"] = _plan(entries, translate, prefix, max_shard_bytes or MAX_SHARD_BYTES)
         if rank != 0:
             return None
         staged, found["content"] = parts.stage(path, tag, lock, user_content, trust_user_content)
@@ -146,7 +184,7 @@ def save(path: Path, tag: str, model, user_content: Any, translate_if_full: bool
         try:
             writer = ShardWriter(staging, found["shards"],
                                  {"modelparallel_format": "hf" if translate else "distributed"}) if rank == 0 else None
-            error = _stream(state, translate, writer)
+            error = _stream(state, translate, writer, entries)
             run_phase("full save (write)", lambda: _finish(path, staging, tag, model, writer, prefix,
                                                           found.get("content"), trust_user_content, bool(translate),
                                                           error, dtype) if rank == 0 else None)

@@ -19,6 +19,7 @@ import torch
 
 from ..materialize import state_dict as sd_mod
 from ..materialize.safetensors_io import DTYPES, load_all, open_file
+from ..pipeline.split import elsewhere
 from ..tp.layout import copy_shard
 from . import parts
 from .full import translation
@@ -38,12 +39,14 @@ def _sources(directory: Path, files: list[str], from_hf) -> dict[str, tuple[str,
     return out
 
 
-def _compare(state: dict[str, torch.Tensor], sources: dict, ties: dict[str, str]) -> LoadReport:
-    """Keys and shapes; a stored tie alias (``lm_head.weight``) stands for the key it is tied to."""
+def _compare(state: dict[str, torch.Tensor], sources: dict, ties: dict[str, str],
+             others: set[str] = frozenset()) -> LoadReport:
+    """Keys and shapes; a stored tie alias (``lm_head.weight``) stands for the key it is tied to;
+    ``others``: keys other pipeline stages load."""
     for alias, kept in ties.items():
         if alias in sources and kept not in sources:
             sources[kept] = sources.pop(alias)
-    extra = sorted(k for k in sources if k not in state and k not in ties)
+    extra = sorted(k for k in sources if k not in state and k not in ties and k not in others)
     mismatched = [f"{k}: checkpoint {sources[k][2]}, model {tuple(t.shape)}"
                   for k, t in state.items() if k in sources and sources[k][2] != tuple(t.shape)]
     return LoadReport(sorted(set(state) - set(sources)), extra, mismatched)
@@ -63,7 +66,7 @@ def load_weights(directory: Path, manifest: dict, model, strict: bool,
     from_hf = translation(manifest.get("model_type"), False) if manifest["translated"] else None
     state = parts.model_state(model.module)
     sources = _sources(directory, files, from_hf)
-    report = _compare(state, sources, parts.tied_keys(model.module))
+    report = _compare(state, sources, parts.tied_keys(model.module), elsewhere(model.module))
     problems = report.problems("model")
     if problems and strict:
         raise ValueError("checkpoint does not fit (strict=True):\n  - " + "\n  - ".join(problems))

@@ -32,10 +32,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
+from ..pipeline.split import elsewhere, saved_names
 from ..tp.layout import from_local_like
 from ..training.optimizer_state import load_masters
 from .parts import LoadReport
@@ -49,16 +51,40 @@ PARAM_KEYED = (STATE, MASTERS)
 
 
 def param_names(module: nn.Module) -> dict[int, str]:
-    """id(parameter) -> its first name (a tied parameter is saved once, as in the model part)."""
-    return {id(p): n for n, p in module.named_parameters()}
+    """id(parameter) -> the name it is saved under: its first name (a tied parameter is saved
+    once, as in the model part), a weight tied across pipeline stages under its first stage's."""
+    moved = saved_names(module)
+    return {id(p): moved.get(n, n) for n, p in module.named_parameters()}
 
 
-def optimizer_state(module: nn.Module, optimizer) -> dict[str, Any]:
-    """The part to save: the live state by parameter name (no copies, nothing initialized)."""
+def _params(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters by the name they are saved under."""
+    names = param_names(module)
+    return {names[id(p)]: p for p in module.parameters()}
+
+
+def group_names_everywhere(module: nn.Module, optimizer, pp_group) -> list[list[str]] | None:
+    """The saved names of every parameter group, over all pipeline stages (each stage holds
+    its own parameters of each group): a collective of the pipeline group; None for a model
+    that is not split."""
+    if not saved_names(module) and not elsewhere(module):
+        return None
+    names = param_names(module)
+    mine = [[names[id(p)] for p in g["params"]] for g in optimizer.optimizer.param_groups]
+    stages: list = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(stages, mine, group=pp_group)
+    return [list(dict.fromkeys(n for stage in stages for n in (stage[i] if i < len(stage) else [])))
+            for i in range(max(len(s) for s in stages))]
+
+
+def optimizer_state(module: nn.Module, optimizer, everywhere: list[list[str]] | None = None) -> dict[str, Any]:
+    """The part to save: the live state by parameter name (no copies, nothing initialized).
+    ``everywhere``: each group's names over all pipeline stages (``group_names_everywhere``)."""
     inner, names = optimizer.optimizer, param_names(module)
     state = {names[id(p)]: dict(slots) for p, slots in inner.state.items() if slots}
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
-              for g in inner.param_groups]
+    groups = [{**{k: v for k, v in g.items() if k != "params"},
+               "params": everywhere[i] if everywhere is not None else [names[id(p)] for p in g["params"]]}
+              for i, g in enumerate(inner.param_groups)]
     out = {"optimizer": {"state": state, "param_groups": groups}, "loss_scaler": optimizer.loss_scaler.state_dict()}
     masters = {names[id(p)]: {"master": m} for p, m in optimizer.master_weights.pairs}
     if masters:
@@ -103,6 +129,8 @@ class Planned:
     unexpected: set[str]
     mismatched: list[str]
     ours: int
+    others: set[str] = frozenset()
+    """Parameters other pipeline stages hold: listed in the groups, not unexpected here."""
 
     def report(self) -> LoadReport:
         """Missing: this optimizer's parameters that the checkpoint's groups do not list;
@@ -114,14 +142,15 @@ class Planned:
         if groups and len(groups) != self.ours:
             mismatched.append(f"param_groups: checkpoint has {len(groups)}, this optimizer {self.ours}")
         return LoadReport(sorted(self.live - listed) if groups else [],
-                          sorted(self.unexpected | (listed - self.live)), mismatched)
+                          sorted(self.unexpected | (listed - self.live - self.others)), mismatched)
 
 
 def plan_load(module: nn.Module, optimizer, directory: Path) -> Planned:
     """Targets for every saved entry (no collective, nothing read but the metadata)."""
     saved = read_dcp_metadata(directory / ".metadata").state_dict_metadata
-    params = dict(module.named_parameters())
+    params = _params(module)
     names = param_names(module)
+    others = elsewhere(module)
     live = {names[id(p)] for g in optimizer.optimizer.param_groups for p in g["params"]}
     state: dict[str, dict] = {}
     masters: dict[str, dict] = {}
@@ -135,7 +164,8 @@ def plan_load(module: nn.Module, optimizer, directory: Path) -> Planned:
             param = params.get(name)
             bucket = state if prefix == STATE else masters
             if name not in live:
-                unexpected.add(name)
+                if name not in others:
+                    unexpected.add(name)
             elif not isinstance(md, TensorStorageMetadata):  # a non-tensor slot: read (restricted) as is
                 bucket.setdefault(name, {})[slot] = None
             elif tuple(md.size) not in ((), tuple(param.shape)):
@@ -155,7 +185,7 @@ def plan_load(module: nn.Module, optimizer, directory: Path) -> Planned:
     if masters:
         nested[MASTERS.rstrip(".")] = masters
     group_keys = {f"{GROUPS}{i}.{f}" for i, g in groups.items() for f in g}
-    return Planned(nested, group_keys, live, unexpected, mismatched, len(optimizer.optimizer.param_groups))
+    return Planned(nested, group_keys, live, unexpected, mismatched, len(optimizer.optimizer.param_groups), others)
 
 
 def _placeholder(md) -> Any:
@@ -172,7 +202,7 @@ def apply_optimizer_state(module: nn.Module, optimizer, loaded: dict[str, Any]) 
     """Replace the optimizer's state, hyperparameters and loss scaler with ``loaded`` (read by
     ``plan_load`` + DCP). Tensors are used as read: no dtype cast, no copy."""
     inner = optimizer.optimizer
-    params = dict(module.named_parameters())
+    params = _params(module)
     saved_groups = loaded["optimizer"]["param_groups"]
     if len(saved_groups) == len(inner.param_groups):
         for group, saved in zip(inner.param_groups, saved_groups):
@@ -193,11 +223,12 @@ def check_names_against_model(module: nn.Module, directory: Path) -> list[str]:
     """Problems visible before the optimizer exists: saved slots of parameters this model lacks
     or at another shape (checked when the model is built, before any weight is loaded)."""
     saved = read_dcp_metadata(directory / ".metadata").state_dict_metadata
-    params = dict(module.named_parameters())
+    params = _params(module)
+    others = elsewhere(module)
     problems = []
     for key, md in saved.items():
         split = _split(key, params)
-        if split is None or not isinstance(md, TensorStorageMetadata):
+        if split is None or not isinstance(md, TensorStorageMetadata) or split[1] in others:
             continue
         param = params.get(split[1])
         if param is None:

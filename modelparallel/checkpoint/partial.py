@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .. import runtime
+from ..pipeline.split import elsewhere
 from . import commit, optim_part, parts
 from .errors import run_phase, single_error
 from .parts import LoadReport
@@ -42,6 +43,7 @@ def describe(model, optimizer) -> dict[str, Any]:
         "model_class": type(model.module).__name__,
         "optimizer_class": type(optimizer.optimizer).__name__ if optimizer is not None else None,
         "layout": {"world_size": cfg.world_size, "tensor_parallel_degree": cfg.tensor_parallel_degree,
+                   "pipeline_parallel_degree": cfg.pipeline_parallel_degree,
                    "dp_degree": cfg.dp_degree, "placement_strategy": cfg.placement_strategy},
         "dtype": str(next(model.module.parameters()).dtype),
         "ties": parts.tied_keys(model.module),
@@ -61,10 +63,13 @@ def save(path: Path, tag: str, model, optimizer, user_content: Any, keep: int | 
     lock = commit.DirectoryLock(path)
     content: dict[str, bytes] = {}
 
+    everywhere = optim_part.group_names_everywhere(model.module, optimizer, runtime.current().group(
+        runtime.PP_GROUP)) if optimizer is not None else None  # a collective of the pipeline group
+
     def prepare():  # returns only small payloads: every phase's result is sent to every rank
         states[MODEL] = parts.model_state(model.module)
         if optimizer is not None:
-            states[OPTIMIZER] = optim_part.optimizer_state(model.module, optimizer)
+            states[OPTIMIZER] = optim_part.optimizer_state(model.module, optimizer, everywhere)
         if rank != 0:
             return None
         staged, content["bytes"] = parts.stage(path, name, lock, user_content, trust_user_content)
@@ -134,10 +139,12 @@ def verify(directory: Path, manifest: dict, prefixes: tuple[str, ...]) -> None:
     single_error("load (verify): files do not match the manifest", [m for p in problems for m in p])
 
 
-def check_part(directory: Path, part: str, state: dict[str, Any], strict: bool) -> LoadReport:
-    """Compare ``state`` with the saved part; raise on every rank (strict) if it does not fit."""
+def check_part(directory: Path, part: str, state: dict[str, Any], strict: bool,
+               elsewhere: set[str] = frozenset()) -> LoadReport:
+    """Compare ``state`` with the saved part; raise on every rank (strict) if it does not fit.
+    ``elsewhere``: saved keys other pipeline stages load."""
     def check():
-        report = parts.compare(state, directory / part)
+        report = parts.compare(state, directory / part, elsewhere)
         problems = report.problems(part) if strict else []
         if problems:
             raise ValueError("checkpoint does not fit (strict=True):\n  - " + "\n  - ".join(problems))
@@ -156,7 +163,7 @@ def read_checked(directory: Path, manifest: dict, part: str, state: dict[str, An
 def check_model(directory: Path, manifest: dict, model, strict: bool) -> LoadReport:
     """Everything about the model part that can fail, checked before any weight changes."""
     run_phase("load (model: architecture)", lambda: check_architecture(manifest, model))
-    return check_part(directory, MODEL, parts.model_state(model.module), strict)
+    return check_part(directory, MODEL, parts.model_state(model.module), strict, elsewhere(model.module))
 
 
 def load_model(directory: Path, manifest: dict, model, report: LoadReport) -> LoadReport:

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..compat import flatten_state_dict, set_element
 from ..materialize.state_dict import LoadReport
+from ..pipeline.split import saved_names
 from ..tp.layout import tie_groups
 from . import commit
 from .errors import cause
@@ -39,14 +40,18 @@ USER_CONTENT = "user_content.pt"
 
 def model_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """The module's state dict with tied duplicates dropped (the first key of a tie is kept):
-    one copy on disk, and the load fills every name of the tie through the shared tensor."""
+    one copy on disk, and the load fills every name of the tie through the shared tensor. On a
+    pipeline stage, a weight tied to an earlier stage's goes under that stage's key (both
+    stages write the same entry, stored once, and both read it)."""
     state = module.state_dict(keep_vars=True)
-    return {keys[0]: state[keys[0]].detach() for keys in tie_groups(state.items())}
+    moved = saved_names(module)
+    return {moved.get(keys[0], keys[0]): state[keys[0]].detach() for keys in tie_groups(state.items())}
 
 
 def tied_keys(module: nn.Module) -> dict[str, str]:
     """Dropped duplicate key -> the kept key it shares its tensor with (recorded in the manifest)."""
-    return {key: keys[0] for keys in tie_groups(module.state_dict(keep_vars=True).items()) for key in keys[1:]}
+    local = {key: keys[0] for keys in tie_groups(module.state_dict(keep_vars=True).items()) for key in keys[1:]}
+    return {**local, **saved_names(module)}
 
 
 def flatten(state: dict[str, Any]) -> dict[str, Any]:
@@ -55,8 +60,9 @@ def flatten(state: dict[str, Any]) -> dict[str, Any]:
     return flatten_state_dict(state)[0]
 
 
-def compare(state: dict[str, Any], directory: Path) -> LoadReport:
-    """Keys and global shapes of ``state`` against the DCP checkpoint in ``directory``."""
+def compare(state: dict[str, Any], directory: Path, elsewhere: set[str] = frozenset()) -> LoadReport:
+    """Keys and global shapes of ``state`` against the DCP checkpoint in ``directory``; saved
+    keys in ``elsewhere`` (other pipeline stages' entries) are not unexpected."""
     saved = read_dcp_metadata(directory / ".metadata").state_dict_metadata
     flat = flatten(state)
     mismatched = []
@@ -65,7 +71,7 @@ def compare(state: dict[str, Any], directory: Path) -> LoadReport:
         if isinstance(ours, torch.Tensor) and isinstance(theirs, TensorStorageMetadata) \
                 and tuple(ours.shape) != tuple(theirs.size):
             mismatched.append(f"{key}: checkpoint {tuple(theirs.size)}, model {tuple(ours.shape)}")
-    return LoadReport(sorted(set(flat) - set(saved)), sorted(set(saved) - set(flat)), mismatched)
+    return LoadReport(sorted(set(flat) - set(saved)), sorted(set(saved) - set(flat) - set(elsewhere)), mismatched)
 
 
 def loadable(state: dict[str, Any], report: LoadReport) -> set[str]:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..pipeline.split import elsewhere
 from ..tp.layout import local_part, shard_of, tie_groups
 
 
@@ -75,11 +76,14 @@ def _entries(module: nn.Module) -> dict[str, torch.Tensor]:
     return module.state_dict(keep_vars=True)
 
 
-def full_state_dict(module: nn.Module, gather_to_rank0: bool = False) -> dict[str, torch.Tensor]:
+def full_state_dict(module: nn.Module, gather_to_rank0: bool = False,
+                    pp_group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
     """Every tensor gathered to its global shape (a collective: every rank must call it).
 
     Tied tensors are gathered once and share one tensor in the result. With ``gather_to_rank0``
-    only global rank 0 keeps the result; the others return ``{}`` after taking part.
+    only global rank 0 keeps the result; the others return ``{}`` after taking part. For a model
+    split into pipeline stages, ``pp_group`` is this rank's pipeline group: every stage's
+    entries are gathered over it (a weight tied across stages again one tensor under both keys).
     """
     keep = not gather_to_rank0 or dist.get_rank() == 0
     entries = _entries(module)
@@ -87,7 +91,26 @@ def full_state_dict(module: nn.Module, gather_to_rank0: bool = False) -> dict[st
     for keys in tie_groups(entries.items()):
         t = entries[keys[0]]
         full.update(dict.fromkeys(keys, (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()))
-    return {key: full[key] for key in entries} if keep else {}
+    full = {key: full[key] for key in entries}
+    if pp_group is not None:
+        full = _from_every_stage(full, module, pp_group, gather_to_rank0)
+    return full if keep else {}
+
+
+def _from_every_stage(full: dict, module: nn.Module, group: dist.ProcessGroup, to_first: bool) -> dict:
+    """The union of every pipeline stage's full entries (on the group's first rank only when
+    ``to_first``), in stage order."""
+    stages: list = [None] * dist.get_world_size(group)
+    if to_first:
+        dist.gather_object(full, stages if dist.get_rank(group) == 0 else None, group=group, group_dst=0)
+    else:
+        dist.all_gather_object(stages, full, group=group)
+    if stages[0] is None:
+        return {}
+    union = {k: v for stage in stages for k, v in stage.items()}
+    for dup, keep in module._mp_stage.ties.items():
+        union[dup] = union[keep]
+    return union
 
 
 def local_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -125,7 +148,7 @@ def load_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], stri
     """
     entries = _entries(module)
     ties = _tie_groups(entries)
-    unexpected = sorted(set(state_dict) - set(entries))
+    unexpected = sorted(set(state_dict) - set(entries) - elsewhere(module))
     missing = sorted(k for k in entries if not any(t in state_dict for t in ties[k]))
     problems, copies, seen = [], [], set()
     for key, target in entries.items():

@@ -208,3 +208,20 @@ def apply(model: nn.Module, split: PipelineSplit, stage: Stage, hidden_size: int
 def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
     parent, _, name = path.rpartition(".")
     setattr(model.get_submodule(parent), name, new)
+
+
+def saved_names(module: nn.Module) -> dict[str, str]:
+    """This stage's keys that a checkpoint stores under another key: a weight tied across stages
+    is stored once, under its first stage's key (GPT-2's ``lm_head.weight`` on the last stage
+    -> ``transformer.wte.weight``). Empty for a model that is not split."""
+    stage = getattr(module, "_mp_stage", None)
+    return dict(stage.ties) if stage is not None else {}
+
+
+def elsewhere(module: nn.Module) -> set[str]:
+    """Keys of the whole model that other stages hold: a checkpoint's entries for them are
+    expected, not unexpected, and this stage does not read them."""
+    stage = getattr(module, "_mp_stage", None)
+    if stage is None:
+        return set()
+    return {k for k in stage.owner if not stage.holds(k)}

@@ -56,3 +56,16 @@ def sum_tied_grads(tied: list[tuple[nn.Parameter, tuple[int, int]]], groups: dic
             zeros = torch.zeros_like(local_part(p))
             p.grad = from_local_like(zeros, p) if isinstance(p, DTensor) else zeros
         dist.all_reduce(local_grad(p), group=groups[pair])
+
+
+def norm_holders(modules, world: int) -> dict[int, int]:
+    """For a global gradient norm: id of each parameter of the split ``modules`` -> how many
+    ranks hold a copy (``world / stages``), 0 for the copy of a weight an earlier stage counts."""
+    out = {}
+    for module in modules:
+        stage = getattr(module, "_mp_stage", None)
+        if stage is None:
+            continue
+        for name, p in module.named_parameters(remove_duplicate=False):
+            out[id(p)] = 0 if name in stage.ties or out.get(id(p)) == 0 else world // stage.count
+    return out

@@ -77,6 +77,8 @@ class DistributedModel(TensorParallelMethods, nn.Module):
         # at pipeline degree > 1, runs @smp.step's microbatches through this rank's stage
         self._mp_pipeline = Runner(module, rt, rt.group(runtime.PP_GROUP), self._finish_backward) \
             if hasattr(module, "_mp_stage") else None
+        if self._mp_pipeline is not None and not state.pending_meta:
+            self._mp_pipeline.sync_ties()
         self._v1 = V1Options(backward_passes_per_step, average_grads_across_microbatches, overlapping_allreduce,
                              bucket_cap_mb)
         self._mp_optimizers: list = []  # DistributedOptimizers holding this model's parameters, newest last

@@ -25,6 +25,7 @@ from torch import nn
 from . import hf_init, meta, safetensors_io
 from .init_engine import InitEngine
 from ..nn.huggingface import table_for
+from ..pipeline.split import elsewhere, saved_names
 from ..tp.layout import base_prefix, block_of, block_slices, local_part, tie_groups
 from .state_dict import LoadReport
 
@@ -158,10 +159,12 @@ def plan(module: nn.Module, files: dict[str, str], strict: bool) -> tuple[list[E
     table = table_for(getattr(getattr(module, "config", None), "model_type", None))
     packed_dims = _packed_dims(module)
     state = module.state_dict(keep_vars=True)
+    moved = saved_names(module)  # a weight tied across pipeline stages: also under its first stage's key
     entries, problems, missing, used = [], [], [], set()
     for names in tie_groups(state.items()):
         t = state[names[0]]
-        key = next((c for n in names for c in _candidates(module, n) if c in shapes), None)
+        names_ = names + [moved[n] for n in names if n in moved]
+        key = next((c for n in names_ for c in _candidates(module, n) if c in shapes), None)
         if key is None:
             missing.extend(names)
             continue
@@ -174,7 +177,8 @@ def plan(module: nn.Module, files: dict[str, str], strict: bool) -> tuple[list[E
             problems.append(f"{files[key]}: {key}: the checkpoint holds dtype {metadata[key][1]}, the model "
                             f"{t.dtype} (only casts within floating-point or integer dtypes are made on read)")
         entries.append(Entry(names, t, key, files[key], packed))
-    unexpected = sorted(k for k in shapes if k not in used and not _ignored(module, table, k))
+    others = {c for k in elsewhere(module) for c in _candidates(module, k)}  # other pipeline stages read them
+    unexpected = sorted(k for k in shapes if k not in used and k not in others and not _ignored(module, table, k))
     if strict and (missing or unexpected):
         problems.insert(0, f"missing keys {sorted(missing)}; unexpected keys {unexpected}")
     if problems:

@@ -63,6 +63,11 @@ def before_shard(module: nn.Module, rt, dtype: torch.dtype | None) -> WrapState:
     creation.apply_attention(module, options)
     state = WrapState(spec, options)
     mode = _mode(meta_states(module)) if dist.get_world_size() > 1 else ("meta" if meta.has_meta(module) else "real")
+    if mode == "rank0" and rt.config.pipeline_parallel_degree > 1:
+        raise NotImplementedError(
+            "a model real on rank 0 only (meta elsewhere) at pipeline_parallel_degree > 1: build it on the meta "
+            "device on every rank and load it with smp.load_hf_checkpoint (each stage reads its own tensors), or "
+            "build it in smp.delay_param_initialization()")
     if mode == "rank0":
         full = meta.to_meta_(module)
         state.full_on_rank0, state.from_rank0 = (full if dist.get_rank() == 0 else {}), True

@@ -75,6 +75,12 @@ class Runner:
         self.schedules: OrderedDict = OrderedDict()
         self._step: _StepState | None = None
 
+    def sync_ties(self) -> None:
+        """Copy the first stage's value of every weight tied across stages to its other copy (a
+        collective of the job): stages that initialized their parameters independently (delayed
+        initialization) drew different numbers for the two copies."""
+        ties.sync_tied_weights(self.tied, self.tie_groups)
+
     # ---- one step ----------------------------------------------------------------------------
 
     def run(self, f: Callable, pieces: list, ctx) -> list:

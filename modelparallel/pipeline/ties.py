@@ -69,3 +69,11 @@ def norm_holders(modules, world: int) -> dict[int, int]:
         for name, p in module.named_parameters(remove_duplicate=False):
             out[id(p)] = 0 if name in stage.ties or out.get(id(p)) == 0 else world // stage.count
     return out
+
+
+@torch.no_grad()
+def sync_tied_weights(tied: list[tuple[nn.Parameter, tuple[int, int]]], groups: dict) -> None:
+    """Give the copy of every cross-stage tie the first stage's values (after each stage
+    initialized its own parameters from its own random stream)."""
+    for p, pair in tied:
+        dist.broadcast(local_part(p), group=groups[pair], group_src=0)

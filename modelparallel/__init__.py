@@ -11,7 +11,7 @@ from .activations import set_activation_checkpointing
 from .clip import clip_grad_norm_
 from .config import Config
 from .creation import delay_param_initialization, model_creation
-from .materialize.loading import load_hf_checkpoint
+from .partitioning import load_hf_checkpoint
 from .materialize.meta import MetaTensorError
 from .model import DistributedModel
 from .optimizer import DistributedOptimizer

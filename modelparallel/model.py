@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -12,16 +11,12 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import runtime
+from . import partitioning
 from .materialize import wrapping
 from .training import batch
 from .training.dp import OverlappedAverage, allreduce_gradients
 from .model_tp import TensorParallelMethods
 from .materialize.state_dict import LoadReport, full_state_dict, load_state_dict, local_state_dict
-from .parallelize import parallelize
-from .pipeline import Runner
-
-logger = logging.getLogger("modelparallel")
-
 
 class DistributedModel(TensorParallelMethods, nn.Module):
     """A model sharded over the runtime's tensor-parallel mesh (SageMaker's ``smp.DistributedModel``).
@@ -67,26 +62,23 @@ class DistributedModel(TensorParallelMethods, nn.Module):
             raise ValueError("DistributedModel was already applied to this model; wrap a model once")
         rt = runtime.current()
         super().__init__()
-        dtype = torch.float16 if rt.config.fp16 else torch.bfloat16 if rt.config.bf16 else None
-        state = wrapping.before_shard(module, rt, dtype)  # meta / rank-0-only / delayed-init models
-        replicated = parallelize(module, rt, state.spec)
-        if replicated and runtime.rank() == 0:
-            logger.info("replicated on every TP rank: %s", ", ".join(replicated))
-        wrapping.after_shard(module, rt, state)
-        self._mp_state = state
-        # at pipeline degree > 1, runs @smp.step's microbatches through this rank's stage
-        self._mp_pipeline = Runner(module, rt, rt.group(runtime.PP_GROUP), self._finish_backward) \
-            if hasattr(module, "_mp_stage") else None
-        if self._mp_pipeline is not None and not state.pending_meta:
-            self._mp_pipeline.sync_ties()
+        self._mp_state = self._mp_pipeline = None  # set by partitioning.shard
         self._v1 = V1Options(backward_passes_per_step, average_grads_across_microbatches, overlapping_allreduce,
                              bucket_cap_mb)
         self._mp_optimizers: list = []  # DistributedOptimizers holding this model's parameters, newest last
+        self._mp_names = partitioning.before_split_names(module) if partitioning.deferred(rt) else {}
+        if not partitioning.deferred(rt):
+            partitioning.shard(self, module, rt)
         module._mp_wrapped = True
         self.module = module
         rt.models.append(self)
         if rt.pending_resume is not None:  # smp.resume_from_checkpoint ran before this model existed
+            self._mp_partition_now()
             rt.pending_resume.on_model(self)
+
+    def _mp_partition_now(self) -> None:
+        """Split the model now if it waits for the user's partition marks (a collective)."""
+        partitioning.ensure(self)
 
     def __getattr__(self, name: str):
         try:
@@ -97,6 +89,7 @@ class DistributedModel(TensorParallelMethods, nn.Module):
     def forward(self, *args, **kwargs):
         """Run the wrapped model. With ``prescaled_batch`` false and TP > 1, the TP group
         computes on the union of its ranks' batches and each rank gets its own rows back."""
+        self._mp_partition_now()
         wrapping.check_ready(self.module, self._mp_state)
         rt = runtime.current()
         if not rt.config.scaled_batch:
@@ -175,6 +168,7 @@ class DistributedModel(TensorParallelMethods, nn.Module):
         return self._v1.steps > 0
 
     def _before_step(self) -> None:
+        self._mp_partition_now()
         self._v1.steps += 1
         if self._v1.steps == 1:
             for hook in list(self._v1.post_partition_hooks.values()):
@@ -228,12 +222,14 @@ class DistributedModel(TensorParallelMethods, nn.Module):
     def state_dict(self, gather_to_rank0: bool = False, **_) -> dict[str, torch.Tensor]:
         """The full state dict at global shapes, every pipeline stage's entries included (a
         collective). With ``gather_to_rank0`` only rank 0 receives it and other ranks get ``{}``."""
+        self._mp_partition_now()
         wrapping.check_ready(self.module, self._mp_state)
         pp_group = runtime.current().group(runtime.PP_GROUP) if self._mp_pipeline is not None else None
         return full_state_dict(self.module, gather_to_rank0, pp_group)
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's shards, keyed like ``state_dict()``."""
+        self._mp_partition_now()
         wrapping.check_ready(self.module, self._mp_state)
         return local_state_dict(self.module)
 
@@ -243,10 +239,12 @@ class DistributedModel(TensorParallelMethods, nn.Module):
         ``same_partition_load=True`` takes the fast path for a local state dict saved with the
         same layout and raises if the layout differs.
         """
+        self._mp_partition_now()
         return load_state_dict(self.module, state_dict, strict=strict, same_partition_load=same_partition_load)
 
     def local_parameters(self) -> Iterator[nn.Parameter]:
         """Parameters held by this rank (sharded ones as DTensors holding the local shard)."""
+        self._mp_partition_now()
         return self.module.parameters()
 
     def local_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import runtime
+from . import partitioning, runtime
 from .training import optimizer_state
 from .training.dp import local_grad
 from .pipeline.ties import norm_holders
@@ -69,6 +69,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         rt = runtime.current()
         if isinstance(optimizer, DistributedOptimizer):
             raise ValueError("the optimizer is already a DistributedOptimizer; wrap a torch optimizer once")
+        for group in optimizer.param_groups:  # parameters of a model whose split waited for the marks
+            for model in rt.models:
+                split = partitioning.remap(model, group["params"])
+                group["params"] = group["params"] if split is None else split
         owners = _owners((p for g in optimizer.param_groups for p in g["params"]), rt.models)
         scaler = _make_scaler(1.0 if static_loss_scale is None else static_loss_scale,
                               dynamic_loss_scale, dynamic_loss_args)

@@ -69,6 +69,8 @@ def _defaults(model, optimizer):
     model's checkpoint)."""
     rt = runtime.current()
     model = model if model is not None else (rt.models[-1] if rt.models else None)
+    if model is not None and hasattr(model, "_mp_partition_now"):  # split a model waiting for its marks
+        model._mp_partition_now()
     if optimizer is None and model is not None and model.linked_optimizers:
         newest = model.linked_optimizers[-1]
         optimizer = newest if newest.models == [model] else None

@@ -88,7 +88,7 @@ def max_positions(config) -> int | None:
     return None
 
 
-def size_problems(config, seq_len: int, tp: int) -> list[str]:
+def size_problems(config, seq_len: int, tp: int, pp: int = 1) -> list[str]:
     """Mismatches between the model and the run that would otherwise fail on every rank after
     launch (the walker checks too, but by then N tracebacks bury the message)."""
     problems = []
@@ -98,6 +98,9 @@ def size_problems(config, seq_len: int, tp: int) -> list[str]:
     heads = getattr(config, "n_head", None) or getattr(config, "num_attention_heads", None)
     if isinstance(heads, int) and heads % tp:
         problems.append(f"the model has {heads} attention heads, not divisible by --tp {tp}")
+    layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(layers, int) and layers < pp:
+        problems.append(f"the model has {layers} layers, fewer than --pp {pp} stages")
     return problems
 
 

@@ -21,7 +21,8 @@ from . import launch, outcome, resume
 from .data import default_data_path, find_text_files
 from .presets import DEFAULT_PRESET, PRESETS, causal_lm_problems, load_config, load_tokenizer, size_problems
 
-HELP = "train / fine-tune a causal LM with tensor parallelism (default: tiny GPT-2 on the stdlib, TP=2, CPU)"
+HELP = ("train / fine-tune a causal LM with tensor and pipeline parallelism (default: tiny GPT-2 on the stdlib, "
+        "TP=2, CPU)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,9 +41,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="held-out tail of the corpus for validation (default: %(default)s)")
     g = p.add_argument_group("parallelism")
     g.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (default: %(default)s)")
+    g.add_argument("--pp", type=int, default=1, help="pipeline stages: each holds a contiguous range of layers "
+                   "(default: %(default)s)")
+    g.add_argument("--microbatches", type=int, default=None,
+                   help="microbatches per step, which the pipeline overlaps (default: 2 x --pp at --pp > 1, else 1)")
     g.add_argument("--nproc", type=int, default=None,
-                   help="ranks to launch on this machine; --nproc x --nnodes must be a multiple of --tp, "
-                        "the rest is data parallel (default: --tp / --nnodes)")
+                   help="ranks to launch on this machine; --nproc x --nnodes must be a multiple of --tp x --pp, "
+                        "the rest is data parallel (default: --tp x --pp / --nnodes)")
     g = p.add_argument_group("several machines (passed to torchrun; run the same command on each)")
     g.add_argument("--nnodes", type=int, default=1, help="number of machines (default: %(default)s)")
     g.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nnodes-1")
@@ -80,7 +85,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _range_problems(args: argparse.Namespace) -> list[str]:
-    checks = [("--tp", args.tp, 1), ("--nproc", args.nproc, 1), ("--steps", args.steps, 1),
+    checks = [("--tp", args.tp, 1), ("--pp", args.pp, 1), ("--microbatches", args.microbatches, 1),
+              ("--nproc", args.nproc, 1), ("--steps", args.steps, 1),
               ("--batch-size", args.batch_size, 1), ("--seq-len", args.seq_len, 2),
               ("--eval-windows", args.eval_windows, 1), ("--sample-tokens", args.sample_tokens, 0),
               ("--max-files", args.max_files or 1, 1), ("--eval-every", args.eval_every or 0, 0),
@@ -93,6 +99,8 @@ def _range_problems(args: argparse.Namespace) -> list[str]:
         problems.append(f"--val-fraction must be in (0, 0.5), got {args.val_fraction}")
     if args.sample_tokens and not args.prompt:
         problems.append("--prompt must not be empty when --sample-tokens > 0")
+    if args.microbatches >= 1 and args.batch_size % args.microbatches:
+        problems.append(f"--microbatches {args.microbatches} does not divide --batch-size {args.batch_size}")
     if args.temperature < 0:
         problems.append(f"--temperature must be >= 0, got {args.temperature}")
     if not 0 <= args.node_rank < max(args.nnodes, 1):
@@ -105,12 +113,13 @@ def _range_problems(args: argparse.Namespace) -> list[str]:
 
 
 def _world_problems(args: argparse.Namespace) -> list[str]:
-    """The launch shape: ``--tp`` must divide the number of ranks, whoever launches them."""
+    """The launch shape: ``--tp`` x ``--pp`` must divide the number of ranks, whoever launches them."""
     world = int(os.environ["WORLD_SIZE"]) if launch.under_launcher() else args.nproc * args.nnodes
     where = "the launcher's WORLD_SIZE" if launch.under_launcher() else \
         "--nproc" if args.nnodes == 1 else f"--nproc x --nnodes = {args.nproc} x {args.nnodes} ="
-    if args.tp >= 1 and world >= 1 and world % args.tp:
-        return [f"--tp {args.tp} does not divide {where} {world}"]
+    model = f"--tp {args.tp}" if args.pp == 1 else f"--tp {args.tp} x --pp {args.pp} = {args.tp * args.pp}"
+    if args.tp >= 1 and args.pp >= 1 and world >= 1 and world % (args.tp * args.pp):
+        return [f"{model} does not divide {where} {world}"]
     return []
 
 
@@ -122,7 +131,7 @@ def _model_problems(args: argparse.Namespace) -> list[str]:
         if problems:
             return problems
         load_tokenizer(args.model)
-        return size_problems(config, args.seq_len, args.tp)
+        return size_problems(config, args.seq_len, args.tp, args.pp)
     except (OSError, ValueError) as exc:
         return [str(exc)]
 
@@ -131,8 +140,10 @@ def check_args(args: argparse.Namespace) -> list[str]:
     """Every problem with the arguments, found before any rank starts (so it is reported once,
     not as one traceback per rank). Fills in defaults that depend on other arguments, and
     ``args.resume_tag``: the checkpoint to continue from (None: from step 0)."""
+    if args.microbatches is None:
+        args.microbatches = 2 * args.pp if args.pp > 1 else 1
     if args.nproc is None:
-        args.nproc = max(1, args.tp // max(args.nnodes, 1))
+        args.nproc = max(1, args.tp * args.pp // max(args.nnodes, 1))
     problems = _range_problems(args) + _world_problems(args)
     try:
         args.data_files = find_text_files(args.data) if args.data else \

@@ -31,6 +31,19 @@ def load_data(args: argparse.Namespace, tokenizer) -> tuple[torch.Tensor, torch.
     return train, val, info
 
 
+def count_parameters(model) -> int:
+    """Parameters of the whole model: a DTensor's numel is its global size; each pipeline stage
+    counts its own (a weight tied across stages on its first stage only)."""
+    stage = getattr(model.module, "_mp_stage", None)
+    ties = stage.ties if stage is not None else {}
+    local = sum(p.numel() for n, p in model.module.named_parameters() if n not in ties)
+    if stage is None:
+        return local
+    total = torch.tensor([float(local)], dtype=torch.float64)
+    dist.all_reduce(total, group=smp.get_pp_process_group())
+    return int(total.item())
+
+
 def make_optimizer(model, args):
     """AdamW over the sharded parameters, wrapped in ``smp.DistributedOptimizer`` as SageMaker
     scripts do (it is a plain step in fp32; the wrapper is where loss scaling would live)."""
@@ -59,14 +72,31 @@ def dp_mean(values: list[float]) -> list[float]:
     return (t / smp.rdp_size()).tolist()
 
 
+@smp.step
+def train_step(model, x, y):
+    """One step's forward and backward, run per microbatch (through the stages at --pp > 1)."""
+    loss = model(x, labels=x, shift_labels=y).loss
+    model.backward(loss)
+    return loss
+
+
+@smp.step
+def eval_step(model, x, y):
+    return model(x, labels=x, shift_labels=y).loss
+
+
 @torch.no_grad()
 def evaluate(model, val_tokens: torch.Tensor, args) -> float:
-    """Mean loss per token over the first ``--eval-windows`` held-out sequences."""
+    """Mean loss per token over the first ``--eval-windows`` held-out sequences (a batch's
+    rows beyond a multiple of ``--microbatches`` are left out: each microbatch has as many)."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64)
     for x, y in eval_batches(val_tokens, args.seq_len, args.batch_size, args.eval_windows,
                              smp.rdp_rank(), smp.rdp_size()):
-        total += torch.tensor([model(x, labels=x, shift_labels=y).loss.item() * y.numel(), y.numel()])
+        rows = x.shape[0] - x.shape[0] % args.microbatches
+        if rows:
+            loss = eval_step(model, x[:rows], y[:rows]).reduce_mean()
+            total += torch.tensor([loss.item() * y[:rows].numel(), y[:rows].numel()])
     if smp.rdp_size() > 1:
         dist.all_reduce(total, group=smp.get_rdp_process_group())
     model.train()
@@ -95,8 +125,7 @@ def train_loop(model, opt, sampler, val_tokens, args, hist: dict) -> dict:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
         x, y = sampler.next_batch()
-        loss = model(x, labels=x, shift_labels=y).loss
-        model.backward(loss)
+        loss = train_step(model, x, y).reduce_mean()
         opt.step()
         opt.zero_grad()
         (loss_value,) = dp_mean([loss.item()])
@@ -155,7 +184,7 @@ def resume_run(args, sampler) -> tuple[int, dict]:
 def generate_sample(model, tokenizer, args) -> str:
     """Text continued from ``--prompt``. Runs on every rank (generate runs collectives); the
     sampling seed is reset identically on all ranks so they pick the same tokens."""
-    if args.sample_tokens == 0:
+    if args.sample_tokens == 0 or smp.pp_size() > 1:  # generate runs the whole model in one process
         return ""
     ids = torch.tensor([tokenizer.encode(args.prompt, add_special_tokens=False)], dtype=torch.long)
     sampling = {"do_sample": True, "temperature": args.temperature, "top_k": 40} if args.temperature > 0 \
@@ -176,7 +205,7 @@ def _summary(args, hist, info, val_loss, sample, times: dict, session: dict, n_p
     return {
         "config": {k: (str(v) if k in ("out",) else v) for k, v in vars(args).items()
                    if not k.startswith("_") and k not in ("argv", "data_files")},
-        "world_size": smp.size(), "tp": smp.tp_size(), "dp": smp.rdp_size(),
+        "world_size": smp.size(), "tp": smp.tp_size(), "pp": smp.pp_size(), "dp": smp.rdp_size(),
         "threads_per_rank": torch.get_num_threads(), "optimizer": type(opt).__name__,
         "parameters": n_params, "corpus": info, **hist,
         # the history starts later than step 0 only if resumed from a checkpoint that did not keep it
@@ -194,7 +223,7 @@ def _report(args, m: dict) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     plot.write_metrics(args.out, m)
     plot.plot_loss(args.out, m["loss"], m["val"] + [[args.steps, m["final_val_loss"]]],
-                   f"{args.model}: tp {m['tp']} x dp {m['dp']}, {m['parameters'] / 1e6:.2f}M params",
+                   f"{args.model}: tp {m['tp']} x pp {m['pp']} x dp {m['dp']}, {m['parameters'] / 1e6:.2f}M params",
                    first_step=m["history_first_step"])
     resumed = f"; resumed at step {m['first_step']}" if m["first_step"] else ""
     print(f"\ntrain loss {m['initial_train_loss']:.3f} -> {m['final_train_loss']:.3f} (mean of last steps), "
@@ -210,12 +239,13 @@ def run_job(args: argparse.Namespace) -> int:
     """Train on this rank; rank 0 writes the artifacts and prints the summary."""
     dtype = getattr(args, "dtype", "fp32")
     # the TP ranks of a replica draw the same windows: SageMaker's prescaled-batch layout
-    smp.init({"tensor_parallel_degree": args.tp, "random_seed": args.seed, "prescaled_batch": True,
+    smp.init({"tensor_parallel_degree": args.tp, "pipeline_parallel_degree": args.pp,
+              "microbatches": args.microbatches, "random_seed": args.seed, "prescaled_batch": True,
               "fp16": dtype == "fp16", "bf16": dtype == "bf16"})
     tokenizer = load_tokenizer(args.model)
     train_tokens, val_tokens, info = load_data(args, tokenizer)
     model = build_distributed(args.model, args.seq_len, args.seed)
-    n_params = sum(p.numel() for p in model.parameters())  # DTensor numel is the global size
+    n_params = count_parameters(model)
     opt = make_optimizer(model, args)
     sampler = WindowSampler(train_tokens, args.seq_len, args.batch_size, args.seed, smp.rdp_rank())
     args.start_step, hist = resume_run(args, sampler)

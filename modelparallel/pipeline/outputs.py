@@ -88,10 +88,17 @@ class Failure:
 
 
 def agree(failure: Failure | None, payload, pp_group, world_group, device: torch.device) -> list:
-    """Exchange outcomes (a collective of the pipeline group, then of the world); return what
-    every stage sent, or raise ``StepFailed`` on every rank if any rank failed."""
+    """Exchange outcomes (a collective of the pipeline group, then of ``world_group``: the world
+    for a training step, whose gradient average waits for every replica; None for a forward-only
+    step, which data-parallel replicas may run different numbers of); return what every stage
+    sent, or raise ``StepFailed`` on every rank that took part if any of them failed."""
     outcomes: list = [None] * dist.get_world_size(pp_group)
     dist.all_gather_object(outcomes, (failure, payload), group=pp_group)
+    if world_group is None:
+        first = next((f for f, _ in outcomes if f is not None), None)
+        if first is not None:
+            raise StepFailed(first.describe())
+        return [p for _, p in outcomes]
     flag = torch.tensor([float(any(f is not None for f, _ in outcomes))],
                         device=device if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=world_group)

@@ -100,7 +100,7 @@ class Runner:
         payload = pack([st.results.get(i) for i in range(len(pieces))]) \
             if self.stage.is_last and st.failure is None else None
         try:
-            outcomes = agree(st.failure, payload, self.group, dist.group.WORLD, self.rt.device)
+            outcomes = agree(st.failure, payload, self.group, dist.group.WORLD if train else None, self.rt.device)
         except StepFailed as e:
             raise e from st.error  # on the failing rank, the original exception and its traceback
         results = [st.results.get(i) for i in range(len(pieces))] if self.stage.is_last \

@@ -139,9 +139,9 @@ def test_one_step_equals_one_process(world, arch, pp, tp, microbatches, schedule
     assert abs(mean - out[0][2]) <= training_rtol(0) * abs(out[0][2]), (mean, out[0][2], dp)
 
 
-def adamw_steps(arch, pp, tp, microbatches, schedule, steps=5):
+def adamw_steps(arch, pp, tp, microbatches, schedule, steps=5, **extra):
     """5 AdamW steps: each step's global loss equals HF's; tied copies stay bitwise equal."""
-    ref, model = setup(arch, pp, tp, microbatches, schedule)
+    ref, model = setup(arch, pp, tp, microbatches, schedule, **extra)
     opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     losses = []

@@ -86,9 +86,9 @@ def want_name(ref, name: str) -> str:
     return next(n for n, p in ref.named_parameters() if p is names[name])
 
 
-def one_sgd_step(arch, pp, tp, microbatches, schedule):
+def one_sgd_step(arch, pp, tp, microbatches, schedule, **extra):
     """Gradients and SGD-updated weights of one step equal HF's; returns (names held, loss, HF loss)."""
-    ref, model = setup(arch, pp, tp, microbatches, schedule)
+    ref, model = setup(arch, pp, tp, microbatches, schedule, **extra)
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     ids = global_batch(0)
@@ -137,6 +137,13 @@ def test_one_step_equals_one_process(world, arch, pp, tp, microbatches, schedule
     dp = world // (pp * tp)
     mean = sum(loss for _, loss, _ in out) / world  # every rank's StepOutput (last stage's, sent on)
     assert abs(mean - out[0][2]) <= training_rtol(0) * abs(out[0][2]), (mean, out[0][2], dp)
+
+
+@pytest.mark.parametrize("schedule", ["simple", "interleaved"])
+def test_active_microbatches_run_in_rounds(schedule):
+    """8 microbatches in rounds of 2 (an in-flight limit): the same gradients."""
+    out = harness.run(2, one_sgd_step, "gpt2", 2, 1, 8, schedule, active_microbatches=2)
+    assert abs(out[0][1] - out[0][2]) <= training_rtol(0) * abs(out[0][2])
 
 
 def adamw_steps(arch, pp, tp, microbatches, schedule, steps=5, **extra):

@@ -59,7 +59,7 @@ def before_shard(module: nn.Module, rt, dtype: torch.dtype | None) -> WrapState:
     spec = spec_for(module)
     if options is not None and not options.distribute_embedding:
         spec = creation.without_vocab(spec)
-    fsdp.check_degree(rt.config.shard_degree, rt.config.dp_degree)
+    fsdp.check_degree(rt.config.shard_degree, rt.config.replica_degree)
     creation.apply_attention(module, options)
     state = WrapState(spec, options)
     mode = _mode(meta_states(module)) if dist.get_world_size() > 1 else ("meta" if meta.has_meta(module) else "real")
@@ -78,14 +78,14 @@ def after_shard(module: nn.Module, rt, state: WrapState) -> None:
     """Give the shards storage and values (from rank 0, or by delayed init), then FSDP."""
     if state.from_rank0:
         meta.materialize(module, rt.device)
-        sync_from_rank0(module, state.full_on_rank0, rt.mesh)
+        sync_from_rank0(module, state.full_on_rank0, rt.world_mesh)
         state.full_on_rank0.clear()
     elif state.pending_meta and state.options is not None and state.options.delayed:
         initer = InitEngine(module, device=rt.device)
         with initer.validate_params_and_buffers_inited():
             initer.init_all()
         state.pending_meta = False
-    state.fsdp = fsdp.shard_data_parallel(module, rt.mesh, state.spec, rt.config.shard_degree,
+    state.fsdp = fsdp.shard_data_parallel(module, rt.dp_mesh, state.spec, rt.config.shard_degree,
                                           fsdp.mixed_precision(state.compute_dtype),
                                           keep_gathered=rt.config.keep_params_gathered)
 

@@ -2,7 +2,8 @@
 
 A module here (any whose name does not start with ``_``) describes one HF architecture and
 exports ``SPEC`` (its ``ArchSpec``: plan, packed weights, loss kind) and ``TABLE`` (its
-``KeyTable`` for state-dict translation). Adding the file is all it takes to register it.
+``KeyTable`` for state-dict translation), and, for a causal decoder that context parallelism can
+run, ``CONTEXT`` (its ``ContextSpec``). Adding the file is all it takes to register it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from types import ModuleType
 
 from torch import nn
 
+from ..context.spec import ContextSpec
 from ..nn.huggingface.translate import KeyTable
 from ..tp.plan import ArchSpec
 
@@ -28,17 +30,25 @@ def _check(module: ModuleType) -> ModuleType:
     if not isinstance(spec, ArchSpec) or not isinstance(table, KeyTable) or table.arch != spec.model_type:
         raise TypeError(f"{module.__name__} must export SPEC (an ArchSpec) and TABLE (a KeyTable) for the same "
                         f"model_type, got {type(spec).__name__} and {type(table).__name__}")
+    if not isinstance(getattr(module, "CONTEXT", None), (ContextSpec, type(None))):
+        raise TypeError(f"{module.__name__}.CONTEXT must be a ContextSpec")
     return module
 
 
 _ALL = [_check(m) for m in _modules()]
 ARCHITECTURES: dict[str, ArchSpec] = {m.SPEC.model_type: m.SPEC for m in _ALL}
 TABLES: dict[str, KeyTable] = {m.SPEC.model_type: m.TABLE for m in _ALL}
+CONTEXTS: dict[str, ContextSpec] = {m.SPEC.model_type: m.CONTEXT for m in _ALL if getattr(m, "CONTEXT", None)}
 
 
 def spec_for(model: nn.Module) -> ArchSpec | None:
     """The built-in spec for an HF model, or None if its architecture has none."""
     return ARCHITECTURES.get(getattr(getattr(model, "config", None), "model_type", None))
+
+
+def context_spec_for(model: nn.Module) -> ContextSpec | None:
+    """The built-in ``ContextSpec`` of an HF model, or None if context parallelism cannot run it."""
+    return CONTEXTS.get(getattr(getattr(model, "config", None), "model_type", None))
 
 
 def table_for(model_type: str | None) -> KeyTable | None:

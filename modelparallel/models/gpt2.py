@@ -10,6 +10,7 @@ Older HF checkpoints also stored a causal mask and a masked bias per layer; they
 import and re-created on export when asked for.
 """
 
+from ..context.spec import ContextSpec
 from ..nn.huggingface.translate import KeyTable, causal_mask, masked_bias
 from ..tp.plan import ArchSpec, ModulePlan, Packed, packed_keys
 from ._parts import LM_HEAD, column_row
@@ -31,6 +32,8 @@ SPEC = ArchSpec(
     head=LM_HEAD,
     loss="causal",
 )
+
+CONTEXT = ContextSpec(attention="h.*.attn")  # HF's attention interface (its scale includes the layer scaling)
 
 GPT_KEYS = (
     "wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias",

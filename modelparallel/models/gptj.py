@@ -10,6 +10,7 @@ is fused. Older HF checkpoints stored a causal mask and masked bias per layer; c
 only weights (the rotary table ``embed_positions`` is recomputed).
 """
 
+from ..context.spec import ContextSpec
 from ..nn.huggingface.translate import KeyTable, causal_mask, masked_bias
 from ..tp.plan import SharedInput
 from ._parts import decoder_lm
@@ -21,6 +22,10 @@ SPEC = decoder_lm(
     divisible=("num_attention_heads",), per_rank=("num_attention_heads",),
     shared_inputs={"h.*": SharedInput(output_of="ln_1")},  # q, k, v and fc_in read ln_1's output
 )
+
+CONTEXT = ContextSpec(  # GPTJAttention._attn(q, k, v, mask) divides q . k by sqrt(head_dim) itself
+    attention="h.*.attn", method="_attn", scale=lambda attn: 1 / attn.scale_attn,
+    dropout=lambda attn: attn.attn_dropout.p)
 
 TABLE = KeyTable(
     arch="gptj",

@@ -11,6 +11,7 @@ local layers, the causal mask restricted to a window.
 
 import torch
 
+from ..context.spec import ContextSpec
 from ..nn.huggingface.translate import KeyTable, causal_mask, masked_bias
 from ..tp.plan import SharedInput
 from ._parts import decoder_lm
@@ -23,6 +24,12 @@ SPEC = decoder_lm(
     divisible=("num_heads",), per_rank=("num_heads",),
     shared_inputs={"h.*.attn.attention": SharedInput(arg="hidden_states")},  # q, k, v
 )
+
+
+CONTEXT = ContextSpec(  # GPTNeoSelfAttention._attn: unscaled; local layers see the last window_size tokens
+    attention="h.*.attn.attention", method="_attn", scale=lambda attn: 1.0,
+    window=lambda attn: attn.config.window_size if attn.attention_type == "local" else None,
+    dropout=lambda attn: attn.attn_dropout.p)
 
 
 def legacy_mask(max_seq_len: int, layer: int, config=None) -> torch.Tensor:

@@ -17,7 +17,7 @@ from .training import batch
 from .training.dp import OverlappedAverage, allreduce_gradients
 from .model_tp import TensorParallelMethods
 from .materialize.state_dict import LoadReport, full_state_dict, load_state_dict, local_state_dict
-from .parallelize import parallelize
+from .parallelize import check, parallelize
 
 logger = logging.getLogger("modelparallel")
 
@@ -65,6 +65,7 @@ class DistributedModel(TensorParallelMethods, nn.Module):
         if isinstance(module, DistributedModel) or module.__dict__.get("_mp_wrapped"):
             raise ValueError("DistributedModel was already applied to this model; wrap a model once")
         rt = runtime.current()
+        check(module, rt)  # what no plan can fix is refused before the first collective
         super().__init__()
         dtype = torch.float16 if rt.config.fp16 else torch.bfloat16 if rt.config.bf16 else None
         state = wrapping.before_shard(module, rt, dtype)  # meta / rank-0-only / delayed-init models

@@ -26,6 +26,18 @@ from .tp import walker
 from .tp.plan import ArchSpec
 
 
+def check(module: nn.Module, rt: Runtime, cp_comm_type: str = "p2p") -> None:
+    """Refuse, before any collective, a model a dimension cannot run whatever its weights (an
+    encoder under context parallelism, an unknown ``cp_comm_type``).
+
+    Raises:
+        ValueError, NotImplementedError: naming the model type or the value at fault.
+    """
+    context.check_comm_type(cp_comm_type)
+    if rt.config.context_parallel_degree > 1:
+        context.check_model(module, context_spec_for(module))
+
+
 def parallelize(module: nn.Module, rt: Runtime, spec: ArchSpec | None, cp_comm_type: str = "p2p",
                 tensor_parallel: bool = True) -> list[str]:
     """Apply every model-parallel dimension the runtime asks for to ``module``, in place.
@@ -44,10 +56,8 @@ def parallelize(module: nn.Module, rt: Runtime, spec: ArchSpec | None, cp_comm_t
         ValueError, NotImplementedError: when a dimension's plan does not fit the model (or the
             context-parallel communication is unknown), before any tensor is touched.
     """
+    check(module, rt, cp_comm_type)  # a model context parallelism refuses is refused unsharded
     cp = rt.config.context_parallel_degree > 1
-    if cp:  # every check first: a model context parallelism refuses is refused unsharded
-        context.check_comm_type(cp_comm_type)
-        context.check_model(module, context_spec_for(module))
     replicated = walker.parallelize(module, rt.tp_mesh, spec) if tensor_parallel else []
     if cp:
         context.parallelize(module, rt.cp_mesh, context_spec_for(module), cp_comm_type)

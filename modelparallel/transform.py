@@ -23,8 +23,8 @@ from . import context
 from .materialize import meta
 from .materialize.rank0_sync import (  # noqa: F401 - SYNCED_FROM_RANK0, meta_states, move: re-exported
     SYNCED_FROM_RANK0, check_rank0_source, meta_states, move, sync_from_rank0)
-from .models import context_spec_for, spec_for
-from .parallelize import parallelize
+from .models import spec_for
+from .parallelize import check, parallelize
 from .tp import marks
 from .training import fsdp1_tp_state
 
@@ -90,8 +90,7 @@ def transform(model: nn.Module, device=None, dtype: torch.dtype | None = None, c
     """
     context.check_comm_type(cp_comm_type)
     rt = _runtime(config)
-    if rt.config.context_parallel_degree > 1:  # refused before the rank-0 sync's first collective
-        context.check_model(model, context_spec_for(model))
+    check(model, rt, cp_comm_type)  # before the rank-0 sync's first collective
     device = torch.device(device) if device is not None else rt.device
     full = {}
     if load_state_dict_from_rank0:

@@ -110,3 +110,33 @@ def check_v2(tp: int, fsdp: str, checkpointing: bool, comm: str, hybrid: int = 0
         "fsdp2_cp2_checkpointed"])
 def test_v2_fsdp(world, tp, fsdp, checkpointing, comm, hybrid):
     harness.run(world, check_v2, tp, fsdp, checkpointing, comm, hybrid)
+
+
+def check_bf16(comm: str):
+    """bf16 under context parallelism is as close to the fp32 model as one bf16 process is."""
+    smp.init({"context_parallel_degree": 2})
+    ref = _reference()
+    one = copy.deepcopy(ref).to(torch.bfloat16)
+    model = smp.transform(copy.deepcopy(ref), dtype=torch.bfloat16, cp_comm_type=comm)
+    ids = _batch(0)
+    want = ref(ids, labels=ids)
+    mine = smp.get_batch_for_cp_rank(ids)
+    got = model(input_ids=mine, labels=mine)
+    logits = smp.gather_sequence(got.logits).float()
+    assert got.logits.dtype == torch.bfloat16
+    err_cp = (logits - want.logits).abs().max().item()
+    err_one = (one(ids).logits.float() - want.logits).abs().max().item()
+    # rounding of a bf16 computation: a few eps per layer on the logits' scale (reference.tolerance's
+    # rule with bf16's eps); and no worse than one bf16 process up to the spread of two roundings
+    bound = 8 * 8 * torch.finfo(torch.bfloat16).eps * want.logits.abs().max().item()
+    assert err_cp < bound and err_cp <= 4 * err_one, (err_cp, err_one, bound)
+    loss = got.loss.float().detach()
+    dist.all_reduce(loss, group=smp.get_cp_process_group())
+    assert abs(loss.item() / 2 - want.loss.item()) < bound, (loss.item() / 2, want.loss.item())
+    got.loss.backward()  # the bf16 backward runs (blocks differentiated in bf16, summed in fp32)
+    return err_cp, err_one
+
+
+@pytest.mark.parametrize("comm", ["p2p", "all_gather"])
+def test_bf16(comm):
+    harness.run(2, check_bf16, comm)

@@ -5,7 +5,8 @@ here, so every dimension is applied in the same order whichever API the script u
 dimension lives in its own package that takes the model and the mesh it needs, and knows nothing
 of the others; this module only orders them:
 
-1. tensor parallelism (``tp.walker``): shards each layer over the ``tp`` mesh dimension;
+1. tensor parallelism (``tp.walker``): shards each layer over the ``tp`` mesh dimension (with the
+   ``sequence_parallel`` key, the hidden states between its regions split over it too);
 2. context parallelism (``context``): splits every sequence over the ``cp`` mesh dimension
    (attention reaches the other ranks' keys and values; the weights are not split).
 
@@ -58,7 +59,7 @@ def parallelize(module: nn.Module, rt: Runtime, spec: ArchSpec | None, cp_comm_t
     """
     check(module, rt, cp_comm_type)  # a model context parallelism refuses is refused unsharded
     cp = rt.config.context_parallel_degree > 1
-    replicated = walker.parallelize(module, rt.tp_mesh, spec) if tensor_parallel else []
+    replicated = walker.parallelize(module, rt.tp_mesh, spec, rt.config.sequence_parallel) if tensor_parallel else []
     if cp:
         context.parallelize(module, rt.cp_mesh, context_spec_for(module), cp_comm_type)
     return replicated

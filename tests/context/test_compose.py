@@ -79,7 +79,8 @@ def check_v1(config: dict):
     (4, {}),  # dp 2 x cp 2: the average over all four, overlapped with the backward
     (4, {"tensor_parallel_degree": 2, "prescaled_batch": True}),  # cp 2 x tp 2
     (2, {"sharded_data_parallel_degree": 2}),  # FSDP2 over the data x context ranks
-], ids=["dp2_cp2", "cp2_tp2", "cp2_fsdp2"])
+    (4, {"tensor_parallel_degree": 2, "prescaled_batch": True, "sequence_parallel": True}),
+], ids=["dp2_cp2", "cp2_tp2", "cp2_fsdp2", "cp2_tp2_sequence_parallel"])
 def test_distributed_model(world, config):
     harness.run(world, check_v1, config)
 

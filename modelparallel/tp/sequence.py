@@ -232,11 +232,25 @@ def problems(found: list[tuple[str, nn.Module]]) -> list[str]:
     return out
 
 
-def apply(found: list[tuple[str, nn.Module]], mesh: DeviceMesh) -> list[str]:
-    """Split the hidden states between the TP regions of the blocks ``found`` over ``mesh``: the
-    walker has already marked their column and row layers (``_mp_sequence_parallel``) and their
-    shared inputs. Replicated modules with parameters inside the blocks (norms) run on the
-    sequence shard. Returns their paths."""
+def inside(path: str, blocks: list[str]) -> bool:
+    """Whether module ``path`` is one of ``blocks`` or inside one."""
+    return any(path == b or path.startswith(b + ".") for b in blocks)
+
+
+_SPLIT_STYLES = ("colwise", "packed_colwise", "rowwise")
+
+
+def apply(found: list[tuple[str, nn.Module]], mesh: DeviceMesh, layers: list[tuple[str, nn.Module, str]]) -> list[str]:
+    """Split the hidden states between the TP regions of the blocks ``found`` over ``mesh``.
+
+    The column and row layers among ``layers`` (path, module, style name; already sharded) that
+    sit inside the blocks gather and reduce-scatter the sequence; replicated modules with
+    parameters inside the blocks (norms) run on the sequence shard. Returns the latter's paths.
+    The caller installs the blocks' shared inputs (gathering the sequence) afterwards."""
+    paths = [p for p, _ in found]
+    for path, module, style in layers:
+        if style in _SPLIT_STYLES and inside(path, paths):
+            setattr(module, SEQUENCE_PARALLEL, True)
     shards = []
     for path, block in found:
         for rel, module in block.named_modules():

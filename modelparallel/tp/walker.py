@@ -23,7 +23,7 @@ from transformers.pytorch_utils import Conv1D
 from . import marks, sequence
 from .layout import base_prefix, shard_range, tied_parameters
 from .loss import install_vocab_parallel_loss
-from .local import SEQUENCE_PARALLEL, install_shared_input
+from .local import install_shared_input
 from .plan import (VOCAB_STYLES, ArchSpec, ModulePlan, Packed, SharedInput, block_prefix, first_match, glob_match,
                    join, packing, to_glob, without_styles)
 from .styles import ALLOWS_UNEVEN, SUPPORTED_TYPES, build_style, packed_problem, sharded_size
@@ -146,7 +146,7 @@ def _shared_input_apply(work: Work, tp_mesh: DeviceMesh, split: list[str]) -> No
     """Apply ``f`` once per shared input (the sequence all-gather inside the ``split`` blocks);
     the column-parallel layers below skip their own."""
     for path, module, shared in work.shared:
-        install_shared_input(module, shared, tp_mesh, sequence_parallel=_inside(path, split))
+        install_shared_input(module, shared, tp_mesh, sequence_parallel=sequence.inside(path, split))
         for a in work.assignments:
             if _below(path, a.path) and a.style in _READS_SHARED:
                 a.module._mp_shared_input = True
@@ -229,21 +229,6 @@ def _apply_registered(model: nn.Module, tp_mesh: DeviceMesh, path: str, module: 
     marks.install_hooks(module, reg)
 
 
-def _inside(path: str, blocks: list[str]) -> bool:
-    """Whether module ``path`` is one of ``blocks`` or inside one."""
-    return any(path == b or path.startswith(b + ".") for b in blocks)
-
-
-def _split_sequence(work: Work, tp_mesh: DeviceMesh, blocks: list[tuple[str, nn.Module]]) -> None:
-    """Sequence parallelism in ``blocks``: their column and row layers gather and reduce-scatter
-    the sequence, their norms run on the shards (``sequence.py``)."""
-    paths = [p for p, _ in blocks]
-    for a in work.assignments:
-        if _inside(a.path, paths) and a.style in ("colwise", "packed_colwise", "rowwise"):
-            setattr(a.module, SEQUENCE_PARALLEL, True)
-    sequence.apply(blocks, tp_mesh)
-
-
 def apply(model: nn.Module, tp_mesh: DeviceMesh, work: Work, split: list[tuple[str, nn.Module]] = ()) -> None:
     """Carry out checked ``work``: shard, rewrite per-rank sizes, restore ties, install the loss;
     with ``split`` blocks, sequence parallelism inside them."""
@@ -251,7 +236,7 @@ def apply(model: nn.Module, tp_mesh: DeviceMesh, work: Work, split: list[tuple[s
     for a in work.assignments:
         parallelize_module(a.module, tp_mesh, build_style(a.style, a.module, a.packed or a.chunks))
     if split:
-        _split_sequence(work, tp_mesh, list(split))
+        sequence.apply(list(split), tp_mesh, [(a.path, a.module, a.style) for a in work.assignments])
     _shared_input_apply(work, tp_mesh, [p for p, _ in split])
     for _, module, attr, value in work.rewrites:
         setattr(module, attr, value)

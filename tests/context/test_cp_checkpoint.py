@@ -8,8 +8,6 @@ would then treat the context-parallel ranks as holding different shards, or the 
 layout would refuse a change of degree that changes nothing stored.
 """
 
-import copy
-
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp

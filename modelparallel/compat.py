@@ -34,5 +34,9 @@ from torch.distributed.fsdp._optim_utils import _gather_state_dict  # noqa: F401
 # exposes no hook at that point.
 from torch.distributed.fsdp._flat_param import FlatParamHandle
 
-__all__ = ["FlatParamHandle", "compute_local_shape_and_global_offset", "flatten_state_dict", "fsdp_optim_utils",
+# Not a private name: SageMaker's module names for notebooks and tests (``modelparallel run``
+# installs the same hook for a whole script); re-exported here as ``modelparallel.compat``'s.
+from .sagemaker.hook import sagemaker_imports
+
+__all__ = ["FlatParamHandle", "sagemaker_imports", "compute_local_shape_and_global_offset", "flatten_state_dict", "fsdp_optim_utils",
            "set_element"]

@@ -2,7 +2,8 @@
 
 A module here (any whose name does not start with ``_``) describes one HF architecture and
 exports ``SPEC`` (its ``ArchSpec``: plan, packed weights, loss kind) and ``TABLE`` (its
-``KeyTable`` for state-dict translation). Adding the file is all it takes to register it.
+``KeyTable`` for state-dict translation), and optionally ``SAGEMAKER`` (a ``SageMakerLayout``:
+where SageMaker's module names fall in it). Adding the file is all it takes to register it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch import nn
 
 from ..nn.huggingface.translate import KeyTable
 from ..tp.plan import ArchSpec
+from ._sagemaker import SageMakerLayout
 
 
 def _modules() -> list[ModuleType]:
@@ -34,6 +36,7 @@ def _check(module: ModuleType) -> ModuleType:
 _ALL = [_check(m) for m in _modules()]
 ARCHITECTURES: dict[str, ArchSpec] = {m.SPEC.model_type: m.SPEC for m in _ALL}
 TABLES: dict[str, KeyTable] = {m.SPEC.model_type: m.TABLE for m in _ALL}
+LAYOUTS: dict[str, SageMakerLayout] = {m.SPEC.model_type: m.SAGEMAKER for m in _ALL if hasattr(m, "SAGEMAKER")}
 
 
 def spec_for(model: nn.Module) -> ArchSpec | None:
@@ -44,3 +47,8 @@ def spec_for(model: nn.Module) -> ArchSpec | None:
 def table_for(model_type: str | None) -> KeyTable | None:
     """The key table of an HF ``model_type``, or None if it has no translation."""
     return TABLES.get(model_type)
+
+
+def sagemaker_layout_for(model: nn.Module) -> SageMakerLayout | None:
+    """Where SageMaker's module names fall in an HF model, or None if its architecture has none."""
+    return LAYOUTS.get(getattr(getattr(model, "config", None), "model_type", None))

@@ -9,15 +9,20 @@ its reference is the untouched pretrained HF model.
 """
 
 import argparse
+import contextlib
+import json
 import os
 import sys
 from pathlib import Path
 
+import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+from torch.distributed.tensor import DTensor
+from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, GPTJConfig, GPTJForCausalLM
 
 import harness
 import modelparallel as smp
+from modelparallel.tp.layout import local_part
 from reference import training_rtol
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -137,3 +142,120 @@ def test_gptj_translate_spellings():
     assert "transformer.h.0.attn.bias" not in two
     assert one.keys() == two.keys() == base.keys()
     assert all(torch.equal(one[k], two[k]) for k in one)
+
+
+# ---- SageMaker's public v1 example scripts (tests/v1_script_shape.py holds their call shape) ----
+
+TINY = ["--max_context_width", "16", "--vocab_size", "64", "--hidden_width", "32", "--num_layers", "2",
+        "--num_heads", "4", "--dropout", "0", "--lr", "0.01", "--train_batch_size", "4"]
+
+
+def write_token_rows(train_dir: Path, rows: int = 128) -> None:
+    """The data the scripts read: JSON lines of ``input_ids`` / ``attention_mask``, here token
+    runs with a fixed stride (learnable, so the loss falls within a few steps)."""
+    train_dir.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(0)
+    with open(train_dir / "part0.json", "w") as f:
+        for start in torch.randint(0, 64, (rows,), generator=gen).tolist():
+            f.write(json.dumps({"input_ids": [(start + 3 * k) % 64 for k in range(16)], "attention_mask": [1] * 16})
+                    + "\n")
+
+
+@contextlib.contextmanager
+def sagemaker_process(sm_dir: str):
+    """What ``modelparallel run`` gives a rank, for the duration of a harness call: SageMaker's
+    environment, ``torch.cuda.set_device`` passing on CPU, the import hook."""
+    from modelparallel.compat import sagemaker_imports
+    from modelparallel.sagemaker import env
+
+    saved_env, saved_set_device = dict(os.environ), torch.cuda.set_device
+    os.environ[env.DIR_ENV] = sm_dir
+    env.apply()
+    env.cpu_set_device()
+    from transformers.modeling_utils import PreTrainedModel
+
+    saved_init = PreTrainedModel.init_weights  # the scripts replace it for the whole process
+    try:
+        with sagemaker_imports():
+            sys.path.insert(0, str(Path(__file__).parent))
+            import v1_script_shape
+
+            yield v1_script_shape
+    finally:
+        PreTrainedModel.init_weights = saved_init
+        torch.cuda.set_device = saved_set_device
+        os.environ.clear()
+        os.environ.update(saved_env)
+
+
+def wrapped_like_the_scripts(sm_dir, model_type):
+    """The scripts' lines up to the optimizer, then what a checkpoint and the tree see."""
+    with sagemaker_process(sm_dir) as script:
+        args = script.parse_args(["--model_type", model_type, "--tensor_parallel_degree", "2", *TINY])
+        smp.init({"tensor_parallel_degree": 2, "ddp": True})
+        model, _ = script.build_model(args)
+        script.set_seed(args.seed + smp.tp_rank())
+        model = smp.DistributedModel(model, trace_device="gpu")
+        m = model.get_module()
+        layers = model.module.module.transformer.seq_layers if model_type == "gptj" else m.transformer.seq_layers
+        optimizer = smp.DistributedOptimizer(torch.optim.Adam(script.get_param_groups_by_weight_decay(m)))
+        blocks = list(layers.children())
+        return {
+            "tree": (layers is m.transformer.h and all(b.attention is b.attn and b.output is b.mlp for b in blocks)
+                     and model.module.module.module.transformer is m.transformer),
+            "names": sorted(m.state_dict()), "modules": sorted(n for n, _ in m.named_modules()),
+            "tied": m.lm_head.weight is m.get_input_embeddings().weight,
+            "params": len(list(m.parameters())),
+            "shapes": {k: tuple(v) for g in script.get_param_shapes(model, optimizer) for k, v in g.items()},
+            "replicated": {n: local_part(p).detach().clone() for n, p in m.named_parameters()
+                           if not isinstance(p, DTensor) or all(pl.is_replicate() for pl in p.placements)},
+        }
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "gptj"])
+def test_scripts_model_lines(tmp_path, model_type):
+    """The tree the scripts walk exists as aliases (no new names), the LM head is tied as the HF
+    config says although the scripts skip ``init_weights``, replicated parameters are TP rank 0's
+    on every rank although the scripts seed each TP rank differently, and ``fp16_groups``
+    names every parameter with its global shape (in the distributed format: GPT-2's fused
+    ``c_attn`` keeps its chunk dimension)."""
+    r0, r1 = harness.run(2, wrapped_like_the_scripts, str(tmp_path), model_type)
+    config_class, model_class = (GPT2Config, GPT2LMHeadModel) if model_type == "gpt2" else (GPTJConfig, GPTJForCausalLM)
+    kw = {"rotary_dim": 4} if model_type == "gptj" else {}
+    hf = model_class(config_class(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4, **kw))
+    assert r0["tree"] and r1["tree"]
+    assert r0["names"] == sorted(hf.state_dict()), "the aliases must not add state-dict keys"
+    assert r0["modules"] == sorted(n for n, _ in hf.named_modules())
+    assert r0["tied"] == (model_type == "gpt2") and r0["params"] == len(list(hf.parameters()))
+    from modelparallel.nn.huggingface import table_for
+    from modelparallel.nn.huggingface.translate import from_hf
+
+    distributed = from_hf(table_for(model_type), dict(hf.named_parameters()))  # the model's own layout
+    assert r0["shapes"] == {n: tuple(p.shape) for n, p in distributed.items()}
+    assert r0["replicated"].keys() == r1["replicated"].keys() and r0["replicated"]
+    for name, value in r0["replicated"].items():
+        assert torch.equal(value, r1["replicated"][name]), f"{name} differs across the TP ranks"
+
+
+def script_losses(sm_dir, argv):
+    with sagemaker_process(sm_dir) as script:
+        return script.main(argv)
+
+
+def test_gptj_script_trains_and_resumes_on_harness_ranks(tmp_path):
+    """GPT-J's call shape at TP=2 with per-sublayer activation checkpointing (``c.attention`` /
+    ``c.output`` of ``model.module.module.transformer.seq_layers``): the loss falls, and a run
+    stopped at step 3 and resumed from its partial checkpoint continues with exactly the losses
+    of the uninterrupted run (replicated weights that differed per TP rank would resume into
+    another model)."""
+    write_token_rows(tmp_path / "input" / "data" / "train")
+    argv = ["--model_type", "gptj", "--checkpoint_sublayers", "1", "--tensor_parallel_degree", "2", *TINY,
+            "--checkpoint_freq", "3"]
+    full = harness.run(2, script_losses, str(tmp_path), [*argv, "--max_steps", "6", "--checkpoint-dir",
+                                                          str(tmp_path / "a")])[0]
+    first = harness.run(2, script_losses, str(tmp_path), [*argv, "--max_steps", "3", "--checkpoint-dir",
+                                                           str(tmp_path / "b")])[0]
+    rest = harness.run(2, script_losses, str(tmp_path), [*argv, "--max_steps", "6", "--load_partial", "1",
+                                                          "--checkpoint-dir", str(tmp_path / "b")])[0]
+    assert full[-1] < full[0], full
+    assert first + rest == full, (first, rest, full)

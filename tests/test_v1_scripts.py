@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -259,3 +260,51 @@ def test_gptj_script_trains_and_resumes_on_harness_ranks(tmp_path):
                                                           "--checkpoint-dir", str(tmp_path / "b")])[0]
     assert full[-1] < full[0], full
     assert first + rest == full, (first, rest, full)
+
+
+def modelparallel_run(cwd: Path, argv: list[str]) -> subprocess.CompletedProcess:
+    """``modelparallel run --nproc-per-node 2 tests/v1_script_shape.py ARGV`` as a user types it."""
+    cli = Path(sys.executable).parent / "modelparallel"
+    cmd = [str(cli), "run", "--nproc-per-node", "2", "--sagemaker-dir", str(cwd / "sm"),
+           str(Path(__file__).parent / "v1_script_shape.py"), *argv]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SM_")}
+    env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")  # as the harness ranks
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_gpt2_script_via_modelparallel_run(tmp_path):
+    """GPT-2's call shape at TP=2 launched by ``modelparallel run``: the SageMaker imports resolve,
+    the argparse defaults read the SM_* variables the launcher set, ``torch.cuda.set_device``
+    passes on CPU; the loss falls; a run stopped at step 3 resumes to exactly the losses of an
+    uninterrupted run (on harness ranks, same thread count); the final full checkpoint loads
+    with ``from_pretrained``, head tied."""
+    write_token_rows(tmp_path / "sm" / "input" / "data" / "train")
+    argv = ["--tensor_parallel_degree", "2", *TINY, "--checkpoint_freq", "3"]
+    full = harness.run(2, script_losses, str(tmp_path / "sm"),
+                       [*argv, "--max_steps", "6", "--checkpoint-dir", str(tmp_path / "a")])[0]
+    runs = [([*argv, "--max_steps", "3", "--checkpoint-dir", "b", "--save_final_full_model", "1"], "0"),
+            ([*argv, "--max_steps", "6", "--checkpoint-dir", "b", "--load_partial", "1"], "3")]
+    losses = []
+    for run_argv, start in runs:
+        done = modelparallel_run(tmp_path, run_argv)
+        assert done.returncode == 0, done.stderr[-3000:]
+        losses.append(json.loads((tmp_path / "sm" / "output" / "data" / f"losses_{start}.json").read_text()))
+    first, rest = losses
+    assert full[-1] < full[0], full
+    assert first + rest == full, (first, rest, full)
+    exported = GPT2LMHeadModel.from_pretrained(tmp_path / "sm" / "model" / "fullmodel.pt")
+    assert exported.lm_head.weight is exported.transformer.wte.weight
+
+
+def test_failing_script_reported_once(tmp_path):
+    """A script that fails on one rank ends every rank; the launcher prints that rank's traceback
+    and one block naming it, and keeps every traceback in <sagemaker-dir>/output/failure.log."""
+    script = tmp_path / "fails.py"
+    script.write_text("import os\nimport smdistributed.modelparallel.torch as smp\nsmp.init({})\n"
+                      "if smp.rank() == 1:\n    raise ValueError('bad shard 7')\nsmp.barrier()\n")
+    cli = Path(sys.executable).parent / "modelparallel"
+    done = subprocess.run([str(cli), "run", "--nproc-per-node", "2", "--sagemaker-dir", str(tmp_path / "sm"),
+                           str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    assert "modelparallel run failed: rank 1" in done.stderr and "ValueError: bad shard 7" in done.stderr
+    assert "bad shard 7" in (tmp_path / "sm" / "output" / "failure.log").read_text()

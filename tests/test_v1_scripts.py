@@ -6,6 +6,14 @@ GPT-J's two translate spellings.
 A failure in the recipe means one of the v1 entry points it calls (DistributedModel's v1
 arguments in model.py, ``@smp.step``, the single-file resume in checkpoint/) changed contract;
 its reference is the untouched pretrained HF model.
+
+The rest runs the call shape of SageMaker's public v1 example scripts (``v1_script_shape.py``),
+on harness ranks inside ``sagemaker_imports()`` and through ``modelparallel run``. A failure in
+``test_scripts_model_lines`` names what the scripts would trip on: the ``seq_layers`` tree
+(models/_sagemaker.py), the tie per HF config (materialize/hf_init.py), replicated parameters
+differing across TP ranks (materialize/tp_sync.py) or ``fp16_groups`` (optimizer.py). A resumed
+run whose losses differ from the uninterrupted one points at the same places or at checkpoint/;
+a launcher failure at modelparallel/sagemaker/.
 """
 
 import argparse
@@ -306,5 +314,6 @@ def test_failing_script_reported_once(tmp_path):
     done = subprocess.run([str(cli), "run", "--nproc-per-node", "2", "--sagemaker-dir", str(tmp_path / "sm"),
                            str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 1
-    assert "modelparallel run failed: rank 1" in done.stderr and "ValueError: bad shard 7" in done.stderr
+    assert f"modelparallel run failed: rank 1 during {script}" in done.stderr
+    assert "ValueError: bad shard 7" in done.stderr
     assert "bad shard 7" in (tmp_path / "sm" / "output" / "failure.log").read_text()

@@ -68,13 +68,11 @@ class WrapperView:
         return f"WrapperView(level {self._level} of {type(self._model).__name__})"
 
 
-def _alias(module: nn.Module, name: str, target: nn.Module) -> None:
-    """``module.name`` -> ``target`` without registering a child (no new state-dict key);
-    refused if ``name`` is already something else on the module."""
-    current = getattr(module, name, None)
-    if current is not None and current is not target:
-        raise ValueError(f"{type(module).__name__}.{name} already exists; the SageMaker alias cannot be added")
-    module.__dict__[name] = target
+def _alias(module: nn.Module, name: str, target) -> None:
+    """``module.name`` -> ``target`` without registering a child (no new state-dict key); a
+    name the module already has (a subclass's own attribute) is left as it is."""
+    if getattr(module, name, None) is None:
+        module.__dict__[name] = target
 
 
 def offer_tree(model: nn.Module, layout: SageMakerLayout) -> None:
@@ -86,5 +84,4 @@ def offer_tree(model: nn.Module, layout: SageMakerLayout) -> None:
     for block in blocks:
         _alias(block, "attention", block.get_submodule(layout.attention))
         _alias(block, "output", block.get_submodule(layout.output))
-    if "module" not in model.__dict__:
-        model.__dict__["module"] = WrapperView(model, 1)
+    _alias(model, "module", WrapperView(model, 1))

@@ -85,6 +85,7 @@ def run_script(args: argparse.Namespace) -> int:
     hook.install()
     script = args.training_script
     sys.argv = [script, *args.training_script_args]
+    outcome.PROGRESS.stage = script  # what the launcher's report names as the failing stage
 
     def job() -> int:
         try:

@@ -41,6 +41,7 @@ def test_aliases_are_this_package():
         import torch.fx as fx  # torch's own submodules import as before
 
         assert fx.__name__ == "torch.fx"
+        assert sys.modules["torch"]._export.__name__ == "torch._export"  # torch's lazy submodules too
 
 
 @pytest.mark.parametrize("name", ["torch.sagemaker.tensor_parallel.no_such_module", "smdistributed.dataparallel",

@@ -285,7 +285,7 @@ def test_gpt2_script_via_modelparallel_run(tmp_path):
     the argparse defaults read the SM_* variables the launcher set, ``torch.cuda.set_device``
     passes on CPU; the loss falls; a run stopped at step 3 resumes to exactly the losses of an
     uninterrupted run (on harness ranks, same thread count); the final full checkpoint loads
-    with ``from_pretrained``, head tied."""
+    with ``from_pretrained``, head tied, and back with the scripts' ``--load_full``."""
     write_token_rows(tmp_path / "sm" / "input" / "data" / "train")
     argv = ["--tensor_parallel_degree", "2", *TINY, "--checkpoint_freq", "3"]
     full = harness.run(2, script_losses, str(tmp_path / "sm"),
@@ -302,3 +302,11 @@ def test_gpt2_script_via_modelparallel_run(tmp_path):
     assert first + rest == full, (first, rest, full)
     exported = GPT2LMHeadModel.from_pretrained(tmp_path / "sm" / "model" / "fullmodel.pt")
     assert exported.lm_head.weight is exported.transformer.wte.weight
+    # --load_full reads that export back: its first loss is the export's loss on the first batch
+    reloaded = harness.run(2, script_losses, str(tmp_path / "sm"),
+                           [*argv, "--max_steps", "1", "--checkpoint-dir", str(tmp_path / "c"), "--load_full", "1"])[0]
+    with sagemaker_process(str(tmp_path / "sm")) as script:  # one replica (TP=2, prescaled): all rows
+        ids, mask = next(iter(script.create_pretraining_dataloader([str(tmp_path / "sm" / "input" / "data" / "train"
+                                                                         / "part0.json")], 4, 12345, 0, 1, True)))
+    want = exported(input_ids=ids, attention_mask=mask, labels=ids).loss.item()
+    assert abs(reloaded[0] - want) <= training_rtol(0) * want, (reloaded[0], want)

@@ -114,6 +114,7 @@ def parse_args(argv):
     parser.add_argument("--test-dir", type=str, default=os.environ["SM_CHANNEL_TEST"])
     parser.add_argument("--save_final_full_model", type=int, default=0)
     parser.add_argument("--load_partial", type=int, default=0)
+    parser.add_argument("--load_full", type=int, default=0)
     parser.add_argument("--prescaled_batch", type=int, default=1)
     parser.add_argument("--max_context_width", type=int, default=1024)
     parser.add_argument("--vocab_size", type=int, default=50264)
@@ -210,11 +211,15 @@ def main(argv=None):
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + 0.1 * step))
 
     total_steps, start_batch_index = 0, 0
-    if args.load_partial:
-        user_content = smp.resume_from_checkpoint(args.checkpoint_dir, tag=None, partial=True)
-        total_steps = user_content["total_steps"]
+    if args.load_full or args.load_partial:
+        partial = not args.load_full
+        path = args.checkpoint_dir if partial else args.model_dir
+        tag = None if partial else "fullmodel.pt"
+        user_content = smp.resume_from_checkpoint(path, tag=tag, partial=partial)
+        total_steps = user_content["total_steps"] if partial else 0
         start_batch_index = user_content.get("start_batch_index", 0)
-        lr_scheduler.load_state_dict(user_content["lr_scheduler"])
+        if "lr_scheduler" in user_content:
+            lr_scheduler.load_state_dict(user_content["lr_scheduler"])
     start = total_steps
 
     dp_rank = smp.dp_rank() if not args.prescaled_batch else smp.rdp_rank()

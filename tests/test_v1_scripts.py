@@ -207,13 +207,16 @@ def wrapped_like_the_scripts(sm_dir, model_type):
         model = smp.DistributedModel(model, trace_device="gpu")
         m = model.get_module()
         layers = model.module.module.transformer.seq_layers if model_type == "gptj" else m.transformer.seq_layers
-        optimizer = smp.DistributedOptimizer(torch.optim.Adam(script.get_param_groups_by_weight_decay(m)))
+        groups = script.get_param_groups_by_weight_decay(m)
+        optimizer = smp.DistributedOptimizer(torch.optim.Adam(groups))
+        names = {id(p): n for n, p in m.named_parameters()}
         blocks = list(layers.children())
         return {
             "tree": (layers is m.transformer.h and all(b.attention is b.attn and b.output is b.mlp for b in blocks)
                      and model.module.module.module.transformer is m.transformer),
             "names": sorted(m.state_dict()), "modules": sorted(n for n, _ in m.named_modules()),
             "tied": m.lm_head.weight is m.get_input_embeddings().weight,
+            "no_decay": sorted(names[id(p)] for p in groups[1]["params"]),
             "params": len(list(m.parameters())),
             "shapes": {k: tuple(v) for g in script.get_param_shapes(model, optimizer) for k, v in g.items()},
             "replicated": {n: local_part(p).detach().clone() for n, p in m.named_parameters()
@@ -225,7 +228,8 @@ def wrapped_like_the_scripts(sm_dir, model_type):
 def test_scripts_model_lines(tmp_path, model_type):
     """The tree the scripts walk exists as aliases (no new names), the LM head is tied as the HF
     config says although the scripts skip ``init_weights``, replicated parameters are TP rank 0's
-    on every rank although the scripts seed each TP rank differently, and ``fp16_groups``
+    on every rank although the scripts seed each TP rank differently, the HF layer norms count
+    as ``smp.nn.FusedLayerNorm`` (the scripts keep them out of weight decay), and ``fp16_groups``
     names every parameter with its global shape (in the distributed format: GPT-2's fused
     ``c_attn`` keeps its chunk dimension)."""
     r0, r1 = harness.run(2, wrapped_like_the_scripts, str(tmp_path), model_type)
@@ -236,6 +240,10 @@ def test_scripts_model_lines(tmp_path, model_type):
     assert r0["names"] == sorted(hf.state_dict()), "the aliases must not add state-dict keys"
     assert r0["modules"] == sorted(n for n, _ in hf.named_modules())
     assert r0["tied"] == (model_type == "gpt2") and r0["params"] == len(list(hf.parameters()))
+    norms = {f"{path}.{n}" for path, mod in hf.named_modules() if isinstance(mod, torch.nn.LayerNorm)
+             for n, _ in mod.named_parameters()}
+    assert r0["no_decay"] == sorted(norms | {n for n, _ in hf.named_parameters() if n.endswith(".bias")}), \
+        "layer norms (smp.nn.FusedLayerNorm to the scripts) and biases are the scripts' no-decay group"
     from modelparallel.nn.huggingface import table_for
     from modelparallel.nn.huggingface.translate import from_hf
 

@@ -53,25 +53,16 @@ def create_pretraining_dataloader(paths, batch_size, seed, dp_rank, dp_size, shu
 
 
 def get_param_groups_by_weight_decay(module):
-    weight_decay_params = {"params": []}
-    no_weight_decay_params = {"params": [], "weight_decay": 0.0}
-    param_ids = set()
-    for module_ in module.modules():
-        if isinstance(module_, LayerNorm):
-            for p in list(module_._parameters.values()):
-                if p is not None and id(p) not in param_ids:
-                    no_weight_decay_params["params"].append(p)
-                    param_ids.add(id(p))
-        else:
-            for n, p in list(module_._parameters.items()):
-                if p is not None and n != "bias" and id(p) not in param_ids:
-                    weight_decay_params["params"].append(p)
-                    param_ids.add(id(p))
-            for n, p in list(module_._parameters.items()):
-                if p is not None and n == "bias" and id(p) not in param_ids:
-                    no_weight_decay_params["params"].append(p)
-                    param_ids.add(id(p))
-    return weight_decay_params, no_weight_decay_params
+    """The scripts' two groups: layer norms (found as ``smp.nn.FusedLayerNorm`` instances) and
+    biases without weight decay, everything else with it; each parameter once."""
+    decay, no_decay, seen = [], [], set()
+    for mod in module.modules():
+        for name, p in mod._parameters.items():
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            (no_decay if isinstance(mod, LayerNorm) or name == "bias" else decay).append(p)
+    return {"params": decay}, {"params": no_decay, "weight_decay": 0.0}
 
 
 def get_param_shapes(model, optimizer):

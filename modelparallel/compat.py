@@ -52,5 +52,10 @@ def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
 flash_attention_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 flash_attention_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
+# Not a private name: SageMaker's module names for notebooks and tests (``modelparallel run``
+# installs the same hook for a whole script); re-exported here as ``modelparallel.compat``'s.
+from .sagemaker.hook import sagemaker_imports  # noqa: E402 - after the private names it sits beside
+
 __all__ = ["FlatParamHandle", "compute_local_shape_and_global_offset", "flash_attention_cpu",
-           "flash_attention_cpu_backward", "flatten_mesh", "flatten_state_dict", "fsdp_optim_utils", "set_element"]
+           "flash_attention_cpu_backward", "flatten_mesh", "flatten_state_dict", "fsdp_optim_utils",
+           "sagemaker_imports", "set_element"]

@@ -2,7 +2,8 @@
 
 A module here (any whose name does not start with ``_``) describes one HF architecture and
 exports ``SPEC`` (its ``ArchSpec``: plan, packed weights, loss kind) and ``TABLE`` (its
-``KeyTable`` for state-dict translation), and, for a causal decoder that context parallelism can
+``KeyTable`` for state-dict translation), and optionally ``SAGEMAKER`` (a ``SageMakerLayout``:
+where SageMaker's module names fall in it) and, for a causal decoder that context parallelism can
 run, ``CONTEXT`` (its ``ContextSpec``). Adding the file is all it takes to register it.
 """
 
@@ -17,6 +18,7 @@ from torch import nn
 from ..context.spec import ContextSpec
 from ..nn.huggingface.translate import KeyTable
 from ..tp.plan import ArchSpec
+from ._sagemaker import SageMakerLayout
 
 
 def _modules() -> list[ModuleType]:
@@ -39,6 +41,7 @@ _ALL = [_check(m) for m in _modules()]
 ARCHITECTURES: dict[str, ArchSpec] = {m.SPEC.model_type: m.SPEC for m in _ALL}
 TABLES: dict[str, KeyTable] = {m.SPEC.model_type: m.TABLE for m in _ALL}
 CONTEXTS: dict[str, ContextSpec] = {m.SPEC.model_type: m.CONTEXT for m in _ALL if getattr(m, "CONTEXT", None)}
+LAYOUTS: dict[str, SageMakerLayout] = {m.SPEC.model_type: m.SAGEMAKER for m in _ALL if hasattr(m, "SAGEMAKER")}
 
 
 def spec_for(model: nn.Module) -> ArchSpec | None:
@@ -54,3 +57,8 @@ def context_spec_for(model: nn.Module) -> ContextSpec | None:
 def table_for(model_type: str | None) -> KeyTable | None:
     """The key table of an HF ``model_type``, or None if it has no translation."""
     return TABLES.get(model_type)
+
+
+def sagemaker_layout_for(model: nn.Module) -> SageMakerLayout | None:
+    """Where SageMaker's module names fall in an HF model, or None if its architecture has none."""
+    return LAYOUTS.get(getattr(getattr(model, "config", None), "model_type", None))

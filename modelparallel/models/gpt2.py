@@ -14,6 +14,7 @@ from ..context.spec import ContextSpec
 from ..nn.huggingface.translate import KeyTable, causal_mask, masked_bias
 from ..tp.plan import ArchSpec, ModulePlan, Packed, packed_keys
 from ._parts import LM_HEAD, column_row
+from ._sagemaker import SageMakerLayout
 
 PACKED = {"h.*.attn.c_attn": Packed(chunks=3, dims={"weight": 1, "bias": 0})}
 
@@ -54,3 +55,6 @@ TABLE = KeyTable(
     tied={"lm_head.weight": "transformer.wte.weight"},
     legacy_buffers={"h.{}.attn.bias": causal_mask, "h.{}.attn.masked_bias": masked_bias(-1e4)},
 )
+
+SAGEMAKER = SageMakerLayout(layers="h", attention="attn", output="mlp")
+"""SageMaker's ``transformer.seq_layers.N.attention`` / ``.output`` over ``h.N.attn`` / ``h.N.mlp``."""

@@ -14,6 +14,7 @@ from ..context.spec import ContextSpec
 from ..nn.huggingface.translate import KeyTable, causal_mask, masked_bias
 from ..tp.plan import SharedInput
 from ._parts import decoder_lm
+from ._sagemaker import SageMakerLayout
 
 SPEC = decoder_lm(
     "gptj", embedding="wte",
@@ -39,3 +40,6 @@ TABLE = KeyTable(
     head_keys=("lm_head.weight", "lm_head.bias", "score.weight"),
     legacy_buffers={"h.{}.attn.bias": causal_mask, "h.{}.attn.masked_bias": masked_bias(-1e9)},
 )
+
+SAGEMAKER = SageMakerLayout(layers="h", attention="attn", output="mlp", scores_in_fp32=True)
+"""SageMaker's tree over ``h.N.attn`` / ``h.N.mlp``; ``GPTJAttention._attn`` scores in float32."""

@@ -15,6 +15,7 @@ from ..context.spec import ContextSpec
 from ..nn.huggingface.translate import KeyTable, causal_mask, masked_bias
 from ..tp.plan import SharedInput
 from ._parts import decoder_lm
+from ._sagemaker import SageMakerLayout
 from .gpt2 import GPT_KEYS
 
 SPEC = decoder_lm(
@@ -54,3 +55,6 @@ TABLE = KeyTable(
     tied={"lm_head.weight": "transformer.wte.weight"},
     legacy_buffers={"h.{}.attn.attention.bias": legacy_mask, "h.{}.attn.attention.masked_bias": masked_bias(-1e9)},
 )
+
+SAGEMAKER = SageMakerLayout(layers="h", attention="attn", output="mlp", scores_in_fp32=True)
+"""SageMaker's tree over ``h.N.attn`` / ``h.N.mlp``; ``GPTNeoSelfAttention._attn`` scores in float32."""

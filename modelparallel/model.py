@@ -17,6 +17,7 @@ from .training import batch
 from .training.dp import OverlappedAverage, allreduce_gradients
 from .model_tp import TensorParallelMethods
 from .materialize.state_dict import LoadReport, full_state_dict, load_state_dict, local_state_dict
+from .parallelize import check
 
 class DistributedModel(TensorParallelMethods, nn.Module):
     """A model sharded over the runtime's tensor-parallel mesh (SageMaker's ``smp.DistributedModel``).
@@ -61,12 +62,13 @@ class DistributedModel(TensorParallelMethods, nn.Module):
         if isinstance(module, DistributedModel) or module.__dict__.get("_mp_wrapped"):
             raise ValueError("DistributedModel was already applied to this model; wrap a model once")
         rt = runtime.current()
+        check(module, rt)  # what no plan can fix is refused before the first collective
         super().__init__()
         self._mp_state = self._mp_pipeline = None  # set by partitioning.shard
         self._v1 = V1Options(backward_passes_per_step, average_grads_across_microbatches, overlapping_allreduce,
                              bucket_cap_mb)
         self._mp_optimizers: list = []  # DistributedOptimizers holding this model's parameters, newest last
-        self._mp_names = partitioning.before_split_names(module) if partitioning.deferred(rt) else {}
+        self._mp_names = partitioning.wait_for_marks(module) if partitioning.deferred(rt) else {}
         if not partitioning.deferred(rt):
             partitioning.shard(self, module, rt)
         module._mp_wrapped = True
@@ -134,13 +136,13 @@ class DistributedModel(TensorParallelMethods, nn.Module):
         if self._v1.overlap is not None and self._v1.overlap.armed:
             self._v1.overlap.finish()
         else:
-            allreduce_gradients(self.module.parameters(), rt.group(runtime.RDP_GROUP), rt.config.dp_degree)
+            allreduce_gradients(self.module.parameters(), rt.group(runtime.DP_CP_GROUP), rt.config.replica_degree)
         return True
 
     def _averages(self, rt) -> bool:
-        """Whether this model's gradients are averaged over data-parallel replicas here (FSDP
-        reduce-scatters them itself)."""
-        return rt.config.ddp and not self._mp_state.fsdp and rt.config.dp_degree > 1
+        """Whether this model's gradients are averaged over data-parallel replicas (and context
+        ranks, which hold the same parameters) here (FSDP reduce-scatters them itself)."""
+        return rt.config.ddp and not self._mp_state.fsdp and rt.config.replica_degree > 1
 
     def _arm_overlap(self, rt) -> None:
         """Before a backward pass that ends with the data-parallel average (the last microbatch
@@ -157,8 +159,8 @@ class DistributedModel(TensorParallelMethods, nn.Module):
         if not last or (v1.passes + 1) % v1.backward_passes_per_step:
             return
         if v1.overlap is None:
-            v1.overlap = OverlappedAverage(self.module.parameters(), rt.group(runtime.RDP_GROUP), rt.config.dp_degree,
-                                           v1.bucket_cap_mb)
+            v1.overlap = OverlappedAverage(self.module.parameters(), rt.group(runtime.DP_CP_GROUP),
+                                           rt.config.replica_degree, v1.bucket_cap_mb)
         v1.overlap.arm()
 
     @property

@@ -8,11 +8,15 @@ of the others; this module only orders them:
 1. the pipeline split (``pipeline``): at ``pipeline_parallel_degree`` > 1 the model is cut down
    to this rank's stage (its blocks; embeddings on the first, final modules on the last), so
    every later dimension only sees, and only allocates, the stage's modules;
-2. tensor parallelism (``tp.walker``): shards each layer over the ``tp`` mesh dimension.
+2. tensor parallelism (``tp.walker``): shards each layer over the ``tp`` mesh dimension (with the
+   ``sequence_parallel`` key, the hidden states between its regions split over it too);
+3. context parallelism (``context``): splits every sequence over the ``cp`` mesh dimension
+   (attention reaches the other ranks' keys and values; the weights are not split).
 
 Data parallelism (replica gradient averaging, FSDP) is applied after this by the caller, over
-``Runtime.mesh["dp"]``, because the two APIs differ there (v1 wraps it itself, v2 scripts call
-FSDP themselves).
+``Runtime.dp_mesh`` (the data-parallel ranks, times the context-parallel ones: they hold the
+same weights), because the two APIs differ there (v1 wraps it itself, v2 scripts call FSDP
+themselves).
 """
 
 from __future__ import annotations
@@ -20,29 +24,54 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
-from . import pipeline
-from .models import pipeline_split_for
+from . import context, pipeline
+from .models import context_spec_for, pipeline_split_for
 from .runtime import PP_GROUP, Runtime
 from .tp import walker
 from .tp.plan import ArchSpec
 
 
-def parallelize(module: nn.Module, rt: Runtime, spec: ArchSpec | None) -> list[str]:
+def check(module: nn.Module, rt: Runtime, cp_comm_type: str = "p2p") -> None:
+    """Refuse, before any collective, a model a dimension cannot run whatever its weights (an
+    encoder under context parallelism, an unknown ``cp_comm_type``, context with pipeline
+    parallelism).
+
+    Raises:
+        ValueError, NotImplementedError: naming the model type or the value at fault.
+    """
+    context.check_comm_type(cp_comm_type)
+    if rt.config.context_parallel_degree > 1 and rt.config.pipeline_parallel_degree > 1:
+        raise NotImplementedError("context parallelism with pipeline parallelism (context_parallel_degree "
+                                  f"{rt.config.context_parallel_degree} x pipeline_parallel_degree "
+                                  f"{rt.config.pipeline_parallel_degree}): use one of them")
+    if rt.config.context_parallel_degree > 1:
+        context.check_model(module, context_spec_for(module))
+
+
+def parallelize(module: nn.Module, rt: Runtime, spec: ArchSpec | None, cp_comm_type: str = "p2p",
+                tensor_parallel: bool = True) -> list[str]:
     """Apply every model-parallel dimension the runtime asks for to ``module``, in place.
 
     Args:
         module: the model (real or on the meta device).
         rt: the running job (its config and meshes).
         spec: the architecture's plan, or None for a model the walker handles from its marks.
+        cp_comm_type: context parallelism's communication, "p2p" or "all_gather".
+        tensor_parallel: run the TP walker (``transform`` leaves a plain model at TP degree 1).
 
     Returns:
         Paths of the modules left replicated over the tensor-parallel ranks (for the log line).
 
     Raises:
-        ValueError: when a dimension's plan does not fit the model, before any tensor is touched.
+        ValueError, NotImplementedError: when a dimension's plan does not fit the model (or the
+            context-parallel communication is unknown), before any tensor is touched.
     """
+    check(module, rt, cp_comm_type)  # a model context parallelism refuses is refused unsharded
     stage = pipeline.split_model(module, rt.config, rt.ranks(PP_GROUP).index(dist.get_rank()),
                                  pipeline_split_for(module))
     if stage is not None and spec is not None:
         spec = pipeline.stage_spec(spec, module)
-    return walker.parallelize(module, rt.tp_mesh, spec)
+    replicated = walker.parallelize(module, rt.tp_mesh, spec, rt.config.sequence_parallel) if tensor_parallel else []
+    if rt.config.context_parallel_degree > 1:
+        context.parallelize(module, rt.cp_mesh, context_spec_for(module), cp_comm_type)
+    return replicated

@@ -18,6 +18,8 @@ from torch import nn
 
 from . import runtime
 from .materialize import wrapping
+from .models import sagemaker_layout_for
+from .models._sagemaker import offer_tree
 from .parallelize import parallelize
 from .pipeline import Runner
 
@@ -44,6 +46,16 @@ def shard(model, module: nn.Module, rt) -> None:
         if hasattr(module, "_mp_stage") else None
     if model._mp_pipeline is not None and not state.pending_meta:
         model._mp_pipeline.sync_ties()
+
+
+def wait_for_marks(module: nn.Module) -> dict[int, list[str]]:
+    """Prepare ``module`` for a split deferred until the user's partition marks: SageMaker's
+    names (``seq_layers``...) are offered now, since the scripts mark those layers before the
+    split. Returns ``before_split_names``."""
+    layout = sagemaker_layout_for(module)
+    if layout is not None:
+        offer_tree(module, layout)
+    return before_split_names(module)
 
 
 def before_split_names(module: nn.Module) -> dict[int, list[str]]:

@@ -1,8 +1,10 @@
 """Built-in architectures, one module each, found by listing this package.
 
 A module here (any whose name does not start with ``_``) describes one HF architecture and
-exports ``SPEC`` (its ``ArchSpec``: plan, packed weights, loss kind), ``TABLE`` (its
-``KeyTable`` for state-dict translation) and, if it can be pipelined, ``PIPELINE`` (its
+exports ``SPEC`` (its ``ArchSpec``: plan, packed weights, loss kind) and ``TABLE`` (its
+``KeyTable`` for state-dict translation), and optionally ``SAGEMAKER`` (a ``SageMakerLayout``:
+where SageMaker's module names fall in it), for a causal decoder that context parallelism can
+run, ``CONTEXT`` (its ``ContextSpec``), and, if it can be pipelined, ``PIPELINE`` (its
 ``PipelineSplit``: where the blocks are, what runs before and after them). Adding the file is
 all it takes to register it.
 """
@@ -15,9 +17,11 @@ from types import ModuleType
 
 from torch import nn
 
+from ..context.spec import ContextSpec
 from ..nn.huggingface.translate import KeyTable
 from ..pipeline.split import PipelineSplit
 from ..tp.plan import ArchSpec
+from ._sagemaker import SageMakerLayout
 
 
 def _modules() -> list[ModuleType]:
@@ -31,6 +35,8 @@ def _check(module: ModuleType) -> ModuleType:
     if not isinstance(spec, ArchSpec) or not isinstance(table, KeyTable) or table.arch != spec.model_type:
         raise TypeError(f"{module.__name__} must export SPEC (an ArchSpec) and TABLE (a KeyTable) for the same "
                         f"model_type, got {type(spec).__name__} and {type(table).__name__}")
+    if not isinstance(getattr(module, "CONTEXT", None), (ContextSpec, type(None))):
+        raise TypeError(f"{module.__name__}.CONTEXT must be a ContextSpec")
     return module
 
 
@@ -39,11 +45,18 @@ ARCHITECTURES: dict[str, ArchSpec] = {m.SPEC.model_type: m.SPEC for m in _ALL}
 TABLES: dict[str, KeyTable] = {m.SPEC.model_type: m.TABLE for m in _ALL}
 PIPELINES: dict[str, PipelineSplit] = {m.SPEC.model_type: m.PIPELINE for m in _ALL
                                        if isinstance(getattr(m, "PIPELINE", None), PipelineSplit)}
+CONTEXTS: dict[str, ContextSpec] = {m.SPEC.model_type: m.CONTEXT for m in _ALL if getattr(m, "CONTEXT", None)}
+LAYOUTS: dict[str, SageMakerLayout] = {m.SPEC.model_type: m.SAGEMAKER for m in _ALL if hasattr(m, "SAGEMAKER")}
 
 
 def spec_for(model: nn.Module) -> ArchSpec | None:
     """The built-in spec for an HF model, or None if its architecture has none."""
     return ARCHITECTURES.get(getattr(getattr(model, "config", None), "model_type", None))
+
+
+def context_spec_for(model: nn.Module) -> ContextSpec | None:
+    """The built-in ``ContextSpec`` of an HF model, or None if context parallelism cannot run it."""
+    return CONTEXTS.get(getattr(getattr(model, "config", None), "model_type", None))
 
 
 def table_for(model_type: str | None) -> KeyTable | None:
@@ -54,3 +67,8 @@ def table_for(model_type: str | None) -> KeyTable | None:
 def pipeline_split_for(model: nn.Module) -> PipelineSplit | None:
     """The built-in pipeline split for an HF model, or None if its architecture has none."""
     return PIPELINES.get(getattr(getattr(model, "config", None), "model_type", None))
+
+
+def sagemaker_layout_for(model: nn.Module) -> SageMakerLayout | None:
+    """Where SageMaker's module names fall in an HF model, or None if its architecture has none."""
+    return LAYOUTS.get(getattr(getattr(model, "config", None), "model_type", None))

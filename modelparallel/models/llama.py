@@ -12,6 +12,7 @@ No weight is fused. The distributed state dict is HF's: rotary ``inv_freq`` is a
 buffer the model recomputes, so nothing else is stored.
 """
 
+from ..context.spec import ContextSpec
 from ..nn.huggingface.translate import KeyTable
 from ..pipeline.split import PipelineSplit
 from ..tp.plan import SharedInput
@@ -28,6 +29,7 @@ SPEC = decoder_lm(
 
 PIPELINE = PipelineSplit(blocks="layers", first=("embed_tokens",), last=("norm",))
 """The rotary table holds no parameters and stays on every stage."""
+CONTEXT = ContextSpec(attention="layers.*.self_attn")  # HF's attention interface
 
 TABLE = KeyTable(
     arch="llama",

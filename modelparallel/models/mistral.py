@@ -14,3 +14,4 @@ from . import llama
 SPEC = replace(llama.SPEC, model_type="mistral")
 TABLE = replace(llama.TABLE, arch="mistral")
 PIPELINE = llama.PIPELINE
+CONTEXT = llama.CONTEXT  # HF's attention interface passes the sliding window itself

@@ -33,7 +33,7 @@ def _script(pp):
     ref = build("gpt2")
     model = smp.DistributedModel(copy.deepcopy(ref))
     m = model.get_module()
-    layers = m.transformer.h
+    layers = m.transformer.seq_layers  # SageMaker's name for the blocks, offered before the split
     div, rem = divmod(len(layers), smp.pp_size())  # SageMaker's even assignment, extras to the last stages
     assignments = [p for p in range(smp.pp_size()) for _ in range(div + 1 if p >= smp.pp_size() - rem else div)]
     for i, c in enumerate(layers.children()):

@@ -4,7 +4,7 @@ A failure in the ``balanced`` tests means the automatic partitioner (modelparall
 partition.py) no longer balances by cost or no longer keeps uniform layers within one of even;
 in the manual tests, that ``smp.partition`` / ``smp.set_partition`` marks (pipeline/marks.py)
 are read wrongly or a bad layout is accepted; in the config tests, that config.py lets a bad
-pipeline key through.
+pipeline key through, or parallelize.check a pipeline with context parallelism.
 """
 
 import pytest
@@ -124,3 +124,13 @@ def test_pipeline_config_keys():
     with pytest.raises(ValueError, match="active_microbatches must be >= 0"):
         cfg(active_microbatches=-1)
     assert build_config({"default_partition": 3}, 2).default_partition == 3, "no pipeline: nothing to check"
+
+
+def test_pipeline_with_context_parallelism_refused():
+    from types import SimpleNamespace
+
+    from modelparallel.parallelize import check
+
+    rt = SimpleNamespace(config=build_config({"pipeline_parallel_degree": 2, "context_parallel_degree": 2}, 4))
+    with pytest.raises(NotImplementedError, match="context_parallel_degree 2 x pipeline_parallel_degree 2"):
+        check(tiny(), rt)

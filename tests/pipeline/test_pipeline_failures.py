@@ -4,7 +4,7 @@ Each case makes one stage fail inside ``@smp.step`` (the user's function raising
 stage only, the first stage's forward failing, a bad microbatch shape) and checks that every
 rank raises ``StepFailed`` naming the stage and the original error, within the harness's
 after-error wait (a rank still waiting in a point-to-point receive would leave the pool broken).
-Calling the model outside ``@smp.step`` is refused on every stage.
+Calling the model outside ``@smp.step`` is refused on every stage, and so is v2's ``transform``.
 
 A hang or a missing error means modelparallel/pipeline/runner.py no longer keeps the schedule
 going after a failure (zeros of the expected shapes), or pipeline/outputs.py no longer agrees on
@@ -102,3 +102,17 @@ def outside_step():
 def test_model_outside_step_refused():
     errors = harness.run(2, outside_step)
     assert all("runs inside an @smp.step function" in e for e in errors), errors
+
+
+def transform_with_stages():
+    smp.init({"pipeline_parallel_degree": 2})
+    try:
+        smp.transform(GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=32, n_positions=8)))
+    except NotImplementedError as e:
+        return str(e)
+    return None
+
+
+def test_transform_at_pipeline_degree_2_refused():
+    errors = harness.run(2, transform_with_stages)
+    assert all("transform at pipeline_parallel_degree 2" in e for e in errors), errors

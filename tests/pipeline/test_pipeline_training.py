@@ -4,7 +4,8 @@ Each case splits a tiny model over 2 or 4 pipeline stages (with tensor or data p
 beside), runs ``@smp.step`` with both schedules and several microbatch counts, and compares
 with an untouched HF model in fp32: every local gradient after one step, the weights after one
 SGD step, the losses of 5 AdamW steps, and that weights tied across stages (GPT-2's ``wte`` and
-``lm_head``) stay identical.
+``lm_head``) stay identical; a loss the step function computes from the logits gives HF's
+gradients, and the logits it returns reach every stage.
 
 A gradient mismatch means the stage split (modelparallel/pipeline/split.py), the hooks at the
 stage's edges (pipeline/stage.py), the recorded loss and its scaling (pipeline/runner.py,
@@ -182,3 +183,30 @@ def test_adamw_steps_equal_one_process(world, arch, pp, tp, microbatches, schedu
     if arch == "gpt2":
         assert len(copies) == 2 * world // pp and all(torch.equal(copies[0], c) for c in copies), \
             "GPT-2's wte (first stage) and lm_head (last stage) must stay identical"
+
+
+@smp.step
+def custom_loss_step(model, ids):
+    """The loss computed by the step function from the model's logits, not by the model."""
+    logits = model(ids).logits
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    model.backward(loss)
+    return loss, logits
+
+
+def custom_loss(schedule):
+    ref, model = setup("gpt2", 2, 1, 2, schedule)
+    ids = global_batch(0)
+    ref_logits = ref(ids).logits
+    ref_loss = ref(ids, labels=ids).loss  # HF's causal loss is the same mean cross entropy
+    ref_loss.backward()
+    loss, logits = custom_loss_step(model, ids)
+    assert_stage_grads_match(ref, model, ids)
+    return loss.reduce_mean().item(), ref_loss.item(), logits.concat(), ref_logits.detach()
+
+
+@pytest.mark.parametrize("schedule", ["simple", "interleaved"])
+def test_custom_loss_in_the_step_function(schedule):
+    for loss, ref_loss, logits, want in harness.run(2, custom_loss, schedule):  # both stages get the outputs
+        assert abs(loss - ref_loss) <= training_rtol(0) * abs(ref_loss), (loss, ref_loss)
+        torch.testing.assert_close(logits, want, rtol=0, atol=tolerance(want))

@@ -82,8 +82,9 @@ def rank_run(pp: int, schedule: str, steps: int, warmup: int) -> dict:
         return loss
 
     times, busy, rises, losses = [], [], [], []
+    box = [0.0]  # the stage compute of the current step (the timers, installed once, add to it)
     for i in range(warmup + steps):
-        box = [0.0]
+        box[0] = 0.0
         if pp > 1 and i >= warmup:
             _watch_stages(model, box)
         before = common.reset_peak()

@@ -211,7 +211,7 @@ def mesh_layout(config: Config) -> torch.Tensor:
     return grid.permute([order.index(c) for c in "PDCT"]).contiguous()
 
 
-def _setup_logging(global_rank: int) -> None:
+def configure_logging(global_rank: int) -> None:
     """Show the library's INFO lines (what stays replicated, the layout) unless the user has
     configured the ``modelparallel`` logger already."""
     if not logger.handlers:
@@ -246,7 +246,7 @@ def init(config: dict | str | None = None, *, timeout_s: float = 300.0) -> Runti
     _RUNTIME = Runtime(config=cfg, world_mesh=world_mesh, mesh=world_mesh["dp", "tp"], device=device,
                        _groups=_multi_dim_groups(world_mesh))
     _fsdp1_layout(cfg, _RUNTIME.mesh)
-    _setup_logging(dist.get_rank())
+    configure_logging(dist.get_rank())
     if dist.get_rank() == 0:
         logger.info("world %d = %s on %s", cfg.world_size,
                     " x ".join(f"{d} {n}" for d, n in zip(DIMS, world_mesh.mesh.shape) if n > 1 or d in ("dp", "tp")),

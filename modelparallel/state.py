@@ -1,7 +1,7 @@
 """``smp.state``: one object answering SageMaker v1's and v2's questions about the running job.
 
 v1 scripts read ``smp.state.cfg``, ``smp.state.model``, ``smp.state.optimizer``; v2 scripts read
-``state.tp_rank``, ``state.dp_rank``, ``state.tensor_parallel_degree``... Every attribute is read
+``state.tp_rank``, ``state.dp_rank``, ``state.tensor_parallel_degree``, ``state.ranker``... Every attribute is read
 from the runtime started by ``init`` at the moment it is asked for: most are the rank API's
 answer or a config field under another name, listed below as such.
 
@@ -13,6 +13,7 @@ and ``smp.dp_size()`` keep v1's meaning (the TP group inside the data-parallel g
 from __future__ import annotations
 
 from . import runtime
+from .training.replication import Ranker
 
 
 def _asks(function: str, doc: str | None = None) -> property:
@@ -38,6 +39,14 @@ def _zero(self) -> int:
     return 0
 
 
+def _coordinate(dim: str) -> property:
+    """This rank's index along the world mesh's dimension ``dim``."""
+    def get(self) -> int:
+        rt = runtime.current()
+        return int(rt.world_mesh.get_coordinate()[runtime.DIMS.index(dim)])
+    return property(get, doc=f"This rank's index along the \"{dim}\" mesh dimension.")
+
+
 class _State:
     """Attributes of the running job; see the module docstring."""
 
@@ -57,14 +66,17 @@ class _State:
     dp_size = rdp_size = _asks("rdp_size", "v2's data-parallel size: replicas of one model copy.")
     pp_rank = _asks("pp_rank")
     pp_size = _asks("pp_size")
-    cp_rank = ep_rank = property(_zero, doc="0: context and expert parallelism are not built.")
+    cp_rank = _coordinate("cp")
+    ep_rank = property(_zero, doc="0: expert parallelism is not built.")
 
     world_process_group = _asks("get_world_process_group")
     tp_process_group = _asks("get_tp_process_group")
     dp_process_group = _asks("get_rdp_process_group", "v2's data-parallel group: the ranks holding the same shard.")
 
-    cp_size = _config("context_parallel_degree")
-    ep_size = _config("expert_parallel_degree")
+    cp_size = context_parallel_degree = _config("context_parallel_degree")
+    ep_size = expert_parallel_degree = _config("expert_parallel_degree")
+    ranker = property(lambda self: Ranker.of(runtime.current()),
+                      doc="Replication groups under FSDP (``get_rep_groups()``, ``get_rep_rank(rank)``).")
     tensor_parallel_degree = _config("tensor_parallel_degree")
     hybrid_shard_degree = _config("hybrid_shard_degree")
     sm_activation_offloading = _config("activation_offloading", "activation offloading asked for (v1 or v2 name)")

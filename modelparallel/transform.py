@@ -24,6 +24,7 @@ from .materialize.rank0_sync import (  # noqa: F401 - SYNCED_FROM_RANK0, meta_st
     SYNCED_FROM_RANK0, check_rank0_source, meta_states, move, sync_from_rank0)
 from .models import spec_for
 from .parallelize import parallelize
+from .tensor_parallel.transformer import mark_transformer_layers
 from .tp import marks
 from .training import fsdp1_tp_state
 
@@ -97,6 +98,7 @@ def transform(model: nn.Module, device=None, dtype: torch.dtype | None = None, c
         if dist.get_rank() != 0:
             full = {}
     move(model, device, dtype)
+    mark_transformer_layers(model)  # isinstance(block, TransformerLayer) for FSDP's wrap policy
     if rt.tp_mesh.size() > 1 or _registered_or_marked(model):
         parallelize(model, rt, spec_for(model))
         fsdp1_tp_state.install()  # users wrap the result in FSDP1 and resume through DCP

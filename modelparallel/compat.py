@@ -34,5 +34,10 @@ from torch.distributed.fsdp._optim_utils import _gather_state_dict  # noqa: F401
 # exposes no hook at that point.
 from torch.distributed.fsdp._flat_param import FlatParamHandle
 
+# FSDP1 marks each tensor it has flattened with this flag so an enclosing unit does not flatten it
+# again; a parameter object FSDP1 re-creates for a DTensor view (no sharding) lacks it, and the
+# FSDP1 x TP helpers set it on the object they keep.
+from torch.distributed.fsdp._common_utils import _set_fsdp_flattened as set_fsdp_flattened
+
 __all__ = ["FlatParamHandle", "compute_local_shape_and_global_offset", "flatten_state_dict", "fsdp_optim_utils",
-           "set_element"]
+           "set_element", "set_fsdp_flattened"]

@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
 from ..compat import FlatParamHandle
+from . import fsdp1_dtensor_views
 
 _MARK = "_mp_v2_layout"
 _inside = contextvars.ContextVar("modelparallel_fsdp1_inside", default=False)
@@ -194,6 +195,7 @@ def _install_release() -> None:
 def install() -> None:
     """Wrap ``FullyShardedDataParallel.__init__`` (idempotent)."""
     _install_release()
+    fsdp1_dtensor_views.install()
     init = FullyShardedDataParallel.__init__
     if getattr(init, _MARK, False):
         return

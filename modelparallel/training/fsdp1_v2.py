@@ -5,7 +5,11 @@ to the library: FSDP must shard over the ranks holding the same tensor-parallel 
 across TP ranks), and ``hybrid_shard_degree`` decides how: 0 (the default) or the data-parallel
 degree shards over all of them, 1 replicates (``NO_SHARD``), and N in between shards inside
 groups of N consecutive data-parallel ranks and replicates across the groups (``HYBRID_SHARD``),
-whatever ``sharding_strategy`` the call names (``_HYBRID_SHARD_ZERO2`` is kept).
+whatever ``sharding_strategy`` the call names (``_HYBRID_SHARD_ZERO2`` is kept). A call naming
+``HYBRID_SHARD`` (or ``_HYBRID_SHARD_ZERO2``) under degree 0 or D, as v2 scripts do by default,
+gets one shard group over all D ranks: ``FULL_SHARD`` (``SHARD_GRAD_OP``) over the data-parallel
+mesh (PyTorch's own reading, groups of one node's ranks, would need a 2-D mesh the TP shards are
+not defined on, and on CPU shards over one rank).
 
 ``install`` wraps FSDP1's constructor once; ``configure`` gives it the running layout (``init``
 calls it). The outermost FSDP call is checked and completed before FSDP runs any collective: a
@@ -100,9 +104,18 @@ def _hsdp_mesh(lay: Layout) -> DeviceMesh:
     return _hsdp_meshes[key]
 
 
+_ONE_SHARD_GROUP = {ShardingStrategy.HYBRID_SHARD: ShardingStrategy.FULL_SHARD,
+                    ShardingStrategy._HYBRID_SHARD_ZERO2: ShardingStrategy.SHARD_GRAD_OP}
+"""A hybrid strategy whose one shard group spans every data-parallel rank (no replicas)."""
+
+
 def _apply_hybrid(args: dict, lay: Layout) -> None:
     n, d = lay.hybrid_shard_degree, lay.dp_mesh.size()
     if n in (0, d):
+        full = _ONE_SHARD_GROUP.get(args.get("sharding_strategy"))
+        if full is not None:
+            args["sharding_strategy"] = full
+            args["device_mesh"], args["process_group"] = lay.dp_mesh, None
         return
     if n == 1:
         args["sharding_strategy"] = ShardingStrategy.NO_SHARD

@@ -95,3 +95,21 @@ def no_mesh_means_dp(tp, world):
 
 def test_fsdp1_without_mesh_shards_over_dp_at_tp2():
     harness.run(4, no_mesh_means_dp, 2, 4)
+
+
+def hybrid_strategy_at_default_degree(tp):
+    ref, model = built({"tensor_parallel_degree": tp})
+    model = FSDP(model, auto_wrap_policy=POLICY, device_id=torch.device("cpu"), use_orig_params=True,
+                 sharding_strategy=ShardingStrategy.HYBRID_SHARD)
+    assert model.sharding_strategy == ShardingStrategy.FULL_SHARD
+    assert dist.get_process_group_ranks(model.process_group) == smp.dp_mesh().mesh.tolist()
+    for local, total in flat_shards(model):
+        assert local.numel() == -(-total // smp.rdp_size())
+    train_and_compare(ref, model, steps=3)
+
+
+@pytest.mark.parametrize("tp,world", [(2, 4), (1, 2)])
+def test_hybrid_strategy_at_degree_0_shards_over_all_dp_ranks(tp, world):
+    """v2 scripts' default: sharding_strategy=HYBRID_SHARD, hybrid_shard_degree 0 (= DP). Failed
+    at TP=2 ("Expected device_mesh to have ndim=2") and sharded over one rank at TP=1."""
+    harness.run(world, hybrid_strategy_at_default_degree, tp)

@@ -31,13 +31,21 @@ from torch.distributed.fsdp._optim_utils import _gather_state_dict  # noqa: F401
 # FSDP1 flattens each unit's parameters in ``FlatParamHandle`` and then keeps this rank's chunk
 # (``shard``); between the two the unit's original tensors are dead on ranks other than 0. The
 # v2 recipe frees them there so a rank never holds its shards plus a whole unit twice; PyTorch
-# exposes no hook at that point.
-from torch.distributed.fsdp._flat_param import FlatParamHandle
+# exposes no hook at that point. FSDP1 also misses ties between DTensor parameters (it records
+# shared parameters by their local tensor, then looks them up by the DTensor): the FSDP1 x TP
+# helpers record such ties themselves as ``SharedParamInfo`` entries.
+from torch.distributed.fsdp._flat_param import FlatParamHandle, SharedParamInfo
 
 # FSDP1 marks each tensor it has flattened with this flag so an enclosing unit does not flatten it
 # again; a parameter object FSDP1 re-creates for a DTensor view (no sharding) lacks it, and the
 # FSDP1 x TP helpers set it on the object they keep.
 from torch.distributed.fsdp._common_utils import _set_fsdp_flattened as set_fsdp_flattened
 
-__all__ = ["FlatParamHandle", "compute_local_shape_and_global_offset", "flatten_state_dict", "fsdp_optim_utils",
-           "set_element", "set_fsdp_flattened"]
+# FSDP1 materializes each unit's meta modules with one of these two functions; SageMaker's FSDP
+# runs a ``post_param_init_fn`` right after (ties restored before flattening), which PyTorch has
+# no argument for, so the v2 contract wraps them on the module (imported only so a rename fails here).
+from torch.distributed.fsdp import _init_utils as fsdp_init_utils
+from torch.distributed.fsdp._init_utils import _materialize_meta_module, _materialize_with_param_init_fn  # noqa: F401
+
+__all__ = ["FlatParamHandle", "SharedParamInfo", "compute_local_shape_and_global_offset", "flatten_state_dict", "fsdp_init_utils",
+           "fsdp_optim_utils", "set_element", "set_fsdp_flattened"]

@@ -12,7 +12,9 @@ mesh (PyTorch's own reading, groups of one node's ranks, would need a 2-D mesh t
 not defined on, and on CPU shards over one rank).
 
 ``install`` wraps FSDP1's constructor once; ``configure`` gives it the running layout (``init``
-calls it). The outermost FSDP call is checked and completed before FSDP runs any collective: a
+calls it). The constructor also takes SageMaker's ``post_param_init_fn=`` (``DelayedParamIniter.
+get_post_param_init_fn()``): it runs on each unit right after FSDP materialized the unit's meta
+modules with ``param_init_fn``, before flattening. The outermost FSDP call is checked and completed before FSDP runs any collective: a
 ``device_mesh`` or ``process_group`` that is not the data-parallel one raises naming the
 expected mesh; none at all means the data-parallel mesh. The FSDP calls auto-wrapping makes for
 submodules inherit the outermost call's arguments and pass through unchanged.
@@ -37,11 +39,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
-from ..compat import FlatParamHandle
+from ..compat import FlatParamHandle, fsdp_init_utils
 from . import fsdp1_dtensor_views
 
 _MARK = "_mp_v2_layout"
 _inside = contextvars.ContextVar("modelparallel_fsdp1_inside", default=False)
+_post_init = contextvars.ContextVar("modelparallel_fsdp1_post_param_init", default=None)
+_MATERIALIZERS = ("_materialize_with_param_init_fn", "_materialize_meta_module")
 
 
 @dataclass(frozen=True)
@@ -205,9 +209,29 @@ def _install_release() -> None:
     FlatParamHandle.shard = releasing_shard
 
 
+def _install_post_init() -> None:
+    """Run the call's ``post_param_init_fn`` on each FSDP unit right after its meta modules are
+    materialized (before it is flattened, so restored ties are flattened as ties)."""
+    for name in _MATERIALIZERS:
+        materialize = getattr(fsdp_init_utils, name)
+        if getattr(materialize, _MARK, False):
+            continue
+
+        @functools.wraps(materialize)
+        def then_post_init(module, *args, _materialize=materialize, **kwargs):
+            _materialize(module, *args, **kwargs)
+            post = _post_init.get()
+            if post is not None:
+                post(module)
+
+        setattr(then_post_init, _MARK, True)
+        setattr(fsdp_init_utils, name, then_post_init)
+
+
 def install() -> None:
     """Wrap ``FullyShardedDataParallel.__init__`` (idempotent)."""
     _install_release()
+    _install_post_init()
     fsdp1_dtensor_views.install()
     init = FullyShardedDataParallel.__init__
     if getattr(init, _MARK, False):
@@ -215,16 +239,21 @@ def install() -> None:
     signature = inspect.signature(init)
 
     @functools.wraps(init)
-    def checked_init(self, *args, **kwargs):
-        if _inside.get() or not _layout:
-            return init(self, *args, **kwargs)
-        bound = signature.bind(self, *args, **kwargs)
-        complete(bound.arguments, _layout[0])
-        token = _inside.set(True)
+    def checked_init(self, *args, post_param_init_fn=None, **kwargs):
+        post = _post_init.set(post_param_init_fn) if post_param_init_fn is not None else None
         try:
-            return init(*bound.args, **bound.kwargs)
+            if _inside.get() or not _layout:
+                return init(self, *args, **kwargs)
+            bound = signature.bind(self, *args, **kwargs)
+            complete(bound.arguments, _layout[0])
+            token = _inside.set(True)
+            try:
+                return init(*bound.args, **bound.kwargs)
+            finally:
+                _inside.reset(token)
         finally:
-            _inside.reset(token)
+            if post is not None:
+                _post_init.reset(post)
 
     setattr(checked_init, _MARK, True)
     FullyShardedDataParallel.__init__ = checked_init

@@ -47,5 +47,11 @@ from torch.distributed.fsdp._common_utils import _set_fsdp_flattened as set_fsdp
 from torch.distributed.fsdp import _init_utils as fsdp_init_utils
 from torch.distributed.fsdp._init_utils import _materialize_meta_module, _materialize_with_param_init_fn  # noqa: F401
 
+# PyTorch's activation checkpoint and offload wrappers (``checkpoint_wrapper``, ``offload_wrapper``),
+# the ones SageMaker v2 scripts use; with ``sm_activation_offloading`` their forwards run on this
+# library's offloader, as SageMaker replaces them. PyTorch ships them only under this private path.
+from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as torch_checkpoint_wrappers
+
 __all__ = ["FlatParamHandle", "SharedParamInfo", "compute_local_shape_and_global_offset", "flatten_state_dict", "fsdp_init_utils",
-           "fsdp_optim_utils", "set_element", "set_fsdp_flattened"]
+           "fsdp_optim_utils", "set_element", "set_fsdp_flattened",
+           "torch_checkpoint_wrappers"]

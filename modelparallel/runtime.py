@@ -245,7 +245,7 @@ def init(config: dict | str | None = None, *, timeout_s: float = 300.0) -> Runti
     random.seed(cfg.random_seed)
     _RUNTIME = Runtime(config=cfg, world_mesh=world_mesh, mesh=world_mesh["dp", "tp"], device=device,
                        _groups=_multi_dim_groups(world_mesh))
-    _fsdp1_layout(cfg, _RUNTIME.mesh)
+    _v2_contract(cfg, _RUNTIME.mesh)
     configure_logging(dist.get_rank())
     if dist.get_rank() == 0:
         logger.info("world %d = %s on %s", cfg.world_size,
@@ -255,11 +255,14 @@ def init(config: dict | str | None = None, *, timeout_s: float = 300.0) -> Runti
     return _RUNTIME
 
 
-def _fsdp1_layout(cfg: Config, mesh: DeviceMesh) -> None:
-    """The data-parallel layout a user's own FSDP1 call gets (SageMaker v2 scripts wrap the
-    model themselves after ``init``)."""
+def _v2_contract(cfg: Config, mesh: DeviceMesh) -> None:
+    """What SageMaker v2 scripts get from ``init`` in PyTorch calls they make themselves: the
+    data-parallel layout of their own FSDP1 call, and ``sm_activation_offloading`` through
+    PyTorch's ``offload_wrapper`` (a no-op unless the key is set)."""
+    from .activations import offload_wrapper
     from .training import fsdp1_v2
 
+    offload_wrapper.install()
     fsdp1_v2.install()
     fsdp1_v2.configure(fsdp1_v2.Layout(mesh["dp"], cfg.tensor_parallel_degree, cfg.hybrid_shard_degree))
 

@@ -52,6 +52,17 @@ from torch.distributed.fsdp._init_utils import _materialize_meta_module, _materi
 # library's offloader, as SageMaker replaces them. PyTorch ships them only under this private path.
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as torch_checkpoint_wrappers
 
-__all__ = ["FlatParamHandle", "SharedParamInfo", "compute_local_shape_and_global_offset", "flatten_state_dict", "fsdp_init_utils",
+# DCP's save and load both end in these module functions (``save``, ``load`` and the deprecated
+# ``save_state_dict`` / ``load_state_dict`` alike); a DTensor saved over a process group holding
+# part of its mesh is turned into the block that group holds around them (DCP has no hook for a
+# state dict's layout relative to the group). The modules are patched; the names are imported
+# only so that a rename fails here.
+from torch.distributed.checkpoint import state_dict_loader as dcp_loader_module
+from torch.distributed.checkpoint import state_dict_saver as dcp_saver_module
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict  # noqa: F401
+from torch.distributed.checkpoint.state_dict_saver import _save_state_dict  # noqa: F401
+
+__all__ = ["FlatParamHandle", "SharedParamInfo", "compute_local_shape_and_global_offset", "dcp_loader_module",
+           "dcp_saver_module", "flatten_state_dict", "fsdp_init_utils",
            "fsdp_optim_utils", "set_element", "set_fsdp_flattened",
            "torch_checkpoint_wrappers"]

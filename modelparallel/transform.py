@@ -26,6 +26,7 @@ from .models import spec_for
 from .parallelize import parallelize
 from .tensor_parallel.transformer import mark_transformer_layers
 from .tp import marks
+from .distributed.checkpoint import group_blocks
 from .training import fsdp1_tp_state
 
 logger = logging.getLogger("modelparallel")
@@ -99,9 +100,12 @@ def transform(model: nn.Module, device=None, dtype: torch.dtype | None = None, c
             full = {}
     move(model, device, dtype)
     mark_transformer_layers(model)  # isinstance(block, TransformerLayer) for FSDP's wrap policy
+    # v2 scripts save through DCP over the FSDP (or replication) group, naming its coordinator by
+    # global rank, and each TP rank's block over that group
+    group_blocks.install()
+    fsdp1_tp_state.install()  # users wrap the result in FSDP1 and resume through DCP
     if rt.tp_mesh.size() > 1 or _registered_or_marked(model):
         parallelize(model, rt, spec_for(model))
-        fsdp1_tp_state.install()  # users wrap the result in FSDP1 and resume through DCP
     if load_state_dict_from_rank0:
         meta.materialize(model, device)
         sync_from_rank0(model, full, rt.mesh)

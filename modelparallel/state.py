@@ -39,14 +39,6 @@ def _zero(self) -> int:
     return 0
 
 
-def _coordinate(dim: str) -> property:
-    """This rank's index along the world mesh's dimension ``dim``."""
-    def get(self) -> int:
-        rt = runtime.current()
-        return int(rt.world_mesh.get_coordinate()[runtime.DIMS.index(dim)])
-    return property(get, doc=f"This rank's index along the \"{dim}\" mesh dimension.")
-
-
 class _State:
     """Attributes of the running job; see the module docstring."""
 
@@ -66,14 +58,16 @@ class _State:
     dp_size = rdp_size = _asks("rdp_size", "v2's data-parallel size: replicas of one model copy.")
     pp_rank = _asks("pp_rank")
     pp_size = _asks("pp_size")
-    cp_rank = _coordinate("cp")
+    cp_rank = _asks("cp_rank", "This rank's place among the ranks splitting its sequences (``smp.cp_rank()``).")
+    cp_size = _asks("cp_size", "Ranks splitting one sequence (``smp.cp_size()``).")
     ep_rank = property(_zero, doc="0: expert parallelism is not built.")
 
     world_process_group = _asks("get_world_process_group")
     tp_process_group = _asks("get_tp_process_group")
     dp_process_group = _asks("get_rdp_process_group", "v2's data-parallel group: the ranks holding the same shard.")
+    cp_process_group = _asks("get_cp_process_group")
 
-    cp_size = context_parallel_degree = _config("context_parallel_degree")
+    context_parallel_degree = _config("context_parallel_degree")
     ep_size = expert_parallel_degree = _config("expert_parallel_degree")
     ranker = property(lambda self: Ranker.of(runtime.current()),
                       doc="Replication groups under FSDP (``get_rep_groups()``, ``get_rep_rank(rank)``).")

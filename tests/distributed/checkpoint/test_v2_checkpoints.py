@@ -15,6 +15,7 @@ replication groups (``state.ranker``); only in async modes at staging or finaliz
 import os
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import harness
@@ -69,3 +70,23 @@ def saves_and_resumes(config, root):
 ], ids=["tp2-dp2", "tp2-dp1", "tp1-dp2", "tp1-hybrid2of4"])
 def test_v2_script_checkpoints_resume_exactly(config, world, tmp_path):
     harness.run(world, saves_and_resumes, config, str(tmp_path))
+
+
+def local_refused_at_other_sharding(root):
+    tsm.init({"tensor_parallel_degree": 1})  # FSDP shards over both ranks
+    model, optimizer = build()
+    train_step(model, optimizer, 0)
+    save_local(model, optimizer, root, {"total_steps": 1}, replication_group())
+    tsm.init({"tensor_parallel_degree": 1, "hybrid_shard_degree": 1})  # replicas: no sharding
+    fresh, fresh_opt = build(seed=1)
+    before = [p.detach().clone() for p in fresh.parameters()]
+    with pytest.raises(Exception, match="fsdp_shard_degree 2 loads only into the same sharding; this job has 1"):
+        load_local(fresh, fresh_opt, root, {"total_steps": 0}, replication_group())
+    assert all(torch.equal(a, b) for a, b in zip(before, fresh.parameters())), "a refused load changed the model"
+    return dist.get_rank()
+
+
+def test_local_checkpoint_refused_at_another_sharding(tmp_path):
+    """A local checkpoint saved with FSDP sharding over 2 ranks is refused, on every rank and before
+    any tensor changes, by a job that does not shard (it would load half-parameters)."""
+    harness.run(2, local_refused_at_other_sharding, str(tmp_path))

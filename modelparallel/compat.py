@@ -34,5 +34,16 @@ from torch.distributed.fsdp._optim_utils import _gather_state_dict  # noqa: F401
 # exposes no hook at that point.
 from torch.distributed.fsdp._flat_param import FlatParamHandle
 
+# The expert mesh is the world mesh with its data-parallel dimension split in two; only the private
+# ``_unflatten`` makes such a mesh share the world mesh's root (FSDP and DTensor then accept
+# meshes sliced from both), where a second ``DeviceMesh`` would be an unrelated one.
+from torch.distributed.device_mesh import DeviceMesh as _DeviceMesh
+
+
+def unflatten_mesh(mesh: _DeviceMesh, dim: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> _DeviceMesh:
+    """``mesh`` with dimension ``dim`` split into ``names`` of ``sizes`` (``DeviceMesh._unflatten``)."""
+    return mesh._unflatten(dim, sizes, names)
+
+
 __all__ = ["FlatParamHandle", "compute_local_shape_and_global_offset", "flatten_state_dict", "fsdp_optim_utils",
-           "set_element"]
+           "set_element", "unflatten_mesh"]

@@ -77,7 +77,9 @@ KEYS: tuple[Key, ...] = (
         "v2: uneven and empty shards are always allowed here.", "v2"),
     Key("fsdp_cache_flush_warnings", bool, True, NO_EFFECT, "v2: CUDA allocator warnings.", "v2"),
     Key("context_parallel_degree", int, 1, DEFAULT_ONLY, "v2: context parallelism is not built.", "v2", minimum=1),
-    Key("expert_parallel_degree", int, 1, DEFAULT_ONLY, "v2: expert parallelism is not built.", "v2", minimum=1),
+    Key("expert_parallel_degree", int, 1, IMPLEMENTED,
+        "v2: ranks sharing one copy of each MoE layer's experts, each holding 1/degree of them; "
+        "carved out of the data-parallel ranks, so it must divide world / (tp x pp x cp).", "v2", minimum=1),
     # --- precision ---------------------------------------------------------------------------
     Key("fp16", bool, False, IMPLEMENTED, "Train in float16 with a loss-scaling optimizer."),
     Key("bf16", bool, False, IMPLEMENTED, "Train in bfloat16."),

@@ -57,7 +57,9 @@ class _State:
     dp_size = rdp_size = _asks("rdp_size", "v2's data-parallel size: replicas of one model copy.")
     pp_rank = _asks("pp_rank")
     pp_size = _asks("pp_size")
-    cp_rank = ep_rank = property(_zero, doc="0: context and expert parallelism are not built.")
+    cp_rank = property(_zero, doc="0: context parallelism is not built.")
+    ep_rank = _asks("ep_rank", "This rank's place in its expert-parallel group.")
+    ep_process_group = _asks("get_ep_process_group", "The expert-parallel group: ranks sharing the experts.")
 
     world_process_group = _asks("get_world_process_group")
     tp_process_group = _asks("get_tp_process_group")

@@ -78,7 +78,7 @@ def after_shard(module: nn.Module, rt, state: WrapState) -> None:
     """Give the shards storage and values (from rank 0, or by delayed init), then FSDP."""
     if state.from_rank0:
         meta.materialize(module, rt.device)
-        sync_from_rank0(module, state.full_on_rank0, rt.mesh)
+        sync_from_rank0(module, state.full_on_rank0, rt.expert_mesh)
         state.full_on_rank0.clear()
     elif state.pending_meta and state.options is not None and state.options.delayed:
         initer = InitEngine(module, device=rt.device)

@@ -2,7 +2,8 @@
 
 A module here (any whose name does not start with ``_``) describes one HF architecture and
 exports ``SPEC`` (its ``ArchSpec``: plan, packed weights, loss kind) and ``TABLE`` (its
-``KeyTable`` for state-dict translation). Adding the file is all it takes to register it.
+``KeyTable`` for state-dict translation); a mixture-of-experts architecture also exports
+``EXPERTS`` (its ``ExpertLayout``). Adding the file is all it takes to register it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from types import ModuleType
 
 from torch import nn
 
+from ..expert.layout import ExpertLayout
 from ..nn.huggingface.translate import KeyTable
 from ..tp.plan import ArchSpec
 
@@ -28,17 +30,25 @@ def _check(module: ModuleType) -> ModuleType:
     if not isinstance(spec, ArchSpec) or not isinstance(table, KeyTable) or table.arch != spec.model_type:
         raise TypeError(f"{module.__name__} must export SPEC (an ArchSpec) and TABLE (a KeyTable) for the same "
                         f"model_type, got {type(spec).__name__} and {type(table).__name__}")
+    if not isinstance(getattr(module, "EXPERTS", ExpertLayout("", "")), ExpertLayout):
+        raise TypeError(f"{module.__name__}.EXPERTS must be an ExpertLayout")
     return module
 
 
 _ALL = [_check(m) for m in _modules()]
 ARCHITECTURES: dict[str, ArchSpec] = {m.SPEC.model_type: m.SPEC for m in _ALL}
 TABLES: dict[str, KeyTable] = {m.SPEC.model_type: m.TABLE for m in _ALL}
+EXPERT_LAYOUTS: dict[str, ExpertLayout] = {m.SPEC.model_type: m.EXPERTS for m in _ALL if hasattr(m, "EXPERTS")}
 
 
 def spec_for(model: nn.Module) -> ArchSpec | None:
     """The built-in spec for an HF model, or None if its architecture has none."""
     return ARCHITECTURES.get(getattr(getattr(model, "config", None), "model_type", None))
+
+
+def experts_for(model: nn.Module) -> ExpertLayout | None:
+    """The built-in expert layout of an HF mixture-of-experts model, or None."""
+    return EXPERT_LAYOUTS.get(getattr(getattr(model, "config", None), "model_type", None))
 
 
 def table_for(model_type: str | None) -> KeyTable | None:

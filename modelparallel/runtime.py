@@ -290,7 +290,7 @@ def init(config: dict | str | None = None, *, timeout_s: float = 300.0) -> Runti
     random.seed(cfg.random_seed)
     _RUNTIME = Runtime(config=cfg, world_mesh=world_mesh, mesh=world_mesh["dp", "tp"], device=device,
                        expert_mesh=expert_mesh, _groups=_multi_dim_groups(world_mesh))
-    _fsdp1_layout(cfg, _RUNTIME.mesh)
+    _fsdp1_layout(cfg, _RUNTIME.mesh, _RUNTIME.edp_mesh)
     _setup_logging(dist.get_rank())
     if dist.get_rank() == 0:
         logger.info("world %d = %s on %s", cfg.world_size,
@@ -300,13 +300,14 @@ def init(config: dict | str | None = None, *, timeout_s: float = 300.0) -> Runti
     return _RUNTIME
 
 
-def _fsdp1_layout(cfg: Config, mesh: DeviceMesh) -> None:
+def _fsdp1_layout(cfg: Config, mesh: DeviceMesh, expert_replicas: DeviceMesh) -> None:
     """The data-parallel layout a user's own FSDP1 call gets (SageMaker v2 scripts wrap the
     model themselves after ``init``)."""
     from .training import fsdp1_v2
 
     fsdp1_v2.install()
-    fsdp1_v2.configure(fsdp1_v2.Layout(mesh["dp"], cfg.tensor_parallel_degree, cfg.hybrid_shard_degree))
+    fsdp1_v2.configure(fsdp1_v2.Layout(mesh["dp"], cfg.tensor_parallel_degree, cfg.hybrid_shard_degree,
+                                       expert_replicas))
 
 
 _LOGGED_KEYS: set[str] = set()

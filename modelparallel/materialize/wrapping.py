@@ -87,7 +87,7 @@ def after_shard(module: nn.Module, rt, state: WrapState) -> None:
         state.pending_meta = False
     state.fsdp = fsdp.shard_data_parallel(module, rt.mesh, state.spec, rt.config.shard_degree,
                                           fsdp.mixed_precision(state.compute_dtype),
-                                          keep_gathered=rt.config.keep_params_gathered)
+                                          keep_gathered=rt.config.keep_params_gathered, expert_replicas=rt.edp_mesh)
 
 
 def check_ready(module: nn.Module, state: WrapState) -> None:

@@ -68,8 +68,11 @@ class MoEConfig:
             raise NotImplementedError("MoEConfig: modelparallel does not implement:\n  - " + "\n  - ".join(refused))
 
 
+_TYPES = {"bool": (bool, "a bool"), "int": (int, "an int"), "str": (str, "a str"), "float": ((int, float), "a number")}
+
+
 def _type_problem(name: str, value, kind: str) -> str | None:
-    want = {"bool": bool, "int": int, "str": str, "float": (int, float)}[kind]
+    want, said = _TYPES[kind]
     if isinstance(value, bool) and kind != "bool" or not isinstance(value, want):
-        return f"{name}={value!r} must be a {kind}"
+        return f"{name}={value!r} must be {said}"
     return None

@@ -113,3 +113,45 @@ def distributed_copy(ref, **config):
     """``smp.init(config)``, then a ``DistributedModel`` of a copy of ``ref``."""
     smp.init(config)
     return smp.DistributedModel(copy.deepcopy(ref))
+
+
+def average_like_data_parallel(model) -> None:
+    """What a data-parallel wrapper does to a ``transform``ed model's gradients: dense ones averaged
+    over every data-parallel rank, experts over the ranks holding the same experts."""
+    from modelparallel.expert import is_expert_parameter
+    from modelparallel.tp.layout import local_grad
+
+    for p in model.parameters():
+        g = local_grad(p)
+        if g is None:
+            continue
+        group = smp.CommGroup.EDP_GROUP if is_expert_parameter(p) else smp.CommGroup.RDP_GROUP
+        dist.all_reduce(g, group=smp.runtime.current().group(group))
+        g /= len(smp.runtime.current().ranks(group))
+
+
+def train_transformed_like_one_process(ref, model, steps, what: str, lr: float = 1e-2, grads: bool = True,
+                                       reference=reference_loss) -> None:
+    """AdamW steps of a ``transform``ed model (each replica its own batch; gradients averaged by
+    ``average_like_data_parallel`` unless an FSDP wrapper does it: ``grads=False``) against the
+    reference's ``reference(ref, batches)`` loss."""
+    from reference import _assert_module_grads_match
+
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    for step, batches in enumerate(steps):
+        mine = batches[smp.rdp_rank()]
+        loss = model(mine, labels=mine).loss
+        want = reference(ref, batches)
+        want.backward()
+        loss.backward()
+        if grads:
+            average_like_data_parallel(model)
+            if step == 0:
+                _assert_module_grads_match(ref, model, rerun=lambda twin: reference(twin, batches))
+        for o in (opt_ref, opt):
+            o.step()
+            o.zero_grad()
+        got = mean_over_replicas(loss)
+        rel = abs(got - want.item()) / abs(want.item())
+        assert rel < training_rtol(step), f"{what} step {step}: loss {got} vs one process {want.item()} (rel {rel:.1e})"

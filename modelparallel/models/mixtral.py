@@ -9,6 +9,8 @@ and the experts stacked in two tensors (``experts.gate_up_proj [E, 2I, H]``, ``e
 (every TP rank of a group holds the same tokens there); expert parallelism shards the experts on
 their first dimension (``EXPERTS``) and the router stays whole on every rank. No weight is fused
 in a way that depends on a degree: the distributed state dict is HF's, experts indexed globally.
+Checkpoints on the Hugging Face hub hold each expert's ``w1`` (gate), ``w3`` (up) and ``w2``
+(down) separately under ``block_sparse_moe``: ``TABLE.stacked`` / ``renamed`` read them.
 """
 
 from ..expert.layout import ExpertLayout
@@ -43,4 +45,8 @@ TABLE = KeyTable(
     head_keys=("lm_head.weight", "score.weight", "score.bias", "classifier.weight", "classifier.bias",
                "qa_outputs.weight", "qa_outputs.bias"),
     tied={"lm_head.weight": "model.embed_tokens.weight"},
+    stacked={"layers.{}.mlp.experts.gate_up_proj": ("layers.{}.block_sparse_moe.experts.{}.w1.weight",
+                                                    "layers.{}.block_sparse_moe.experts.{}.w3.weight"),
+             "layers.{}.mlp.experts.down_proj": ("layers.{}.block_sparse_moe.experts.{}.w2.weight",)},
+    renamed={"layers.{}.block_sparse_moe.gate.weight": "layers.{}.mlp.gate.weight"},
 )

@@ -8,7 +8,8 @@ sparse layer's ``mlp.shared_expert`` (gate and up column parallel, down row para
 the two a model has depends on its config, so those rules may match nothing. The shared expert's
 scalar gate (``shared_expert_gate``, hidden -> 1) stays whole on every rank. The router (``gate``)
 and the stacked experts are not ``nn.Linear``: the TP walker leaves them whole; expert
-parallelism shards the experts (``EXPERTS``). The distributed state dict is HF's.
+parallelism shards the experts (``EXPERTS``). The distributed state dict is HF's; checkpoints
+on the Hugging Face hub hold each expert's projections separately (``TABLE.stacked`` reads them).
 """
 
 from ..expert.layout import ExpertLayout
@@ -52,4 +53,7 @@ TABLE = KeyTable(
     head_keys=("lm_head.weight", "score.weight", "score.bias", "classifier.weight", "classifier.bias",
                "qa_outputs.weight", "qa_outputs.bias"),
     tied={"lm_head.weight": "model.embed_tokens.weight"},
+    stacked={"layers.{}.mlp.experts.gate_up_proj": ("layers.{}.mlp.experts.{}.gate_proj.weight",
+                                                    "layers.{}.mlp.experts.{}.up_proj.weight"),
+             "layers.{}.mlp.experts.down_proj": ("layers.{}.mlp.experts.{}.down_proj.weight",)},
 )

@@ -40,9 +40,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="held-out tail of the corpus for validation (default: %(default)s)")
     g = p.add_argument_group("parallelism")
     g.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (default: %(default)s)")
+    g.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel degree, for mixture-of-experts models (mixtral-* presets, Mixtral, "
+                        "Qwen2-MoE): data-parallel ranks sharing each layer's experts (default: %(default)s)")
     g.add_argument("--nproc", type=int, default=None,
-                   help="ranks to launch on this machine; --nproc x --nnodes must be a multiple of --tp, "
-                        "the rest is data parallel (default: --tp / --nnodes)")
+                   help="ranks to launch on this machine; --nproc x --nnodes must be a multiple of --tp x --ep, "
+                        "the rest is data parallel (default: --tp x --ep / --nnodes)")
     g = p.add_argument_group("several machines (passed to torchrun; run the same command on each)")
     g.add_argument("--nnodes", type=int, default=1, help="number of machines (default: %(default)s)")
     g.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nnodes-1")
@@ -80,7 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _range_problems(args: argparse.Namespace) -> list[str]:
-    checks = [("--tp", args.tp, 1), ("--nproc", args.nproc, 1), ("--steps", args.steps, 1),
+    checks = [("--tp", args.tp, 1), ("--ep", args.ep, 1), ("--nproc", args.nproc, 1), ("--steps", args.steps, 1),
               ("--batch-size", args.batch_size, 1), ("--seq-len", args.seq_len, 2),
               ("--eval-windows", args.eval_windows, 1), ("--sample-tokens", args.sample_tokens, 0),
               ("--max-files", args.max_files or 1, 1), ("--eval-every", args.eval_every or 0, 0),
@@ -111,6 +114,9 @@ def _world_problems(args: argparse.Namespace) -> list[str]:
         "--nproc" if args.nnodes == 1 else f"--nproc x --nnodes = {args.nproc} x {args.nnodes} ="
     if args.tp >= 1 and world >= 1 and world % args.tp:
         return [f"--tp {args.tp} does not divide {where} {world}"]
+    if args.tp >= 1 and args.ep >= 1 and world >= 1 and world % (args.tp * args.ep):
+        return [f"--tp {args.tp} x --ep {args.ep} does not divide {where} {world} (expert-parallel ranks are "
+                "data-parallel ranks)"]
     return []
 
 
@@ -122,7 +128,7 @@ def _model_problems(args: argparse.Namespace) -> list[str]:
         if problems:
             return problems
         load_tokenizer(args.model)
-        return size_problems(config, args.seq_len, args.tp)
+        return size_problems(config, args.seq_len, args.tp, args.ep)
     except (OSError, ValueError) as exc:
         return [str(exc)]
 
@@ -132,7 +138,7 @@ def check_args(args: argparse.Namespace) -> list[str]:
     not as one traceback per rank). Fills in defaults that depend on other arguments, and
     ``args.resume_tag``: the checkpoint to continue from (None: from step 0)."""
     if args.nproc is None:
-        args.nproc = max(1, args.tp // max(args.nnodes, 1))
+        args.nproc = max(1, args.tp * max(args.ep, 1) // max(args.nnodes, 1))
     problems = _range_problems(args) + _world_problems(args)
     try:
         args.data_files = find_text_files(args.data) if args.data else \

@@ -176,7 +176,7 @@ def _summary(args, hist, info, val_loss, sample, times: dict, session: dict, n_p
     return {
         "config": {k: (str(v) if k in ("out",) else v) for k, v in vars(args).items()
                    if not k.startswith("_") and k not in ("argv", "data_files")},
-        "world_size": smp.size(), "tp": smp.tp_size(), "dp": smp.rdp_size(),
+        "world_size": smp.size(), "tp": smp.tp_size(), "dp": smp.rdp_size(), "ep": smp.state.ep_size,
         "threads_per_rank": torch.get_num_threads(), "optimizer": type(opt).__name__,
         "parameters": n_params, "corpus": info, **hist,
         # the history starts later than step 0 only if resumed from a checkpoint that did not keep it
@@ -210,7 +210,8 @@ def run_job(args: argparse.Namespace) -> int:
     """Train on this rank; rank 0 writes the artifacts and prints the summary."""
     dtype = getattr(args, "dtype", "fp32")
     # the TP ranks of a replica draw the same windows: SageMaker's prescaled-batch layout
-    smp.init({"tensor_parallel_degree": args.tp, "random_seed": args.seed, "prescaled_batch": True,
+    smp.init({"tensor_parallel_degree": args.tp, "expert_parallel_degree": getattr(args, "ep", 1),
+              "random_seed": args.seed, "prescaled_batch": True,
               "fp16": dtype == "fp16", "bf16": dtype == "bf16"})
     tokenizer = load_tokenizer(args.model)
     train_tokens, val_tokens, info = load_data(args, tokenizer)

@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from . import hf_init, meta, safetensors_io
+from . import hf_init, meta, safetensors_io, stacked
 from .init_engine import InitEngine
 from ..nn.huggingface import table_for
 from ..tp.layout import base_prefix, block_of, block_slices, local_part, tie_groups
@@ -164,10 +164,14 @@ def plan(module: nn.Module, files: dict[str, str], strict: bool) -> tuple[list[E
         t = state[names[0]]
         key = next((c for n in names for c in _candidates(module, n) if c in shapes), None)
         if key is None and table is not None:
-            hub = _hub_entry(table, names, t, metadata, files, problems)
-            if hub is not None:
-                used.update(k for part in hub.parts for k in part)
-                entries.append(hub)
+            parts = stacked.expert_parts(table, names[0], t, shapes, files, problems)
+            if parts is not None:  # a hub checkpoint's experts, one tensor per expert
+                first = parts[0][0]
+                if first in metadata and _kind(metadata[first][1]) != _kind(t.dtype):
+                    problems.append(f"{files[first]}: {first}: the checkpoint holds dtype {metadata[first][1]}, "
+                                    f"the model {t.dtype}")
+                used.update(k for part in parts for k in part)
+                entries.append(Entry(names, t, first, files.get(first, ""), None, parts))
                 continue
             key = next((k for n in names for k in table.hub_names(n) if k in shapes), None)
         if key is None:
@@ -188,46 +192,6 @@ def plan(module: nn.Module, files: dict[str, str], strict: bool) -> tuple[list[E
     if problems:
         raise ValueError("cannot load the checkpoint:\n  - " + "\n  - ".join(problems))
     return entries, LoadReport(sorted(missing), unexpected)
-
-
-def _hub_entry(table, names: list[str], t: torch.Tensor, metadata: dict, files: dict[str, str],
-               problems: list[str]) -> Entry | None:
-    """The entry of a stacked experts tensor a hub checkpoint holds expert by expert (the key
-    table's ``stacked`` templates), its per-expert shapes checked; None if it holds none of them."""
-    parts = table.expert_keys(names[0], t.shape[0]) if t.dim() == 3 else []
-    if not parts:
-        return None
-    keys = [k for part in parts for k in part]
-    if not all(k in metadata for k in keys):
-        absent = [k for k in keys if k not in metadata]
-        if len(absent) < len(keys):
-            problems.append(f"{names[0]}: the checkpoint holds only some of its per-expert tensors (no {absent[:3]}...)")
-        return None
-    rows = sum(metadata[part[0]][0][0] for part in parts)
-    for e in range(t.shape[0]):
-        got = [metadata[part[e]][0] for part in parts]
-        if any(g[1:] != tuple(t.shape[2:]) for g in got) or sum(g[0] for g in got) != t.shape[1] or rows != t.shape[1]:
-            problems.append(f"{files[parts[0][e]]}: {names[0]} expert {e}: the checkpoint holds {got}, the model "
-                            f"(its config) expects {tuple(t.shape[1:])} in {len(parts)} parts")
-            break
-    if _kind(metadata[keys[0]][1]) != _kind(t.dtype):
-        problems.append(f"{files[keys[0]]}: {keys[0]}: the checkpoint holds dtype {metadata[keys[0]][1]}, the "
-                        f"model {t.dtype}")
-    return Entry(names, t, keys[0], files[keys[0]], None, parts)
-
-
-def read_stacked(files: dict[str, str], parts: list[list[str]], target: torch.Tensor) -> torch.Tensor:
-    """This rank's block of a stacked experts tensor from a hub checkpoint's per-expert tensors:
-    only the experts of the block are read, each part whole, concatenated, then cut to the block."""
-    shape, offset = block_of(target)
-    rows = []
-    for e in range(offset[0], offset[0] + shape[0]):
-        pieces = []
-        for part in parts:
-            with safetensors_io.open_file(files[part[e]]) as h:
-                pieces.append(h.get_tensor(part[e]))
-        rows.append(torch.cat(pieces)[block_slices(shape[1:], offset[1:])])
-    return torch.stack(rows) if rows else torch.empty(shape)
 
 
 def _ignored(module: nn.Module, table, key: str) -> bool:
@@ -302,7 +266,7 @@ def load_hf_checkpoint(model: nn.Module, path: str | Path, strict: bool = True) 
             loaded.append(target)
             dst = local_part(target)
             if e.parts is not None:
-                dst.copy_(read_stacked(files, e.parts, target))
+                dst.copy_(stacked.read_stacked(files, e.parts, target))
                 continue
             if e.packed is None and safetensors_io.read_into(e.file, e.key, dst, *block_of(target)):
                 continue  # one byte range read straight into the shard

@@ -64,7 +64,10 @@ def evaluate(model, val_tokens: torch.Tensor, args) -> float:
     """Mean loss per token over the first ``--eval-windows`` held-out sequences."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64)
-    for x, y in eval_batches(val_tokens, args.seq_len, args.batch_size, args.eval_windows,
+    windows = min((len(val_tokens) - 1) // args.seq_len, args.eval_windows)
+    if smp.state.ep_size > 1:  # every rank of an expert-parallel group runs the same number of forwards
+        windows -= windows % smp.rdp_size()
+    for x, y in eval_batches(val_tokens, args.seq_len, args.batch_size, windows,
                              smp.rdp_rank(), smp.rdp_size()):
         total += torch.tensor([model(x, labels=x, shift_labels=y).loss.item() * y.numel(), y.numel()])
     if smp.rdp_size() > 1:
@@ -161,6 +164,8 @@ def generate_sample(model, tokenizer, args) -> str:
     sampling = {"do_sample": True, "temperature": args.temperature, "top_k": 40} if args.temperature > 0 \
         else {"do_sample": False}
     eos = getattr(tokenizer, "eos_token_id", None)
+    if smp.state.ep_size > 1:  # no rank may stop early: its expert-parallel group would wait for it
+        sampling["min_new_tokens"] = args.sample_tokens
     torch.manual_seed(args.seed)
     model.eval()
     with torch.no_grad():

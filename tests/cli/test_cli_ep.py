@@ -18,8 +18,8 @@ import pytest
 def test_mixtral_preset_trains_with_expert_parallelism(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "modelparallel.cli", "train", "--model", "mixtral-micro", "--tp", "1", "--ep", "2",
-           "--steps", "4", "--seq-len", "32", "--batch-size", "2", "--max-files", "5", "--eval-windows", "4",
-           "--sample-tokens", "4", "--out", str(out)]  # --nproc defaults to tp x ep = 2
+           "--steps", "4", "--seq-len", "32", "--batch-size", "2", "--max-files", "5", "--eval-windows", "5",
+           "--sample-tokens", "4", "--out", str(out)]  # --nproc defaults to tp x ep = 2; 5 windows: 3 + 2
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -6,9 +6,10 @@ holds for the dense parameters (replicated over the data-parallel ranks) but not
 ranks of one expert-parallel group hold different experts. So the experts modules are taken out
 of the user's call (added to its ignored modules) and sharded with FSDP2 (``fully_shard``) over
 the ranks holding the same experts (the expert-data-parallel mesh), in the user call's mixed
-precision. Each experts module is then its own FSDP2 root: it gathers its shards when it runs
-and reduce-scatters its gradients over its replicas in the backward pass, while FSDP1 does the
-same for the rest over every data-parallel rank.
+precision, sharded over every replica or, under ``hybrid_shard_degree``, inside groups of them and
+replicated across the groups. Each experts module is then its own FSDP2 root: it gathers its
+shards when it runs and reduce-scatters its gradients over its replicas in the backward pass,
+while FSDP1 does the same for the rest over every data-parallel rank.
 """
 
 from __future__ import annotations
@@ -17,24 +18,26 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from ..compat import unflatten_mesh
 from .style import is_expert_parallel
 
 
-def set_apart(args: dict, hybrid_shard_degree: int, dp_size: int) -> list[nn.Module]:
+def set_apart(args: dict, hybrid_shard_degree: int, dp_size: int, ep_size: int) -> list[nn.Module]:
     """Add the expert-parallel experts modules of an FSDP1 call's ``module`` to its ignored
     modules (in place); return them.
 
     Raises:
-        NotImplementedError: ``hybrid_shard_degree`` other than 0 or the data-parallel degree
-            (hybrid sharding of the expert replicas is not built).
+        NotImplementedError: a ``hybrid_shard_degree`` that cuts expert-parallel groups (neither
+            0, 1, the data-parallel degree nor a multiple of ``expert_parallel_degree``).
     """
     experts = [m for m in args["module"].modules() if is_expert_parallel(m)]
     if not experts:
         return []
-    if hybrid_shard_degree not in (0, dp_size):
+    if hybrid_shard_degree not in (0, 1, dp_size) and hybrid_shard_degree % ep_size:
         raise NotImplementedError(
-            f"hybrid_shard_degree={hybrid_shard_degree} with expert parallelism under FSDP1 (hybrid sharding of "
-            f"the expert replicas) is not implemented; use 0 or the data-parallel degree {dp_size}")
+            f"hybrid_shard_degree={hybrid_shard_degree} with expert_parallel_degree={ep_size} under FSDP1: a "
+            f"shard group that splits expert-parallel groups is not implemented; use 0, 1, {dp_size} or a "
+            f"multiple of {ep_size}")
     if args.get("ignored_states") is not None:
         args["ignored_states"] = [*args["ignored_states"], *experts]
     else:
@@ -42,9 +45,22 @@ def set_apart(args: dict, hybrid_shard_degree: int, dp_size: int) -> list[nn.Mod
     return experts
 
 
+def replica_mesh(replicas: DeviceMesh, hybrid_shard_degree: int, dp_size: int) -> DeviceMesh:
+    """The mesh the experts are sharded over, as ``hybrid_shard_degree`` shards the dense
+    parameters: all their replicas (0 or the data-parallel degree), or a 2-D (replicate, shard)
+    mesh whose shard groups hold ``hybrid_shard_degree / ep`` replicas each (one, replicated
+    everywhere, for degree 1 or ep), FSDP2's hybrid sharding."""
+    if hybrid_shard_degree in (0, dp_size):
+        return replicas
+    ep = dp_size // replicas.size()
+    shard = max(1, hybrid_shard_degree // ep)
+    return unflatten_mesh(replicas, replicas.mesh_dim_names[0], (replicas.size() // shard, shard),
+                          ("edp_replicate", "edp_shard"))
+
+
 def shard(experts: list[nn.Module], replicas: DeviceMesh, mixed_precision) -> None:
-    """``fully_shard`` each experts module over ``replicas`` in the precision of FSDP1's
-    ``MixedPrecision`` (or None)."""
+    """``fully_shard`` each experts module over ``replicas`` (``replica_mesh``) in the precision
+    of FSDP1's ``MixedPrecision`` (or None)."""
     policy = MixedPrecisionPolicy()
     if mixed_precision is not None:
         policy = MixedPrecisionPolicy(param_dtype=mixed_precision.param_dtype,

@@ -210,13 +210,16 @@ def install() -> None:
         bound = signature.bind(self, *args, **kwargs)
         lay = _layout[0]
         complete(bound.arguments, lay)
-        experts = expert_fsdp1.set_apart(bound.arguments, lay.hybrid_shard_degree, lay.dp_mesh.size())
+        dp, replicas = lay.dp_mesh.size(), lay.expert_replicas
+        experts = expert_fsdp1.set_apart(bound.arguments, lay.hybrid_shard_degree, dp, dp // replicas.size())
         token = _inside.set(True)
         try:
             init(*bound.args, **bound.kwargs)
         finally:
             _inside.reset(token)
-        expert_fsdp1.shard(experts, lay.expert_replicas, bound.arguments.get("mixed_precision"))
+        if experts:
+            expert_fsdp1.shard(experts, expert_fsdp1.replica_mesh(replicas, lay.hybrid_shard_degree, dp),
+                               bound.arguments.get("mixed_precision"))
 
     setattr(checked_init, _MARK, True)
     FullyShardedDataParallel.__init__ = checked_init

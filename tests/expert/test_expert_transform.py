@@ -26,16 +26,20 @@ LAYERS = {"mixtral": MixtralDecoderLayer, "qwen2_moe": Qwen2MoeDecoderLayer}
 AUX = dict(moe_load_balancing="aux_loss", moe_aux_loss_coeff=0.05, moe_z_loss_coeff=0.0)
 
 
-def transformed(arch, ep, moe, tp=1, **config_kw):
-    smp.init({"expert_parallel_degree": ep, "tensor_parallel_degree": tp, "prescaled_batch": True})
+def transformed(arch, ep, moe, tp=1, hybrid_shard_degree=0, **config_kw):
+    smp.init({"expert_parallel_degree": ep, "tensor_parallel_degree": tp, "prescaled_batch": True,
+              "hybrid_shard_degree": hybrid_shard_degree})
     ref = reference_model(arch, **config_kw)
     return ref, smp.transform(copy.deepcopy(ref), config=moe)
 
 
-def fsdp1_without_mesh(arch, ep, use_orig_params):
-    ref, model = transformed(arch, ep, MoEConfig(**AUX))
+def fsdp1_without_mesh(arch, ep, use_orig_params, hybrid_shard_degree=0):
+    ref, model = transformed(arch, ep, MoEConfig(**AUX), hybrid_shard_degree=hybrid_shard_degree)
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LAYERS[arch]})
     model = FSDP(model, auto_wrap_policy=policy, use_orig_params=use_orig_params, device_id=torch.device("cpu"))
+    experts = model.module.model.layers[0].mlp.experts.gate_up_proj
+    replicated = hybrid_shard_degree in (1, 2)  # 4 data-parallel ranks, E=2: shard groups of one replica
+    assert experts.to_local().shape[0] == (2 if replicated else 1), (experts.placements, experts.to_local().shape)
     train_transformed_like_one_process(ref, model, replica_batches(3, smp.rdp_size()), f"{arch} FSDP1", grads=False)
 
 
@@ -43,6 +47,23 @@ def fsdp1_without_mesh(arch, ep, use_orig_params):
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
 def test_v2_fsdp1_call_without_mesh_trains_like_one_process(arch, use_orig_params):
     harness.run(4, fsdp1_without_mesh, arch, 2, use_orig_params)
+
+
+@pytest.mark.parametrize("hybrid_shard_degree", [1, 2])
+def test_v2_fsdp1_hybrid_shard_degree(hybrid_shard_degree):
+    """hybrid_shard_degree 1 (replicate) and 2 (shard in pairs, dense and experts' groups alike)."""
+    harness.run(4, fsdp1_without_mesh, "mixtral", 2, True, hybrid_shard_degree)
+
+
+def hybrid_cutting_groups():
+    smp.init({"expert_parallel_degree": 4, "hybrid_shard_degree": 2})
+    model = smp.transform(reference_model("mixtral"), config=MoEConfig(**AUX))
+    with pytest.raises(NotImplementedError, match="hybrid_shard_degree=2 with expert_parallel_degree=4"):
+        FSDP(model, use_orig_params=True, device_id=torch.device("cpu"))
+
+
+def test_hybrid_shard_degree_cutting_expert_groups_is_refused():
+    harness.run(4, hybrid_cutting_groups)
 
 
 def dispatcher(arch, all_to_all, tp):

@@ -18,7 +18,7 @@ from .training import batch
 from .training.dp import OverlappedAverage, allreduce_gradients
 from .model_tp import TensorParallelMethods
 from .materialize.state_dict import LoadReport, full_state_dict, load_state_dict, local_state_dict
-from .parallelize import parallelize
+from .parallelize import check, parallelize
 
 logger = logging.getLogger("modelparallel")
 
@@ -66,6 +66,7 @@ class DistributedModel(TensorParallelMethods, nn.Module):
         if isinstance(module, DistributedModel) or module.__dict__.get("_mp_wrapped"):
             raise ValueError("DistributedModel was already applied to this model; wrap a model once")
         rt = runtime.current()
+        check(module, rt)  # what no plan can fix is refused before the first collective
         super().__init__()
         dtype = torch.float16 if rt.config.fp16 else torch.bfloat16 if rt.config.bf16 else None
         state = wrapping.before_shard(module, rt, dtype)  # meta / rank-0-only / delayed-init models
@@ -140,19 +141,19 @@ class DistributedModel(TensorParallelMethods, nn.Module):
     def _replica_groups(self, rt) -> list[tuple[list[nn.Parameter], object, int]]:
         """(parameters, process group, its size) for each kind of replica: the experts of an
         expert-parallel model are replicated over the ranks holding the same experts, every
-        other parameter over the reduced-data-parallel group. Groups of one rank are left out."""
+        other parameter over the data x context parallel ranks. Groups of one rank are left out."""
         params = list(self.module.parameters())
         experts = [p for p in params if is_expert_parameter(p)]
-        groups = [([p for p in params if not is_expert_parameter(p)], rt.group(runtime.RDP_GROUP),
-                   rt.config.dp_degree)]
+        groups = [([p for p in params if not is_expert_parameter(p)], rt.group(runtime.DP_CP_GROUP),
+                   rt.config.replica_degree)]
         if experts:
             groups.append((experts, rt.group(runtime.EDP_GROUP), rt.config.dp_degree // rt.config.expert_parallel_degree))
         return [g for g in groups if g[2] > 1]
 
     def _averages(self, rt) -> bool:
-        """Whether this model's gradients are averaged over data-parallel replicas here (FSDP
-        reduce-scatters them itself)."""
-        return rt.config.ddp and not self._mp_state.fsdp and rt.config.dp_degree > 1
+        """Whether this model's gradients are averaged over data-parallel replicas (and context
+        ranks, which hold the same parameters) here (FSDP reduce-scatters them itself)."""
+        return rt.config.ddp and not self._mp_state.fsdp and rt.config.replica_degree > 1
 
     def _arm_overlap(self, rt) -> None:
         """Before a backward pass that ends with the data-parallel average (the last microbatch

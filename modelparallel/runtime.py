@@ -14,7 +14,10 @@ Rank vocabulary (SageMaker's). ``TP_GROUP``: ranks sharing one copy of each laye
 are averaged over it. ``DP_GROUP``: ranks with the same pp rank; the TP group is a subset of it,
 because with ``prescaled_batch`` false each TP rank brings its own batch. ``MP_GROUP``: the ranks
 that together hold one model copy (tp x pp). ``PP_GROUP``: ranks with the same tp, rdp and cp
-rank: one per pipeline stage. Every group is "the ranks that differ from this one only along
+rank: one per pipeline stage. ``CP_GROUP`` (SageMaker v2): ranks splitting the same sequences,
+with the same tp, rdp and pp rank. ``DP_CP_GROUP`` (ours): ranks holding the same parameters,
+with the same tp and pp rank (rdp x cp): gradients are averaged, and FSDP shards, over it, as
+torchtitan's ``dp_shard_cp`` does. Every group is "the ranks that differ from this one only along
 these dimensions" (``GROUP_DIMS``), numbered in global-rank order as torch numbers a group.
 
 Expert parallelism is carved out of the data-parallel ranks, as torchtitan and Megatron-Core do:
@@ -38,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .compat import unflatten_mesh
+from .compat import flatten_mesh, unflatten_mesh
 from .config import Config, build_config, without_effect
 from .config_keys import PLACEMENTS
 
@@ -56,11 +59,14 @@ class CommGroup(str, Enum):
     PP_GROUP = "pp"
     EP_GROUP = "ep"
     EDP_GROUP = "edp"
+    CP_GROUP = "cp"
+    DP_CP_GROUP = "dp_cp"
 
 
 WORLD, DP_GROUP, TP_GROUP = CommGroup.WORLD, CommGroup.DP_GROUP, CommGroup.TP_GROUP
 RDP_GROUP, MP_GROUP, PP_GROUP = CommGroup.RDP_GROUP, CommGroup.MP_GROUP, CommGroup.PP_GROUP
 EP_GROUP, EDP_GROUP = CommGroup.EP_GROUP, CommGroup.EDP_GROUP
+CP_GROUP, DP_CP_GROUP = CommGroup.CP_GROUP, CommGroup.DP_CP_GROUP
 
 DIMS = ("pp", "dp", "cp", "tp")
 """The world mesh's dimensions, in the order of its axes."""
@@ -78,6 +84,8 @@ GROUP_DIMS: dict[CommGroup, tuple[str, ...]] = {
     MP_GROUP: ("pp", "tp"),
     EP_GROUP: ("ep",),
     EDP_GROUP: ("edp",),
+    CP_GROUP: ("cp",),
+    DP_CP_GROUP: ("dp", "cp"),
 }
 """The mesh dimensions along which a group's members differ from each other (of ``DIMS``, or of
 ``EXPERT_DIMS`` for the expert groups)."""
@@ -125,8 +133,17 @@ class Runtime:
         return self.mesh["tp"]
 
     @property
+    def cp_mesh(self) -> DeviceMesh:
+        """This rank's 1-D context-parallel mesh (the ranks splitting its sequences)."""
+        return self.world_mesh["cp"]
+
+    @property
     def dp_mesh(self) -> DeviceMesh:
-        return self.mesh["dp"]
+        """The 1-D mesh FSDP shards over: the data-parallel ranks, times the context-parallel ones
+        when context parallelism is on (they hold the same parameters; the ``dp_cp`` dimension)."""
+        if self.world_mesh.size(DIMS.index("cp")) == 1:
+            return self.mesh["dp"]
+        return flatten_mesh(self.world_mesh["dp", "cp"], "dp_cp")
 
     @property
     def ep_mesh(self) -> DeviceMesh:
@@ -290,7 +307,7 @@ def init(config: dict | str | None = None, *, timeout_s: float = 300.0) -> Runti
     random.seed(cfg.random_seed)
     _RUNTIME = Runtime(config=cfg, world_mesh=world_mesh, mesh=world_mesh["dp", "tp"], device=device,
                        expert_mesh=expert_mesh, _groups=_multi_dim_groups(world_mesh))
-    _fsdp1_layout(cfg, _RUNTIME.mesh, _RUNTIME.edp_mesh)
+    _fsdp1_layout(cfg, _RUNTIME)
     _setup_logging(dist.get_rank())
     if dist.get_rank() == 0:
         logger.info("world %d = %s on %s", cfg.world_size,
@@ -300,14 +317,14 @@ def init(config: dict | str | None = None, *, timeout_s: float = 300.0) -> Runti
     return _RUNTIME
 
 
-def _fsdp1_layout(cfg: Config, mesh: DeviceMesh, expert_replicas: DeviceMesh) -> None:
+def _fsdp1_layout(cfg: Config, rt: Runtime) -> None:
     """The data-parallel layout a user's own FSDP1 call gets (SageMaker v2 scripts wrap the
-    model themselves after ``init``)."""
+    model themselves after ``init``): the data x context ranks."""
     from .training import fsdp1_v2
 
     fsdp1_v2.install()
-    fsdp1_v2.configure(fsdp1_v2.Layout(mesh["dp"], cfg.tensor_parallel_degree, cfg.hybrid_shard_degree,
-                                       expert_replicas))
+    fsdp1_v2.configure(fsdp1_v2.Layout(rt.dp_mesh, cfg.tensor_parallel_degree, cfg.hybrid_shard_degree,
+                                       rt.edp_mesh))
 
 
 _LOGGED_KEYS: set[str] = set()
@@ -348,6 +365,8 @@ _GROUP_DOCS = {
     PP_GROUP: "the pipeline group: ranks with this rank's tp and rdp rank, one per stage",
     EP_GROUP: "the expert-parallel group: data-parallel ranks that hold one copy of the experts between them",
     EDP_GROUP: "the expert-data-parallel group: ranks holding this rank's experts (same ep rank)",
+    CP_GROUP: "the context-parallel group: ranks splitting the same sequences",
+    DP_CP_GROUP: "the data x context parallel ranks: ranks holding the same parameters (same tp and pp rank)",
 }
 
 
@@ -378,6 +397,7 @@ dp_rank, dp_size, get_dp_process_group = _group_api(DP_GROUP, "dp_rank", "dp_siz
 mp_rank, mp_size, get_mp_process_group = _group_api(MP_GROUP, "mp_rank", "mp_size", "get_mp_process_group")
 pp_rank, pp_size, get_pp_process_group = _group_api(PP_GROUP, "pp_rank", "pp_size", "get_pp_process_group")
 ep_rank, ep_size, get_ep_process_group = _group_api(EP_GROUP, "ep_rank", "ep_size", "get_ep_process_group")
+cp_rank, cp_size, get_cp_process_group = _group_api(CP_GROUP, "cp_rank", "cp_size", "get_cp_process_group")
 
 
 def local_rank() -> int:

@@ -1,9 +1,11 @@
 """Bad input to expert parallelism fails with one clear error on every rank, never a hang:
 experts the degree does not divide, a degree the world does not allow, a model whose expert
-layout is not built in, ``smp_moe=False`` with a degree > 1, and a routing that fails on one rank.
+layout is not built in, ``smp_moe=False`` with a degree > 1, expert with context parallelism,
+and a routing that fails on one rank.
 
-Where to look: modelparallel/expert/parallelize.py (``collect``, ``check_experts``) for the model
-checks, config.py for the degrees, expert/dispatch.py (``_agree``) for the one-rank failure.
+Where to look: modelparallel/expert/parallelize.py (``collect``, ``check_experts``) and
+modelparallel/parallelize.py (``check``) for the model checks, config.py for the degrees,
+expert/dispatch.py (``_agree``) for the one-rank failure.
 """
 
 import copy
@@ -68,6 +70,18 @@ def test_bad_models_refused_by_name_on_every_rank():
             assert (f"expert_parallel_degree 2, but {cls} (model_type '{model_type}') has no built-in expert layout; "
                     "the MoE architectures built in are mixtral, qwen2_moe") in errors[key], errors[key]
         assert "MoEConfig(smp_moe=False) keeps Hugging Face's own MoE layers" in errors["hf_moe"], errors["hf_moe"]
+
+
+def with_context_parallelism():
+    smp.init({"expert_parallel_degree": 2, "context_parallel_degree": 2})
+    return (_error_of(lambda: smp.transform(reference_model("mixtral"))),
+            _error_of(lambda: smp.DistributedModel(reference_model("qwen2_moe"))))
+
+
+def test_expert_with_context_parallelism_is_refused_on_every_rank():
+    for errors in harness.run(4, with_context_parallelism):
+        for error in errors:
+            assert error.startswith("NotImplementedError: expert_parallel_degree 2 with context_parallel_degree 2"), error
 
 
 def fail_routing_on_rank1(all_to_all):

@@ -65,6 +65,13 @@ from torch.distributed.checkpoint import state_dict_saver as dcp_saver_module
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict  # noqa: F401
 from torch.distributed.checkpoint.state_dict_saver import _save_state_dict  # noqa: F401
 
+# The expert mesh is the world mesh with its data-parallel dimension split in two; only the private
+# ``_unflatten`` makes such a mesh share the world mesh's root (FSDP and DTensor then accept
+# meshes sliced from both), where a second ``DeviceMesh`` would be an unrelated one.
+def unflatten_mesh(mesh: DeviceMesh, dim: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """``mesh`` with dimension ``dim`` split into ``names`` of ``sizes`` (``DeviceMesh._unflatten``)."""
+    return mesh._unflatten(dim, sizes, names)
+
 
 # Several dimensions of a DeviceMesh as one (the data and context ranks FSDP shards over), kept
 # in the root mesh so DTensors on its other dimensions (TP shards) compose with it; PyTorch
@@ -87,4 +94,4 @@ from .sagemaker.hook import sagemaker_imports  # noqa: E402 - after the private 
 __all__ = ["FlatParamHandle", "SharedParamInfo", "compute_local_shape_and_global_offset", "dcp_loader_module",
            "dcp_saver_module", "flash_attention_cpu", "flash_attention_cpu_backward", "flatten_mesh",
            "flatten_state_dict", "fsdp_init_utils", "fsdp_optim_utils", "sagemaker_imports", "set_element",
-           "set_fsdp_flattened", "torch_checkpoint_wrappers"]
+           "set_fsdp_flattened", "torch_checkpoint_wrappers", "unflatten_mesh"]

@@ -40,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
 from ..compat import FlatParamHandle, fsdp_init_utils
+from ..expert import fsdp1 as expert_fsdp1
 from . import fsdp1_dtensor_views
 
 _MARK = "_mp_v2_layout"
@@ -55,6 +56,9 @@ class Layout:
     dp_mesh: DeviceMesh
     tp_size: int
     hybrid_shard_degree: int
+    expert_replicas: DeviceMesh | None = None
+    """The ranks holding this rank's experts, over which expert-parallel experts are sharded
+    (``expert.fsdp1``)."""
 
 
 _layout: list[Layout] = []
@@ -228,6 +232,23 @@ def _install_post_init() -> None:
         setattr(fsdp_init_utils, name, then_post_init)
 
 
+def _outermost(init, signature, module, args, kwargs) -> None:
+    """The outermost FSDP1 call: checked and laid out, experts set apart and sharded on their own."""
+    bound = signature.bind(module, *args, **kwargs)
+    lay = _layout[0]
+    complete(bound.arguments, lay)
+    dp, replicas = lay.dp_mesh.size(), lay.expert_replicas
+    experts = expert_fsdp1.set_apart(bound.arguments, lay.hybrid_shard_degree, dp, dp // replicas.size())
+    token = _inside.set(True)
+    try:
+        init(*bound.args, **bound.kwargs)
+    finally:
+        _inside.reset(token)
+    if experts:
+        expert_fsdp1.shard(experts, expert_fsdp1.replica_mesh(replicas, lay.hybrid_shard_degree, dp),
+                           bound.arguments.get("mixed_precision"))
+
+
 def install() -> None:
     """Wrap ``FullyShardedDataParallel.__init__`` (idempotent)."""
     _install_release()
@@ -244,13 +265,7 @@ def install() -> None:
         try:
             if _inside.get() or not _layout:
                 return init(self, *args, **kwargs)
-            bound = signature.bind(self, *args, **kwargs)
-            complete(bound.arguments, _layout[0])
-            token = _inside.set(True)
-            try:
-                return init(*bound.args, **bound.kwargs)
-            finally:
-                _inside.reset(token)
+            _outermost(init, signature, self, args, kwargs)
         finally:
             if post is not None:
                 _post_init.reset(post)

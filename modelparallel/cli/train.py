@@ -49,9 +49,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="context-parallel degree: every sequence split over this many ranks, which hold "
                         "chunks r and 2cp-1-r of it (--seq-len must divide by 2 x --cp; no sample is "
                         "generated at --cp > 1) (default: %(default)s)")
+    g.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel degree, for mixture-of-experts models (mixtral-* presets, Mixtral, "
+                        "Qwen2-MoE): data-parallel ranks sharing each layer's experts (default: %(default)s)")
     g.add_argument("--nproc", type=int, default=None,
                    help="ranks to launch on this machine; --nproc x --nnodes must be a multiple of --tp x --pp x "
-                        "--cp, the rest is data parallel (default: --tp x --pp x --cp / --nnodes)")
+                        "--cp x --ep, the rest is data parallel (default: --tp x --pp x --cp x --ep / --nnodes)")
     g = p.add_argument_group("several machines (passed to torchrun; run the same command on each)")
     g.add_argument("--nnodes", type=int, default=1, help="number of machines (default: %(default)s)")
     g.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nnodes-1")
@@ -90,7 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _range_problems(args: argparse.Namespace) -> list[str]:
     checks = [("--tp", args.tp, 1), ("--pp", args.pp, 1), ("--microbatches", args.microbatches, 1),
-              ("--cp", args.cp, 1), ("--nproc", args.nproc, 1), ("--steps", args.steps, 1),
+              ("--cp", args.cp, 1), ("--ep", args.ep, 1), ("--nproc", args.nproc, 1), ("--steps", args.steps, 1),
               ("--batch-size", args.batch_size, 1), ("--seq-len", args.seq_len, 2),
               ("--eval-windows", args.eval_windows, 1), ("--sample-tokens", args.sample_tokens, 0),
               ("--max-files", args.max_files or 1, 1), ("--eval-every", args.eval_every or 0, 0),
@@ -106,6 +109,9 @@ def _range_problems(args: argparse.Namespace) -> list[str]:
                         "context-parallel rank holds two equal chunks of every sequence)")
     if args.pp > 1 and args.cp > 1:
         problems.append(f"--pp {args.pp} with --cp {args.cp}: pipeline and context parallelism do not combine; "
+                        "use one of them")
+    if args.pp > 1 and args.ep > 1:
+        problems.append(f"--pp {args.pp} with --ep {args.ep}: pipeline and expert parallelism do not combine; "
                         "use one of them")
     if args.sample_tokens and not args.prompt:
         problems.append("--prompt must not be empty when --sample-tokens > 0")
@@ -129,7 +135,8 @@ def model_shape(args: argparse.Namespace) -> str:
 
 
 def _world_problems(args: argparse.Namespace) -> list[str]:
-    """The launch shape: ``--tp`` x ``--pp`` x ``--cp`` must divide the number of ranks, whoever launches them."""
+    """The launch shape: ``--tp`` x ``--pp`` x ``--cp`` (x ``--ep``) must divide the number of ranks,
+    whoever launches them."""
     world = int(os.environ["WORLD_SIZE"]) if launch.under_launcher() else args.nproc * args.nnodes
     where = "the launcher's WORLD_SIZE" if launch.under_launcher() else \
         "--nproc" if args.nnodes == 1 else f"--nproc x --nnodes = {args.nproc} x {args.nnodes} ="
@@ -137,6 +144,12 @@ def _world_problems(args: argparse.Namespace) -> list[str]:
     ranks = args.tp * args.pp * args.cp
     if args.tp >= 1 and args.pp >= 1 and args.cp >= 1 and world >= 1 and world % ranks:
         return [f"{model} does not divide {where} {world}"]
+    if args.tp >= 1 and args.pp >= 1 and args.cp >= 1 and args.ep > 1 and world >= 1 and world % (ranks * args.ep):
+        return [f"{model} x --ep {args.ep} does not divide {where} {world} (expert-parallel ranks are "
+                "data-parallel ranks)"]
+    if args.ep > 1 and args.cp > 1:
+        return [f"--ep {args.ep} with --cp {args.cp}: expert parallelism with context parallelism is not "
+                "implemented; use one of them"]
     return []
 
 
@@ -148,7 +161,7 @@ def _model_problems(args: argparse.Namespace) -> list[str]:
         if problems:
             return problems
         load_tokenizer(args.model)
-        return size_problems(config, args.seq_len, args.tp, args.pp)
+        return size_problems(config, args.seq_len, args.tp, args.pp, args.ep)
     except (OSError, ValueError) as exc:
         return [str(exc)]
 
@@ -160,7 +173,7 @@ def check_args(args: argparse.Namespace) -> list[str]:
     if args.microbatches is None:
         args.microbatches = 2 * args.pp if args.pp > 1 else 1
     if args.nproc is None:
-        args.nproc = max(1, args.tp * max(args.pp, 1) * max(args.cp, 1) // max(args.nnodes, 1))
+        args.nproc = max(1, args.tp * max(args.pp, 1) * max(args.cp, 1) * max(args.ep, 1) // max(args.nnodes, 1))
     problems = _range_problems(args) + _world_problems(args)
     try:
         args.data_files = find_text_files(args.data) if args.data else \

@@ -29,7 +29,7 @@ def launch_ranks(args: argparse.Namespace) -> int:
     world = args.nproc * args.nnodes
     where = "" if args.nnodes == 1 else f" on this machine (node {args.node_rank} of {args.nnodes}, {world} in all)"
     start = "step 0" if args.resume_tag is None else f"checkpoint {args.resume_tag}"
-    shape = "".join(f"{k} {getattr(args, k)}, " for k in ("pp", "cp") if getattr(args, k) > 1)
+    shape = "".join(f"{k} {getattr(args, k, 1)}, " for k in ("pp", "cp", "ep") if getattr(args, k, 1) > 1)
     print(f"modelparallel train: launching {args.nproc} ranks{where} (tp {args.tp}, {shape}dp "
           f"{world // (args.tp * args.pp * args.cp)}, "
           f"{launch.rank_env(args.nproc)['OMP_NUM_THREADS']} thread(s) each), from {start}",

@@ -7,9 +7,7 @@ local sum of ``|g|^p`` by ``distinct / world``, where ``distinct`` is how many d
 pieces the parameter is cut into (the product of the mesh sizes along its ``Shard`` placements):
 each piece is held by ``world / distinct`` ranks, so the world-wide sum of the weighted values
 counts each piece once. One all-reduce of one number per norm then gives the global norm on
-every rank. Under pipeline parallelism a parameter lives on its stage's ranks only, so
-``holders`` says how many ranks hold it (``world / stages``), and a weight two stages hold (a
-tied embedding) is counted by one of them (the other says 0).
+every rank.
 """
 
 from __future__ import annotations
@@ -36,33 +34,45 @@ def _distinct_pieces(g: torch.Tensor) -> int:
     return math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if not pl.is_replicate())
 
 
-def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0,
-                     group: dist.ProcessGroup | None = None, holders: Callable[[torch.Tensor], int] | None = None
-                     ) -> torch.Tensor:
-    """The norm of all gradients of ``params`` over the whole job, each element counted once.
+def grad_pieces(params: Iterable[torch.Tensor], holders: Callable[[torch.Tensor], int] | None = None
+                ) -> list[tuple[torch.Tensor, float]]:
+    """(this rank's block of the gradient, distinct blocks it is cut into) for every parameter
+    of ``params`` holding a gradient. ``holders(p)``: how many ranks of the job hold a copy of
+    ``p`` (pipeline stages hold different parameters; default: every rank), folded into the
+    count (x world / holders); 0 leaves ``p`` to another rank's copy (left out)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    out = []
+    for p in params:
+        held = holders(p) if holders is not None and p.grad is not None else world
+        if p.grad is not None and held:
+            out.append((local_part(p.grad), _distinct_pieces(p.grad) * world / held))
+    return out
 
-    A collective over ``group`` (default: the world), which must contain every rank that
-    holds a piece of the parameters. ``holders(p)``: how many ranks of the group hold a copy of
-    ``p`` (default: all of them); 0 leaves ``p`` to another rank's copy. Returns an fp32 scalar
-    tensor, the same on every rank.
+
+def norm_of_pieces(pieces: Iterable[tuple[torch.Tensor, int]], norm_type: float = 2.0,
+                   group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The norm of all ``pieces`` over the whole job, each element counted once.
+
+    Each piece is (a local tensor, how many distinct blocks its global tensor is cut into across
+    ``group``'s ranks): the local ``sum |g|^p`` is weighted by ``distinct / world``. A collective
+    over ``group`` (default: the world), which must contain every rank that holds a piece.
+    Returns an fp32 scalar tensor, the same on every rank.
     """
     norm_type = float(norm_type)
+    pieces = list(pieces)
     world = dist.get_world_size(group) if dist.is_initialized() else 1
-    pairs = [(p.grad, holders(p) if holders is not None else world) for p in params if p.grad is not None]
-    grads = [g for g, _ in pairs]
     inf = math.isinf(norm_type)
     total = torch.zeros((), dtype=torch.float64)
-    for g, held_by in pairs:
-        shard = local_part(g).detach().double()
-        if shard.numel() == 0 or held_by == 0:
+    for block, distinct in pieces:
+        shard = block.detach().double()
+        if shard.numel() == 0:
             continue
         if inf:
             total = torch.maximum(total, shard.abs().max().cpu())
         else:
-            weight = _distinct_pieces(g) / held_by
-            total += shard.abs().pow(norm_type).sum().cpu() * weight
+            total += shard.abs().pow(norm_type).sum().cpu() * (distinct / world)
     if world > 1:
-        device = grads[0].device if grads else torch.device("cpu")
+        device = pieces[0][0].device if pieces else torch.device("cpu")
         if dist.get_backend(group) == "nccl" and device.type != "cuda":
             device = torch.device("cuda", torch.cuda.current_device())
         flat = total.to(device)
@@ -72,21 +82,37 @@ def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0,
     return norm.float()
 
 
+def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0,
+                     group: dist.ProcessGroup | None = None,
+                     holders: Callable[[torch.Tensor], int] | None = None) -> torch.Tensor:
+    """The norm of all gradients of ``params`` over the whole job, each element counted once
+    (``norm_of_pieces`` of ``grad_pieces``)."""
+    return norm_of_pieces(grad_pieces(params, holders), norm_type, group)
+
+
 @torch.no_grad()
+def clip_pieces(pieces: list[tuple[torch.Tensor, int]], max_norm: float, norm_type: float = 2.0,
+                group: dist.ProcessGroup | None = None, norm: torch.Tensor | None = None) -> torch.Tensor:
+    """Scale the local tensors of ``pieces`` in place so their global norm is at most
+    ``max_norm``, with the coefficient of ``torch.nn.utils.clip_grad_norm_`` (``max_norm /
+    (norm + 1e-6)``, capped at 1); ``norm``: that norm if already computed. Returns the global
+    norm before clipping."""
+    norm = norm_of_pieces(pieces, norm_type, group) if norm is None else norm
+    coef = float(max_norm) / (norm.item() + 1e-6)
+    if coef < 1.0:
+        for block, _ in pieces:
+            block.mul_(coef)
+    return norm
+
+
 def clip_by_global_norm(params: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
                         group: dist.ProcessGroup | None = None,
                         holders: Callable[[torch.Tensor], int] | None = None) -> torch.Tensor:
-    """Scale the gradients of ``params`` so their global norm is at most ``max_norm``, with the
-    coefficient of ``torch.nn.utils.clip_grad_norm_`` (``max_norm / (norm + 1e-6)``, capped at 1).
+    """``clip_pieces`` over the gradients of ``params`` (``holders``: see ``grad_pieces``).
 
     Returns:
         The global norm before clipping.
     """
-    params = [p for p in params if p.grad is not None]
-    norm = global_grad_norm(params, norm_type, group, holders)
-    coef = float(max_norm) / (norm.item() + 1e-6)
-    if coef < 1.0:
-        for p in params:
-            g = p.grad
-            local_part(g).mul_(coef)
-    return norm
+    params = list(params)
+    norm = global_grad_norm(params, norm_type, group, holders) if holders is not None else None
+    return clip_pieces(grad_pieces(params), max_norm, norm_type, group, norm)

@@ -132,5 +132,5 @@ def test_pipeline_with_context_parallelism_refused():
     from modelparallel.parallelize import check
 
     rt = SimpleNamespace(config=build_config({"pipeline_parallel_degree": 2, "context_parallel_degree": 2}, 4))
-    with pytest.raises(NotImplementedError, match="context_parallel_degree 2 x pipeline_parallel_degree 2"):
+    with pytest.raises(NotImplementedError, match="context_parallel_degree 2 with pipeline_parallel_degree 2"):
         check(tiny(), rt)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
-from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, OlmoConfig, OlmoForCausalLM
 
 import harness
 import modelparallel as smp
@@ -62,13 +62,13 @@ def check_marks():
 
 def check_no_plan(strict, marked=True):
     smp.init({"tensor_parallel_degree": 2})
-    cfg = GPTNeoXConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
-                        vocab_size=50)
+    cfg = OlmoConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                     vocab_size=50, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if marked:
         with smp.tensor_parallelism(strict=strict):
-            model = GPTNeoXForCausalLM(cfg)
+            model = OlmoForCausalLM(cfg)
     else:
-        model = GPTNeoXForCausalLM(cfg)
+        model = OlmoForCausalLM(cfg)
     ref = copy.deepcopy(model)
     try:
         smp.DistributedModel(model)

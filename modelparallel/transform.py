@@ -24,7 +24,7 @@ from .materialize.rank0_sync import (  # noqa: F401 - SYNCED_FROM_RANK0, meta_st
     SYNCED_FROM_RANK0, check_rank0_source, meta_states, move, sync_from_rank0)
 from .models import spec_for
 from .parallelize import parallelize
-from .tp import marks
+from .tp import auto, marks, walker
 from .training import fsdp1_tp_state
 
 logger = logging.getLogger("modelparallel")
@@ -98,7 +98,7 @@ def transform(model: nn.Module, device=None, dtype: torch.dtype | None = None, c
             full = {}
     move(model, device, dtype)
     if rt.tp_mesh.size() > 1 or _registered_or_marked(model):
-        parallelize(model, rt, spec_for(model))
+        parallelize(model, rt, auto.plan_for(model, spec_for(model), rt.tp_mesh, walker.parallelize))
         fsdp1_tp_state.install()  # users wrap the result in FSDP1 and resume through DCP
     if load_state_dict_from_rank0:
         meta.materialize(model, device)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..models import spec_for
+from ..tp import auto, walker
 from ..tp.plan import ArchSpec
 from ..training import fsdp
 from . import creation_options as creation
@@ -56,7 +57,7 @@ def _mode(states: list[tuple[bool, bool]]) -> str:
 def before_shard(module: nn.Module, rt, dtype: torch.dtype | None) -> WrapState:
     """Agree on the path, move/cast what has data, pick the plan; a collective."""
     options = creation.options_of(module)
-    spec = spec_for(module)
+    spec = auto.plan_for(module, spec_for(module), rt.tp_mesh, walker.parallelize)  # built-in or automatic
     if options is not None and not options.distribute_embedding:
         spec = creation.without_vocab(spec)
     fsdp.check_degree(rt.config.shard_degree, rt.config.dp_degree)

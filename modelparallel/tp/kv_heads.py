@@ -13,15 +13,22 @@ from .replicated import KVReplicated, heads_for_rank
 
 
 def collect_kv(plan: ModulePlan, prefix: str, rel_modules: dict, config, tp: int, live, work) -> None:
-    """Amend ``work`` (the walker's) for every attention module of ``plan`` whose KV heads the
-    degree ``tp`` does not divide; problems are appended to ``work.problems``."""
+    """Amend ``work`` (the walker's) for every attention module of ``plan``: the KV head counts it
+    holds become the rank's, and when the degree ``tp`` does not divide the KV heads its k/v
+    layers are replicated; problems are appended to ``work.problems``."""
     for glob, kv in plan.kv_heads.items():
         heads, kv_heads = getattr(config, kv.heads, None), getattr(config, kv.kv_heads, None)
-        if not heads or not kv_heads or kv_heads % tp == 0 or heads % tp or heads % kv_heads:
-            continue  # whole KV heads per rank, or a head count the config check refuses
-        _, groups = heads_for_rank(heads, kv_heads, tp, 0)
+        if not heads or not kv_heads or heads % tp or heads % kv_heads:
+            continue  # a head count the config check refuses
+        replicate = kv_heads % tp != 0
+        mine, groups = heads_for_rank(heads, kv_heads, tp, 0)  # the same count and repeat on every rank
         for rel in filter(live, [r for r in rel_modules if glob_match(glob, r)]):
             path = join(prefix, rel)
+            work.rewrites.extend((path, rel_modules[rel], attr, len(mine)) for attr in kv.counts)
+            if not replicate:
+                continue
+            if kv.groups:
+                work.rewrites.append((path, rel_modules[rel], kv.groups, groups))
             for name in kv.kv:
                 target = join(path, name)
                 found = [a for a in work.assignments if a.path == target]
@@ -31,4 +38,3 @@ def collect_kv(plan: ModulePlan, prefix: str, rel_modules: dict, config, tp: int
                                          "a column-parallel nn.Linear")
                     continue
                 found[0].style, found[0].prebuilt = "kv_replicated", KVReplicated(heads, kv_heads)
-            work.rewrites.append((path, rel_modules[rel], kv.groups, groups))

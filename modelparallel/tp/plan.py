@@ -62,13 +62,15 @@ class KVHeads:
     Attributes:
         kv: the key and value projections, relative to the module.
         heads, kv_heads: the config attributes holding the query and KV head counts.
-        groups: the module attribute HF repeats each KV head by.
+        groups: the module attribute HF repeats each KV head by ("" if none).
+        counts: module attributes holding the KV head count, set to the rank's.
     """
 
     kv: tuple[str, ...] = ("k_proj", "v_proj")
     heads: str = "num_attention_heads"
     kv_heads: str = "num_key_value_heads"
     groups: str = "num_key_value_groups"
+    counts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -130,8 +130,24 @@ def _tries(options: dict[tuple[str, str], list[int]]):
                 yield dict(zip(changed, values))
 
 
-def choose(probe: Probe, pair: Pair, heads: Heads, tp: int) -> Candidate | str:
-    """The first candidate whose simulation reproduces the row layer's output, or why none does."""
+def _fails(probes: list[Probe], pair: Pair, candidate: Candidate, tp: int) -> str | None:
+    """Why ``candidate`` does not reproduce the row layer's output under one of the probes'
+    attention implementations, or None."""
+    for probe in probes:
+        try:
+            worst, allowed = simulate(probe, pair.lca, pair.row, candidate, tp)
+        except Exception as e:  # noqa: BLE001 - a candidate that does not even run is a wrong one
+            return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        if not worst <= allowed:
+            return f"off by {worst:.3g} (rounding allows {allowed:.3g}) with {probe.attention} attention"
+    return None
+
+
+def choose(probes: list[Probe], pair: Pair, heads: Heads, tp: int) -> Candidate | str:
+    """The first candidate reproducing the row layer's output under every probe (the model's
+    attention implementation and eager, which reshapes with the module's own sizes), or why none
+    does."""
+    probe = probes[0]
     found = layouts(probe, pair, heads, tp)
     if isinstance(found, str):
         return found
@@ -139,14 +155,9 @@ def choose(probe: Probe, pair: Pair, heads: Heads, tp: int) -> Candidate | str:
     last = "no candidate"
     for attrs in itertools.islice(_tries(options), MAX_TRIES):
         candidate = Candidate(found, attrs)
-        try:
-            worst, allowed = simulate(probe, pair.lca, pair.row, candidate, tp)
-        except Exception as e:  # noqa: BLE001 - a candidate that does not even run is a wrong one
-            last = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-            continue
-        if worst <= allowed:
+        last = _fails(probes, pair, candidate, tp)
+        if last is None:
             return candidate
-        last = f"off by {worst:.3g} (rounding allows {allowed:.3g})"
     tried = ", ".join(f"{p}.{a}" for p, a in options) or "none"
     return (f"{pair.lca}: no split of {', '.join(pair.columns)} -> {pair.row} over {tp} ranks reproduces its "
             f"output ({last}; per-rank sizes tried: {tried})")

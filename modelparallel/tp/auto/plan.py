@@ -20,7 +20,7 @@ from torch import nn
 from ..layout import base_prefix, tied_parameters
 from ..plan import ArchSpec, KVHeads, ModulePlan, Packed, SharedInput, glob_match, to_glob
 from .derive import Heads, choose
-from .probe import LINEAR, run_probe
+from .probe import LINEAR, run_probe, set_attention
 from .proxy import build_proxy, probe_ids
 from .simulate import Candidate
 from .structure import Pair, block_of, find_blocks, find_pairs, linears, shared_inputs
@@ -123,7 +123,10 @@ def derive(model: nn.Module, tp: int) -> Found:
         raise AutoPlanError(f"{type(model).__name__}: no repeated blocks (an nn.ModuleList of one layer class "
                             "holding linear layers) to shard")
     watched = [p for p, m in proxy.named_modules() if block_of(p, blocks) and not isinstance(m, LINEAR)]
-    probe = run_probe(proxy, probe_ids(proxy.config), watched)
+    ids = probe_ids(proxy.config)
+    probes = [run_probe(proxy, ids, watched, name)
+              for name in dict.fromkeys([getattr(proxy.config, "_attn_implementation", None), "eager"])]
+    probe = probes[0]
     called = linears(proxy, probe)
     twice = [p for p in called if block_of(p, blocks) and probe.counts[p] > 1]
     if twice:
@@ -137,7 +140,7 @@ def derive(model: nn.Module, tp: int) -> Found:
                             "the automatic plan cannot place it")
     heads, choices, kinds = Heads.of(proxy.config), {}, {}
     for pair in pairs:
-        choice = choose(probe, pair, heads, tp)
+        choice = choose(probes, pair, heads, tp)
         if isinstance(choice, str):
             raise AutoPlanError(choice)
         choices[pair.row] = choice
@@ -145,7 +148,8 @@ def derive(model: nn.Module, tp: int) -> Found:
         if kinds.setdefault(kind, _relative(choice, pair)) != _relative(choice, pair):
             raise AutoPlanError(f"{pair.block}: its {to_glob(pair.lca)} needs another split than the same module "
                                 "of an earlier block")
-    kv = _kv_rules(probe, pairs, heads, choices, tp)
+    kv = _kv_rules(probes, pairs, heads, choices, tp)
+    set_attention(proxy, probe.attention)
     spec = assemble(model, proxy, probe, pairs, choices, heads, kv)
     return Found(spec, pairs, choices)
 
@@ -156,17 +160,17 @@ def _degree(heads: Heads, replicating: bool) -> int | None:
                  if heads.heads % t == 0 and bool(heads.kv_heads % t) == replicating), None)
 
 
-def _changed(probe, pair: Pair, heads: Heads, degree: int | None, choices: dict, tp: int) -> dict[str, int]:
+def _changed(probes, pair: Pair, heads: Heads, degree: int | None, choices: dict, tp: int) -> dict[str, int]:
     """The attributes of ``pair``'s enclosing module its choice at ``degree`` changes."""
     if degree is None:
         return {}
-    choice = choose(probe, pair, heads, degree) if degree != tp else choices[pair.row]
+    choice = choose(probes, pair, heads, degree) if degree != tp else choices[pair.row]
     if isinstance(choice, str):
         raise AutoPlanError(f"{choice} (at degree {degree}, to settle its KV-head rule)")
     return {a: v for (p, a), v in choice.attrs.items() if p == pair.lca}
 
 
-def _kv_rules(probe, pairs: list[Pair], heads: Heads, choices: dict, tp: int) -> dict[str, KVHeads]:
+def _kv_rules(probes, pairs: list[Pair], heads: Heads, choices: dict, tp: int) -> dict[str, KVHeads]:
     """Attention module glob -> ``KVHeads`` for grouped-query attention with separate k/v layers.
 
     Which attributes hold the KV head count and which the repeat count is read from two
@@ -176,15 +180,15 @@ def _kv_rules(probe, pairs: list[Pair], heads: Heads, choices: dict, tp: int) ->
     repeated twice)."""
     if not heads.grouped():
         return {}
-    out = {}
+    probe, out = probes[0], {}
     for pair in pairs:
         width = heads.kv_heads * (heads.head_dim or 0)
         kv = [c for c in pair.columns if probe.module(c).weight.shape[0] == width and len(pair.columns) > 2]
         if len(kv) != 2:
             continue
-        split = _changed(probe, pair, heads, _degree(heads, False), choices, tp)
+        split = _changed(probes, pair, heads, _degree(heads, False), choices, tp)
         counts = tuple(a for a in split if probe.module(pair.lca).__dict__.get(a) == heads.kv_heads)
-        repl = _changed(probe, pair, heads, _degree(heads, True), choices, tp)
+        repl = _changed(probes, pair, heads, _degree(heads, True), choices, tp)
         group_attr = next((a for a in repl if a not in counts
                            and probe.module(pair.lca).__dict__.get(a) == heads.heads // heads.kv_heads), "")
         out[to_glob(pair.lca)] = KVHeads(kv=tuple(c[len(pair.lca) + 1:] for c in kv), heads=heads.heads_attr,

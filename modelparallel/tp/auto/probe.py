@@ -42,6 +42,7 @@ class Call:
 @dataclass
 class Probe:
     model: nn.Module
+    attention: str | None = None  # the attention implementation the forward ran
     calls: dict[str, Call] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     reads: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
@@ -147,10 +148,18 @@ def _unwatch(undo: list) -> None:
             module.__dict__["config"] = config
 
 
-def run_probe(model: nn.Module, ids: torch.Tensor, watched: list[str]) -> Probe:
-    """Run ``model`` (the proxy) once on ``ids`` with gradients on, recording calls of every
-    module and the reads of the modules at ``watched``."""
-    probe = Probe(model)
+def set_attention(model: nn.Module, name: str | None) -> None:
+    """Run ``model``'s attention with implementation ``name`` from now on (HF's own switch)."""
+    if name is not None and getattr(model.config, "_attn_implementation", None) != name:
+        model.set_attn_implementation(name)
+
+
+def run_probe(model: nn.Module, ids: torch.Tensor, watched: list[str], attention: str | None = None) -> Probe:
+    """Run ``model`` (the proxy) once on ``ids`` with gradients on, and with the attention
+    implementation ``attention`` (default: the model's), recording calls of every module and the
+    reads of the modules at ``watched``."""
+    set_attention(model, attention)
+    probe = Probe(model, getattr(model.config, "_attn_implementation", None))
     handles = []
     for path, module in model.named_modules():
         def pre(mod, args, kwargs, path=path):

@@ -20,7 +20,7 @@ from torch import nn
 from ..layout import shard_range
 from ..per_rank import read, write
 from ..replicated import heads_for_rank
-from .probe import Probe
+from .probe import Probe, set_attention
 from .tolerance import excess
 
 
@@ -134,6 +134,7 @@ def _rank_input(probe: Probe, lca: str, row: str, candidate: Candidate, tp: int,
 def simulate(probe: Probe, lca: str, row: str, candidate: Candidate, tp: int) -> tuple[float, float]:
     """(largest difference, tolerance) of the summed per-rank row outputs against the recorded
     one. Raises what the replay raises (a shape that does not fit: the candidate is wrong)."""
+    set_attention(probe.model, probe.attention)
     module = probe.module(row)
     total = sum(_row_partial(module, _rank_input(probe, lca, row, candidate, tp, r), tp, r) for r in range(tp))
     if module.bias is not None:

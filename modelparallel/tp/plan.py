@@ -166,6 +166,18 @@ class ArchSpec:
 
 VOCAB_STYLES = ("vocab_embedding", "vocab_colwise")
 
+KNOWN_ATTENTION = ("eager", "sdpa", "flex_attention")
+"""Attention implementations that compute each head on its own (also any ``flash_attention_*``
+and ``paged|...`` of these): on a rank's heads they give that rank's part of the result. A
+function registered under another name may read global head counts: refused."""
+
+
+def known_attention(name) -> bool:
+    """Whether HF attention implementation ``name`` (a config's ``_attn_implementation``) is one
+    of ``KNOWN_ATTENTION``."""
+    base = str(name).split("|")[-1]
+    return name is None or base in KNOWN_ATTENTION or base.startswith("flash_attention")
+
 
 def without_styles(spec: ArchSpec, styles: tuple[str, ...]) -> ArchSpec:
     """``spec`` with the rules of ``styles`` removed (those modules then stay whole)."""

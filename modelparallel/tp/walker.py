@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 from transformers.pytorch_utils import Conv1D
 
-from . import marks, per_rank
+from . import marks, model_checks, per_rank
 from .kv_heads import collect_kv
 from .layout import base_prefix, shard_range, tied_parameters
 from .loss import install_vocab_parallel_loss
@@ -166,10 +166,8 @@ def _collect_holders(plan: ModulePlan, rel_modules: dict[str, nn.Module], work: 
 
 def _check_config(model: nn.Module, spec: ArchSpec, tp: int, problems: list[str]) -> None:
     config = model.config
-    for case in spec.unsupported:
-        if tp > 1 and case.applies(config):
-            raise NotImplementedError(f"{type(model).__name__}: {case.what} is not supported under tensor "
-                                      f"parallelism ({case.describe(config)} in its {type(config).__name__})")
+    model_checks.refuse_unsupported(model, spec, tp)
+    problems.extend(model_checks.attention_problems(model))
     for attr in spec.divisible_config:
         value = getattr(config, attr, None)
         if value is not None and value % tp:
@@ -196,6 +194,7 @@ def collect(model: nn.Module, spec: ArchSpec | None, tp: int) -> Work:
         work.loss = spec.loss_for(type(model))
         _collect_plan(model, spec.base, base_prefix(model), tp, work, skip)
         _collect_plan(model, spec.head, "", tp, work, skip)
+        work.problems.extend(model_checks.vocab_problems(model, work.assignments))
     _check_ties(model, work)
     return work
 

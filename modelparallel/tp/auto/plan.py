@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..layout import base_prefix, tied_parameters
+from ..model_checks import attention_problems
 from ..plan import ArchSpec, KVHeads, ModulePlan, Packed, SharedInput, glob_match, to_glob
 from .derive import Heads, choose
 from .probe import LINEAR, run_probe, set_attention
@@ -25,18 +26,8 @@ from .proxy import build_proxy, probe_ids
 from .simulate import Candidate
 from .structure import Pair, block_of, find_blocks, find_pairs, linears, shared_inputs
 
-KNOWN_ATTENTION = ("eager", "sdpa", "flex_attention")
-"""Attention implementations that compute each head on its own (also any ``flash_attention_*``
-and ``paged|...`` of these): on a rank's heads they give that rank's part of the result."""
-
-
 class AutoPlanError(ValueError):
     """The automatic plan cannot shard this model; the message names the module at fault."""
-
-
-def known_attention(impl) -> bool:
-    name = str(impl).split("|")[-1]
-    return impl is None or name in KNOWN_ATTENTION or name.startswith("flash_attention")
 
 
 def check_inputs(model: nn.Module, tp: int) -> None:
@@ -46,11 +37,8 @@ def check_inputs(model: nn.Module, tp: int) -> None:
     if isinstance(heads, int) and heads % tp:
         raise AutoPlanError(f"{type(config).__name__}.num_attention_heads = {heads} is not divisible by "
                             f"tensor_parallel_degree {tp} (each rank must hold whole heads)")
-    impl = getattr(config, "_attn_implementation", None)
-    if not known_attention(impl):
-        attn = sorted({to_glob(p) for p, m in model.named_modules() if "Attention" in type(m).__name__})
-        raise AutoPlanError(f"{name}: attention implementation {impl!r} of {', '.join(attn) or 'its attention'} is "
-                            f"not one known to compute head by head ({', '.join(KNOWN_ATTENTION)}, flash_attention_*)")
+    for problem in attention_problems(model):
+        raise AutoPlanError(problem)
     emb, vocab = model.get_input_embeddings(), getattr(config, "vocab_size", None)
     path = next((p for p, m in model.named_modules() if m is emb), "?")
     if not isinstance(emb, nn.Embedding):

@@ -77,3 +77,27 @@ def test_plan_of_a_built_in_family_says_so_and_refuses_what_it_cannot_place(tmp_
     assert "modelparallel plan: model.layers.0.self_attn: no split of" in done.stderr, done.stderr
     done = _plan(tmp_path / "olmo2", "--tp", 3, capsys=capsys)
     assert "Olmo2Config.num_attention_heads = 4 is not divisible by tensor_parallel_degree 3" in done.stderr, done
+
+
+def test_train_fine_tunes_a_model_without_a_file_through_the_automatic_plan(tmp_path):
+    """``modelparallel train --model DIR`` with an architecture that has no model file: the ranks
+    derive and verify the automatic plan, read the weights shard by shard and train."""
+    import json
+    import math
+    import os
+
+    from modelparallel.cli.data import ByteTokenizer
+
+    vocab = ByteTokenizer.vocab_size  # the byte tokenizer's: the directory needs no tokenizer files
+    T.OlmoForCausalLM(T.OlmoConfig(**{**CONFIG, "vocab_size": vocab, "max_position_embeddings": 64})).save_pretrained(
+        tmp_path / "olmo")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "modelparallel.cli", "train", "--model", str(tmp_path / "olmo"), "--tp", "2",
+           "--nproc", "2", "--seq-len", "32", "--batch-size", "2", "--max-files", "3", "--eval-windows", "2",
+           "--eval-every", "0", "--sample-tokens", "0", "--steps", "2", "--out", str(tmp_path / "run")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    losses = json.loads((tmp_path / "run" / "metrics.json").read_text())["loss"]
+    assert len(losses) == 2 and all(abs(loss - math.log(vocab)) < 1.5 for loss in losses), losses
+    assert "automatic tensor-parallel plan for OlmoForCausalLM" in done.stdout + done.stderr

@@ -226,7 +226,8 @@ def test_bad_input_refused_naming_the_module_or_config_entry():
 
 def check_entry_points(directory):
     """An architecture with no file, through each entry point: a meta build marked for tensor
-    parallelism and read shard by shard, and ``transform``; both equal HF."""
+    parallelism (wrapped with meta as the default device: the plan's proxy must still be real)
+    and read shard by shard, and ``transform``; both equal HF."""
     smp.init({"tensor_parallel_degree": 2})
     torch.manual_seed(0)
     ref = T.OlmoForCausalLM(_olmo()).eval()
@@ -235,9 +236,8 @@ def check_entry_points(directory):
     smp.barrier()
     ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
     want = ref(ids).logits
-    with smp.tensor_parallelism(), torch.device("meta"):
-        meta_model = T.OlmoForCausalLM(_olmo())
-    meta_model = smp.DistributedModel(meta_model)
+    with smp.tensor_parallelism(), torch.device("meta"):  # wrapped under meta too, as the CLI does
+        meta_model = smp.DistributedModel(T.OlmoForCausalLM(_olmo()))
     assert isinstance(meta_model.module.model.layers[0].mlp.up_proj.weight, DTensor)
     smp.load_hf_checkpoint(meta_model, f"{directory}/hf")
     assert_close(meta_model(ids).logits, want, what="meta build + load_hf_checkpoint")

@@ -22,7 +22,7 @@ from ..model_checks import attention_problems
 from ..plan import ArchSpec, KVHeads, ModulePlan, Packed, SharedInput, glob_match, to_glob
 from .derive import Heads, choose
 from .probe import LINEAR, run_probe, set_attention
-from .proxy import build_proxy, probe_ids
+from .proxy import build_proxy, on_cpu, probe_ids
 from .simulate import Candidate
 from .structure import Pair, block_of, find_blocks, find_pairs, linears, shared_inputs
 
@@ -97,6 +97,7 @@ def _relative(choice: Candidate, pair: Pair) -> tuple:
             tuple(sorted(((to_glob(p), a), v) for (p, a), v in choice.attrs.items())))
 
 
+@on_cpu
 def derive(model: nn.Module, tp: int) -> Found:
     """The automatic plan of ``model`` at degree ``tp`` (one process, no communication).
 

@@ -11,6 +11,7 @@ same proxy (same seed), so the verification compares like with like without comm
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 from torch import nn
@@ -23,6 +24,20 @@ PROXY_VOCAB = 256
 
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
               "cls_token_id", "mask_token_id")
+
+
+def on_cpu(fn):
+    """Run ``fn`` with CPU as the default device: the proxy and every tensor its forward and the
+    simulated splits create (index tensors, masks, positions) are CPU tensors, whatever the
+    caller's default (a model built under ``torch.device("meta")`` would otherwise get meta
+    tensors there, with no values)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with torch.device("cpu"):
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def _layers(config) -> int | None:

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ..plan import ArchSpec
-from .proxy import build_proxy, probe_ids
+from .proxy import build_proxy, on_cpu, probe_ids
 from .tolerance import excess
 
 NOISE_FACTOR = 4
@@ -139,6 +139,7 @@ def _first_diverging(reference: nn.Module, sharded: nn.Module, ids: torch.Tensor
     return None
 
 
+@on_cpu
 def verify(model: nn.Module, spec: ArchSpec, tp_mesh: DeviceMesh, parallelize) -> Mismatch | None:
     """Shard a proxy of ``model`` with ``spec`` (``parallelize(module, tp_mesh, spec)``: the walker)
     and compare it with the unsharded proxy. A collective over all ranks; the same result on

@@ -14,6 +14,7 @@ No weight is fused. The distributed state dict is HF's: rotary ``inv_freq`` is a
 buffer the model recomputes, so nothing else is stored.
 """
 
+from ..context.spec import ContextSpec
 from ..nn.huggingface.translate import KeyTable
 from ..tp.plan import KVHeads, SharedInput
 from ._parts import decoder_lm
@@ -27,6 +28,8 @@ SPEC = decoder_lm(
                    "layers.*.mlp": SharedInput(arg="x")},  # gate, up
     kv_heads={"layers.*.self_attn": KVHeads()},
 )
+
+CONTEXT = ContextSpec(attention="layers.*.self_attn")  # HF's attention interface
 
 TABLE = KeyTable(
     arch="llama",

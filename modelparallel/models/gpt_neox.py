@@ -11,15 +11,17 @@ head is untied by default (``tie_word_embeddings`` ties it); HF stores it as ``e
 and renames it to ``lm_head`` on load, so exports write that name and imports take both.
 """
 
+from dataclasses import replace
+
 from ..nn.huggingface.translate import KeyTable
 from ._parts import decoder_lm
 
-SPEC = decoder_lm(
+SPEC = replace(decoder_lm(
     "gpt_neox", embedding="embed_in",
     attention="layers.*.attention", qkv=("query_key_value",), out="dense",
     mlp="layers.*.mlp", up=("dense_h_to_4h",), down="dense_4h_to_h",
     divisible=("num_attention_heads",),
-)
+), sequence_parallel=False)  # not yet made to run under it (the attention reads its input's shape)
 
 _LAYER = ("input_layernorm", "post_attention_layernorm", "attention.query_key_value", "attention.dense",
           "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")

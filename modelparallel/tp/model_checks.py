@@ -22,6 +22,16 @@ def refuse_unsupported(model: nn.Module, spec: ArchSpec, tp: int) -> None:
                                       f"parallelism ({case.describe(config)} in its {type(config).__name__})")
 
 
+def refuse_sequence_parallel(model: nn.Module, spec: ArchSpec | None) -> None:
+    """Raise ``NotImplementedError`` when sequence parallelism is asked of a model whose plan is
+    not known to run under it (no built-in plan, the automatic plan, ``spec.sequence_parallel``
+    False)."""
+    if spec is None or not spec.sequence_parallel:
+        why = "which has no built-in tensor-parallel plan" if spec is None else \
+            f"whose plan ({spec.model_type!r}) is not known to reproduce it under sequence parallelism"
+        raise NotImplementedError(f"sequence_parallel for {type(model).__name__}, {why}, is not implemented")
+
+
 def attention_problems(model: nn.Module) -> list[str]:
     """An attention implementation not known to compute head by head, naming the attention modules."""
     impl = getattr(model.config, "_attn_implementation", None)

@@ -143,6 +143,9 @@ class ArchSpec:
         head_losses: head class name -> loss kind, for heads whose loss differs from ``loss``
             (BERT's ``BertLMHeadModel`` is causal where ``BertForMaskedLM`` is masked).
         unsupported: configurations refused with ``NotImplementedError`` (see ``Unsupported``).
+        sequence_parallel: whether the plan is known to reproduce the model under sequence
+            parallelism (tested against one process); False: ``sequence_parallel`` is refused
+            with ``NotImplementedError`` rather than run unchecked.
     """
 
     model_type: str
@@ -152,6 +155,7 @@ class ArchSpec:
     loss: str = "causal"
     head_losses: dict[str, str] = field(default_factory=dict)
     unsupported: tuple[Unsupported, ...] = ()
+    sequence_parallel: bool = True
 
     def __post_init__(self):
         for kind in (self.loss, *self.head_losses.values()):

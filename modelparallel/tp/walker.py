@@ -273,7 +273,7 @@ def parallelize(model: nn.Module, tp_mesh: DeviceMesh, spec: ArchSpec | None,
 
     Raises:
         ValueError: naming every problem, before any tensor is touched.
-        NotImplementedError: sequence parallelism of a model without a built-in plan.
+        NotImplementedError: sequence parallelism of a model whose plan is not known to run under it.
     """
     tp = tp_mesh.size()
     if spec is not None and marks.option(model, "distribute_embedding") is False:
@@ -289,9 +289,7 @@ def parallelize(model: nn.Module, tp_mesh: DeviceMesh, spec: ArchSpec | None,
         logger.warning("%s: it stays replicated on every rank", msg)
     split = []
     if sequence_parallel and tp > 1:
-        if spec is None:
-            raise NotImplementedError(f"sequence_parallel for {type(model).__name__}, which has no built-in "
-                                      "tensor-parallel plan, is not implemented")
+        model_checks.refuse_sequence_parallel(model, spec)
         split = sequence.blocks(model, spec)
         work.problems += sequence.problems(split)
     if work.problems:

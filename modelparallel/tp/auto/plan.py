@@ -215,7 +215,8 @@ def assemble(model, proxy, probe, pairs: list[Pair], choices: dict, heads: Heads
                       shared_inputs=shared, kv_heads={_glob(k, prefix): v for k, v in kv.items()})
     return ArchSpec(model_type=model.config.model_type, base=base, head=_head(proxy, prefix, rules),
                     divisible_config=("num_attention_heads",) if heads.heads else (),
-                    loss="masked" if "MaskedLM" in type(model).__name__ else "causal")
+                    loss="masked" if "MaskedLM" in type(model).__name__ else "causal",
+                    sequence_parallel=False)  # verified without it only
 
 
 def _head(proxy, prefix: str, base_rules: dict[str, str]) -> ModulePlan:

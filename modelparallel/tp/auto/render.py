@@ -72,6 +72,7 @@ def model_file(model: nn.Module, spec: ArchSpec, tp: int) -> str:
         *_plan_lines("head", spec.head, "    "),
         f"    divisible_config={spec.divisible_config!r},",
         f"    loss={spec.loss!r},",
+        f"    sequence_parallel={spec.sequence_parallel!r},",
         ")",
         "",
         "TABLE = KeyTable(",

@@ -94,6 +94,9 @@ class ModulePlan:
             it read; those layers then skip their own ``f``.
         kv_heads: glob of an attention module -> its ``KVHeads`` (grouped-query attention whose
             KV heads are replicated when the degree does not divide them).
+        replicated: globs of linear layers inside a planned block that stay whole on every rank
+            on purpose (an output too narrow to split, such as a scalar gate), exempt from the
+            walker's "no rule covers it" refusal.
     """
 
     rules: dict[str, str]
@@ -103,6 +106,7 @@ class ModulePlan:
     tied_holders: tuple[str, ...] = ()
     shared_inputs: dict[str, SharedInput] = field(default_factory=dict)
     kv_heads: dict[str, KVHeads] = field(default_factory=dict)
+    replicated: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,13 @@ from torch.distributed.fsdp._optim_utils import _gather_state_dict  # noqa: F401
 # exposes no hook at that point.
 from torch.distributed.fsdp._flat_param import FlatParamHandle
 
+# The expert mesh is the world mesh with its data-parallel dimension split in two; only the private
+# ``_unflatten`` makes such a mesh share the world mesh's root (FSDP and DTensor then accept
+# meshes sliced from both), where a second ``DeviceMesh`` would be an unrelated one.
+def unflatten_mesh(mesh: DeviceMesh, dim: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """``mesh`` with dimension ``dim`` split into ``names`` of ``sizes`` (``DeviceMesh._unflatten``)."""
+    return mesh._unflatten(dim, sizes, names)
+
 
 # Several dimensions of a DeviceMesh as one (the data and context ranks FSDP shards over), kept
 # in the root mesh so DTensors on its other dimensions (TP shards) compose with it; PyTorch
@@ -58,4 +65,4 @@ from .sagemaker.hook import sagemaker_imports  # noqa: E402 - after the private 
 
 __all__ = ["FlatParamHandle", "compute_local_shape_and_global_offset", "flash_attention_cpu",
            "flash_attention_cpu_backward", "flatten_mesh", "flatten_state_dict", "fsdp_optim_utils",
-           "sagemaker_imports", "set_element"]
+           "sagemaker_imports", "set_element", "unflatten_mesh"]

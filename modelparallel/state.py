@@ -59,7 +59,8 @@ class _State:
     pp_size = _asks("pp_size")
     cp_rank = _asks("cp_rank", "This rank's place among the ranks splitting its sequences (``smp.cp_rank()``).")
     cp_size = _asks("cp_size", "Ranks splitting one sequence (``smp.cp_size()``).")
-    ep_rank = property(_zero, doc="0: expert parallelism is not built.")
+    ep_rank = _asks("ep_rank", "This rank's place in its expert-parallel group.")
+    ep_process_group = _asks("get_ep_process_group", "The expert-parallel group: ranks sharing the experts.")
 
     world_process_group = _asks("get_world_process_group")
     tp_process_group = _asks("get_tp_process_group")

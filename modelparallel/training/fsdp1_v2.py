@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
 from ..compat import FlatParamHandle
+from ..expert import fsdp1 as expert_fsdp1
 
 _MARK = "_mp_v2_layout"
 _inside = contextvars.ContextVar("modelparallel_fsdp1_inside", default=False)
@@ -46,6 +47,9 @@ class Layout:
     dp_mesh: DeviceMesh
     tp_size: int
     hybrid_shard_degree: int
+    expert_replicas: DeviceMesh | None = None
+    """The ranks holding this rank's experts, over which expert-parallel experts are sharded
+    (``expert.fsdp1``)."""
 
 
 _layout: list[Layout] = []
@@ -204,12 +208,18 @@ def install() -> None:
         if _inside.get() or not _layout:
             return init(self, *args, **kwargs)
         bound = signature.bind(self, *args, **kwargs)
-        complete(bound.arguments, _layout[0])
+        lay = _layout[0]
+        complete(bound.arguments, lay)
+        dp, replicas = lay.dp_mesh.size(), lay.expert_replicas
+        experts = expert_fsdp1.set_apart(bound.arguments, lay.hybrid_shard_degree, dp, dp // replicas.size())
         token = _inside.set(True)
         try:
-            return init(*bound.args, **bound.kwargs)
+            init(*bound.args, **bound.kwargs)
         finally:
             _inside.reset(token)
+        if experts:
+            expert_fsdp1.shard(experts, expert_fsdp1.replica_mesh(replicas, lay.hybrid_shard_degree, dp),
+                               bound.arguments.get("mixed_precision"))
 
     setattr(checked_init, _MARK, True)
     FullyShardedDataParallel.__init__ = checked_init

@@ -271,7 +271,7 @@ def expert_layout(config: Config) -> torch.Tensor:
     return mesh_layout(config).unflatten(1, (config.dp_degree // ep, ep))
 
 
-def _setup_logging(global_rank: int) -> None:
+def configure_logging(global_rank: int) -> None:
     """Show the library's INFO lines (what stays replicated, the layout) unless the user has
     configured the ``modelparallel`` logger already."""
     if not logger.handlers:
@@ -307,8 +307,8 @@ def init(config: dict | str | None = None, *, timeout_s: float = 300.0) -> Runti
     random.seed(cfg.random_seed)
     _RUNTIME = Runtime(config=cfg, world_mesh=world_mesh, mesh=world_mesh["dp", "tp"], device=device,
                        expert_mesh=expert_mesh, _groups=_multi_dim_groups(world_mesh))
-    _fsdp1_layout(cfg, _RUNTIME)
-    _setup_logging(dist.get_rank())
+    _v2_contract(cfg, _RUNTIME)
+    configure_logging(dist.get_rank())
     if dist.get_rank() == 0:
         logger.info("world %d = %s on %s", cfg.world_size,
                     " x ".join(f"{d} {n}" for d, n in zip(DIMS, world_mesh.mesh.shape) if n > 1 or d in ("dp", "tp")),
@@ -317,11 +317,14 @@ def init(config: dict | str | None = None, *, timeout_s: float = 300.0) -> Runti
     return _RUNTIME
 
 
-def _fsdp1_layout(cfg: Config, rt: Runtime) -> None:
-    """The data-parallel layout a user's own FSDP1 call gets (SageMaker v2 scripts wrap the
-    model themselves after ``init``): the data x context ranks."""
+def _v2_contract(cfg: Config, rt: Runtime) -> None:
+    """What SageMaker v2 scripts get from ``init`` in PyTorch calls they make themselves: the
+    data-parallel layout of their own FSDP1 call (the data x context ranks), and
+    ``sm_activation_offloading`` through PyTorch's ``offload_wrapper`` (a no-op unless the key is set)."""
+    from .activations import offload_wrapper
     from .training import fsdp1_v2
 
+    offload_wrapper.install()
     fsdp1_v2.install()
     fsdp1_v2.configure(fsdp1_v2.Layout(rt.dp_mesh, cfg.tensor_parallel_degree, cfg.hybrid_shard_degree,
                                        rt.edp_mesh))

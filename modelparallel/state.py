@@ -1,7 +1,7 @@
 """``smp.state``: one object answering SageMaker v1's and v2's questions about the running job.
 
 v1 scripts read ``smp.state.cfg``, ``smp.state.model``, ``smp.state.optimizer``; v2 scripts read
-``state.tp_rank``, ``state.dp_rank``, ``state.tensor_parallel_degree``... Every attribute is read
+``state.tp_rank``, ``state.dp_rank``, ``state.tensor_parallel_degree``, ``state.ranker``... Every attribute is read
 from the runtime started by ``init`` at the moment it is asked for: most are the rank API's
 answer or a config field under another name, listed below as such.
 
@@ -13,6 +13,7 @@ and ``smp.dp_size()`` keep v1's meaning (the TP group inside the data-parallel g
 from __future__ import annotations
 
 from . import runtime
+from .training.replication import Ranker
 
 
 def _asks(function: str, doc: str | None = None) -> property:
@@ -68,7 +69,9 @@ class _State:
     cp_process_group = _asks("get_cp_process_group")
 
     context_parallel_degree = _config("context_parallel_degree")
-    ep_size = _config("expert_parallel_degree")
+    ep_size = expert_parallel_degree = _config("expert_parallel_degree")
+    ranker = property(lambda self: Ranker.of(runtime.current()),
+                      doc="Replication groups under FSDP (``get_rep_groups()``, ``get_rep_rank(rank)``).")
     tensor_parallel_degree = _config("tensor_parallel_degree")
     hybrid_shard_degree = _config("hybrid_shard_degree")
     sm_activation_offloading = _config("activation_offloading", "activation offloading asked for (v1 or v2 name)")

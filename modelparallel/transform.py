@@ -26,7 +26,9 @@ from .materialize.rank0_sync import (  # noqa: F401 - SYNCED_FROM_RANK0, meta_st
 from .models import spec_for
 from .moe.moe_config import MoEConfig
 from .parallelize import check, parallelize
+from .tensor_parallel.transformer import mark_transformer_layers
 from .tp import marks
+from .distributed.checkpoint import group_blocks
 from .training import fsdp1_tp_state
 
 logger = logging.getLogger("modelparallel")
@@ -106,12 +108,15 @@ def transform(model: nn.Module, device=None, dtype: torch.dtype | None = None,
         if dist.get_rank() != 0:
             full = {}
     move(model, device, dtype)
+    mark_transformer_layers(model)  # isinstance(block, TransformerLayer) for FSDP's wrap policy
+    # v2 scripts save through DCP over the FSDP (or replication) group, naming its coordinator by
+    # global rank, and each TP rank's block over that group
+    group_blocks.install()
+    fsdp1_tp_state.install()  # users wrap the result in FSDP1 and resume through DCP
     sharded = rt.tp_mesh.size() > 1 or _registered_or_marked(model)
     experts = moe is not None or rt.config.expert_parallel_degree > 1
     if sharded or experts or rt.config.context_parallel_degree > 1:
         parallelize(model, rt, spec_for(model), cp_comm_type, moe=moe, tensor_parallel=sharded)
-    if sharded:
-        fsdp1_tp_state.install()  # users wrap the result in FSDP1 and resume through DCP
     if load_state_dict_from_rank0:
         meta.materialize(model, device)
         sync_from_rank0(model, full, rt.expert_mesh)  # names every mesh dim a DTensor here can have

@@ -44,6 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .compat import flatten_mesh, unflatten_mesh
 from .config import Config, build_config, without_effect
 from .config_keys import PLACEMENTS
+from . import meshes
 
 logger = logging.getLogger("modelparallel")
 
@@ -122,6 +123,8 @@ class Runtime:
     _groups: dict = field(default_factory=dict)
     """Process groups spanning several mesh dimensions, made by ``init`` (every rank at once)."""
     _object_group: Any = None
+    mesh_cache: Any = None
+    """The meshes built so far in this process (``meshes.MeshCache``), handed to the next ``init``."""
 
     @property
     def pending_resume(self):
@@ -229,6 +232,13 @@ def _multi_dim_groups(mesh: DeviceMesh) -> dict[tuple[str, ...], dist.ProcessGro
     return groups
 
 
+def _build_meshes(device: torch.device, layout: torch.Tensor, dp: int, ep: int) -> meshes.Meshes:
+    """The world mesh, its expert form and its multi-dimension groups (collectives of every rank)."""
+    world = DeviceMesh(device.type, layout, mesh_dim_names=DIMS)
+    expert = unflatten_mesh(world, "dp", (dp // ep, ep), EXPERT_DIMS[1:3])
+    return meshes.Meshes(world, expert, _multi_dim_groups(world))
+
+
 def _device() -> torch.device:
     if torch.cuda.is_available():
         index = int(os.environ.get("LOCAL_RANK", 0))
@@ -300,13 +310,14 @@ def init(config: dict | str | None = None, *, timeout_s: float = 300.0) -> Runti
     cfg = build_config(config, world)
     _ensure_process_group(timedelta(seconds=timeout_s))
     device = _device()
-    world_mesh = DeviceMesh(device.type, mesh_layout(cfg), mesh_dim_names=DIMS)
-    ep = cfg.expert_parallel_degree
-    expert_mesh = unflatten_mesh(world_mesh, "dp", (cfg.dp_degree // ep, ep), EXPERT_DIMS[1:3])
+    layout, ep = mesh_layout(cfg), cfg.expert_parallel_degree
+    cache = meshes.carried(_RUNTIME.mesh_cache if _RUNTIME is not None else None)
+    built = cache.get(device, layout, ep, lambda: _build_meshes(device, layout, cfg.dp_degree, ep))
+    world_mesh = built.world
     torch.manual_seed(cfg.random_seed)
     random.seed(cfg.random_seed)
     _RUNTIME = Runtime(config=cfg, world_mesh=world_mesh, mesh=world_mesh["dp", "tp"], device=device,
-                       expert_mesh=expert_mesh, _groups=_multi_dim_groups(world_mesh))
+                       expert_mesh=built.expert, _groups=built.groups, mesh_cache=cache)
     _v2_contract(cfg, _RUNTIME)
     configure_logging(dist.get_rank())
     if dist.get_rank() == 0:

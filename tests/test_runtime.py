@@ -139,3 +139,29 @@ def test_keys_without_effect_logged_once(monkeypatch):
         log.removeHandler(handler)
         log.setLevel(level)
     assert seen == ["config keys accepted with no effect here: optimize='speed', skip_tracing=True"]
+
+
+def _restarts():
+    """Threads of this process before and after restarting the runtime with layouts it had."""
+    import os
+
+    configs = [{"tensor_parallel_degree": 2}, {}, {"tensor_parallel_degree": 2, "expert_parallel_degree": 1}]
+    for config in configs:  # every layout built once
+        smp.init(config)
+    before = len(os.listdir("/proc/self/task"))
+    meshes = []
+    for _ in range(4):
+        for config in configs:
+            meshes.append(smp.init(config).world_mesh)
+    ok = smp.init({"tensor_parallel_degree": 2}).ranks(smp.TP_GROUP) == [0, 1]
+    smp.barrier()
+    return before, len(os.listdir("/proc/self/task")), meshes[0] is meshes[3], meshes[0] is meshes[1], ok
+
+
+def test_restart_reuses_process_groups():
+    """``init`` again with a layout this process has built reuses its meshes and groups: every new
+    gloo group keeps three threads for the life of the process, so a job (or a test process)
+    restarting the runtime would otherwise gain threads at every restart."""
+    for before, after, same, other, ok in harness.run(2, _restarts):
+        assert after == before, "restarts created process groups"
+        assert same and not other and ok

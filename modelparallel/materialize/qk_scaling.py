@@ -21,7 +21,9 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-PREFIX = "modelparallel_qk_layer_scaling_"
+from ..tp.plan import QK_SCALING_PREFIX
+
+PREFIX = QK_SCALING_PREFIX
 BASES = ("eager", "sdpa")
 """Implementations the scaling can wrap (their masks and fp32 paths are HF's own)."""
 

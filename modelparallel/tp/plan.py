@@ -180,10 +180,15 @@ and ``paged|...`` of these): on a rank's heads they give that rank's part of the
 function registered under another name may read global head counts: refused."""
 
 
+QK_SCALING_PREFIX = "modelparallel_qk_layer_scaling_"
+"""Our ``query_key_layer_scaling`` implementations (materialize/qk_scaling.py) are named this plus
+the known implementation they wrap, which they call head by head as it is."""
+
+
 def known_attention(name) -> bool:
     """Whether HF attention implementation ``name`` (a config's ``_attn_implementation``) is one
-    of ``KNOWN_ATTENTION``."""
-    base = str(name).split("|")[-1]
+    of ``KNOWN_ATTENTION`` (or our query-key scaling around one)."""
+    base = str(name).split("|")[-1].removeprefix(QK_SCALING_PREFIX)
     return name is None or base in KNOWN_ATTENTION or base.startswith("flash_attention")
 
 

@@ -17,8 +17,10 @@ context rank its part of it). Per rank:
 C = 1 is Hugging Face's own model (``sdpa`` attention, PyTorch's fused CPU kernel), one process.
 Ratios are against it (context parallelism) or against TP = 2 alone (sequence parallelism).
 
-Usage: ``python bench/bench_context_parallel.py [--seq 8192] [--steps 3] [--warmup 1]``; writes
-``bench/results/context_parallel.json``. Needs a quiet machine: the load averages are recorded.
+Usage: ``python bench/bench_context_parallel.py [--seq 8192] [--steps 3] [--warmup 1] [--only V ...]
+[--merge]``; writes ``bench/results/context_parallel.json`` (``--merge`` keeps the variants measured
+earlier with the same settings, so a run can be split into parts). Needs a quiet machine: the load
+averages are recorded, at the start of the run and after each variant.
 """
 
 from __future__ import annotations
@@ -113,8 +115,20 @@ def _summary(out: dict) -> dict:
                       "saved_ratio": round(r0["saved_mb"] / base["saved_mb"], 3),
                       "peak_rise_ratio": round(r0["peak_rise_mb"] / base["peak_rise_mb"], 3),
                       "step_time_ratio": round(r0["step_s"] / base["step_s"], 3) if timed else None,
-                      "loss": r0["loss"], "load_1min_after": res["load_average_1min_after"]}
+                      "loss": r0["loss"], "load_1min_before": res.get("load_average_1min_before"),
+                      "load_1min_after": res["load_average_1min_after"]}
     return rows
+
+
+def _earlier_variants(out: dict) -> dict:
+    """The variants of the results file measured with the same settings as ``out`` (a run in parts
+    keeps each part short); a file with other settings contributes nothing."""
+    path = common.RESULTS_DIR / "context_parallel.json"
+    if not path.exists():
+        return {}
+    earlier = json.loads(path.read_text())
+    same = all(earlier.get(key) == out[key] for key in ("shape", "seq", "steps", "warmup"))
+    return dict(earlier["variants"]) if same else {}
 
 
 def main() -> None:
@@ -123,12 +137,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--only", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the variants already in the results file (same shape, --seq, "
+                             "--steps, --warmup) and replace only those run now")
     args = parser.parse_args()
     out = {"shape": SHAPE, "seq": args.seq, "batch": 1, "steps": args.steps, "warmup": args.warmup,
            "threads_per_rank": 1, "load_average_at_start": common.load_average(), "variants": {}}
+    if args.merge:
+        out["variants"] = _earlier_variants(out)
     for variant in args.only:
         ranks = VARIANTS[variant][0]
-        out["variants"][variant] = {"ranks": common.spawn(run_worker, ranks, variant, args.seq, args.steps,
+        before = common.load_average()[0]
+        out["variants"][variant] = {"load_average_1min_before": before,
+                                    "ranks": common.spawn(run_worker, ranks, variant, args.seq, args.steps,
                                                           args.warmup),
                                     "load_average_1min_after": common.load_average()[0]}
         print(variant, json.dumps(out["variants"][variant]), flush=True)

@@ -5,8 +5,9 @@ keys and values of every earlier chunk, so they travel:
 
 - ``p2p`` (ring attention, Liu et al. 2023): keys and values go round the ring of ranks, one
   rank's block per step; the transfer of the next block is started before the current block is
-  computed, so communication overlaps compute. Backward sends the blocks round again, with their
-  gradients accumulating as they travel until they reach their owner.
+  computed, so communication overlaps compute. Backward sends the blocks round again; the other
+  ranks' shares of a block's gradient accumulate as they travel until they reach its owner (C-1
+  hops: the owner's own share stays where it is).
 - ``all_gather``: every rank's keys and values are gathered once per layer (started before the
   local block is computed, waited for after it); backward gathers them again and returns each
   rank's key/value gradients by one reduce-scatter (Llama 3's context parallelism).
@@ -104,19 +105,24 @@ def _ring_forward(ring: Ring, q, kv, split, window, scale):
 
 
 def _ring_backward(ring: Ring, dout, q, kv, split, out, lse, window, scale):
+    """The owner keeps its own queries' share of its key/value gradient; the other ranks' shares
+    accumulate along the ring from the next rank on and reach the owner on the (C-1)th hop."""
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    current, travelling = kv, None  # travelling: the key/value gradient sum of the block held now
+    current, own, travelling = kv, None, None  # travelling: the gradient sum of the block held now
     for step in range(ring.size):
         pending = _exchange(ring, current) if step < ring.size - 1 else None
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
         _backward_source(dq, dkv, dout, q, current, split, out, lse, ring, (ring.rank - step) % ring.size,
                          window, scale)
-        if travelling is not None:
-            dkv += _wait(travelling)
-        travelling = _exchange(ring, dkv)  # on to the next rank; the last hop reaches the owner
+        if step == 0:
+            own = dkv
+        else:
+            if travelling is not None:
+                dkv += _wait(travelling)
+            travelling = _exchange(ring, dkv)  # on to the next rank; the last hop reaches the owner
         if pending is not None:
             current = _wait(pending)
-    return dq, _wait(travelling)
+    return dq, own if travelling is None else own + _wait(travelling)
 
 
 def _gather(ring: Ring, kv):

@@ -32,10 +32,11 @@ VOCAB, SEQ, ROWS, STEPS = 96, 16, 4, 4
 POLICY = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
 
 
-def _reference() -> LlamaForCausalLM:
+def _reference(vocab: int = VOCAB) -> LlamaForCausalLM:
+    """``vocab`` >= VOCAB (the batches' tokens are below VOCAB)."""
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
                                         max_position_embeddings=32))
 
 
@@ -85,9 +86,9 @@ def test_distributed_model(world, config):
     harness.run(world, check_v1, config)
 
 
-def check_v2(tp: int, fsdp: str, checkpointing: bool, comm: str, hybrid: int = 0):
+def check_v2(tp: int, fsdp: str, checkpointing: bool, comm: str, hybrid: int = 0, vocab: int = VOCAB):
     smp.init({"context_parallel_degree": 2, "tensor_parallel_degree": tp, "hybrid_shard_degree": hybrid})
-    ref = _reference()
+    ref = _reference(vocab)
     model = smp.transform(copy.deepcopy(ref), cp_comm_type=comm)
     if checkpointing:
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, LlamaDecoderLayer))
@@ -101,16 +102,17 @@ def check_v2(tp: int, fsdp: str, checkpointing: bool, comm: str, hybrid: int = 0
     train_like_one_process(ref, model, optimizer, lambda loss: loss.backward())
 
 
-@pytest.mark.parametrize("world, tp, fsdp, checkpointing, comm, hybrid", [
-    (4, 1, "fsdp1", False, "p2p", 0),  # dp 2 x cp 2
-    (4, 2, "fsdp1", True, "all_gather", 0),  # cp 2 x tp 2, activation checkpointing
-    (4, 1, "fsdp1", False, "all_gather", 2),  # hybrid sharding: shards of 2, replicated twice
-    (4, 2, "fsdp2", False, "p2p", 0),
-    (2, 1, "fsdp2", True, "p2p", 0),
-], ids=["fsdp1_dp2_cp2", "fsdp1_cp2_tp2_checkpointed", "fsdp1_hybrid2_dp2_cp2", "fsdp2_cp2_tp2",
-        "fsdp2_cp2_checkpointed"])
-def test_v2_fsdp(world, tp, fsdp, checkpointing, comm, hybrid):
-    harness.run(world, check_v2, tp, fsdp, checkpointing, comm, hybrid)
+@pytest.mark.parametrize("world, tp, fsdp, checkpointing, comm, hybrid, vocab", [
+    (4, 1, "fsdp1", False, "p2p", 0, VOCAB),  # dp 2 x cp 2
+    (4, 2, "fsdp1", True, "all_gather", 0, VOCAB),  # cp 2 x tp 2, activation checkpointing
+    (4, 2, "fsdp1", False, "p2p", 0, VOCAB + 1),  # cp 2 x tp 2, a vocabulary TP shards unevenly
+    (4, 1, "fsdp1", False, "all_gather", 2, VOCAB),  # hybrid sharding: shards of 2, replicated twice
+    (4, 2, "fsdp2", False, "p2p", 0, VOCAB),
+    (2, 1, "fsdp2", True, "p2p", 0, VOCAB),
+], ids=["fsdp1_dp2_cp2", "fsdp1_cp2_tp2_checkpointed", "fsdp1_cp2_tp2_odd_vocab", "fsdp1_hybrid2_dp2_cp2",
+        "fsdp2_cp2_tp2", "fsdp2_cp2_checkpointed"])
+def test_v2_fsdp(world, tp, fsdp, checkpointing, comm, hybrid, vocab):
+    harness.run(world, check_v2, tp, fsdp, checkpointing, comm, hybrid, vocab)
 
 
 def check_bf16(comm: str):

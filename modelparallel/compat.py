@@ -34,5 +34,10 @@ from torch.distributed.fsdp._optim_utils import _gather_state_dict  # noqa: F401
 # exposes no hook at that point.
 from torch.distributed.fsdp._flat_param import FlatParamHandle
 
-__all__ = ["FlatParamHandle", "compute_local_shape_and_global_offset", "flatten_state_dict", "fsdp_optim_utils",
+# The job's key-value store (torchrun's, or the one init_process_group was given): when a peer dies
+# mid-collective the process group is broken, and the store is the one channel left through which
+# the survivors can tell which rank stopped answering. torch.distributed exposes no public getter.
+from torch.distributed.distributed_c10d import _get_default_store as default_store
+
+__all__ = ["FlatParamHandle", "default_store", "compute_local_shape_and_global_offset", "flatten_state_dict", "fsdp_optim_utils",
            "set_element"]

@@ -92,6 +92,9 @@ class Runtime:
     ``reports`` are what ``smp.last_load_report()`` returns."""
     step: Any = None
     """The running ``@smp.step`` call's ``StepContext``, or None outside a step."""
+    held_locks: dict = field(default_factory=dict)
+    """Locks this job holds until it ends (checkpoint directories it saved into, by real path);
+    released when ``init`` starts another job."""
     _groups: dict = field(default_factory=dict)
     """Process groups spanning several mesh dimensions, made by ``init`` (every rank at once)."""
     _object_group: Any = None
@@ -238,6 +241,9 @@ def init(config: dict | str | None = None, *, timeout_s: float = 300.0) -> Runti
     global _RUNTIME
     world = int(os.environ.get("WORLD_SIZE", 1)) if not dist.is_initialized() else dist.get_world_size()
     cfg = build_config(config, world)
+    if _RUNTIME is not None:
+        for lock in _RUNTIME.held_locks.values():
+            lock.release()
     _ensure_process_group(timedelta(seconds=timeout_s))
     device = _device()
     world_mesh = DeviceMesh(device.type, mesh_layout(cfg), mesh_dim_names=DIMS)

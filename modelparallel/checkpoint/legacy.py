@@ -11,7 +11,8 @@ callers typically save from ``smp.rdp_rank() == 0`` only.
 
 Records are plain dicts of tensors and numbers, so files load with ``weights_only=True``, the
 default of ``smp.load``: no code in a file runs. ``defaultdict``s of built-in factories are
-stored as tagged dicts and come back as ``defaultdict``s (``safe_load.to_plain``).
+stored as tagged dicts and come back as ``defaultdict``s (``plain.to_plain``), and so do numpy
+values and Hugging Face configs.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from .. import runtime
 from ..tp.layout import assemble
 from . import commit
-from .safe_load import from_plain, to_plain, torch_load
+from .plain import from_plain, to_plain
+from .safe_load import torch_load
 
 RECORD = "__modelparallel_shard__"
 

@@ -52,10 +52,10 @@ def to_plain(obj: Any) -> Any:
         return {k: to_plain(v) for k, v in obj.items()}
     if type(obj) in (list, tuple):
         return type(obj)(to_plain(v) for v in obj)
+    if type(obj).__module__.split(".")[0] == "numpy":  # before the leaves: np.float64 is a float
+        return _numpy(obj)
     if isinstance(obj, _LEAVES):
         return obj
-    if type(obj).__module__.split(".")[0] == "numpy":
-        return _numpy(obj)
     return _config(obj) if _is_hf_config(obj) else obj
 
 

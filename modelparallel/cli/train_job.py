@@ -18,6 +18,7 @@ import modelparallel as smp
 
 from . import launch, outcome, plot, resume
 from .data import WindowSampler, eval_batches, read_corpus, select_files, split_holdout
+from .progress import progress
 from .presets import build_distributed, load_tokenizer
 
 
@@ -80,14 +81,12 @@ metrics and the plot of a resumed run cover the whole run, not just the steps si
 
 def train_loop(model, opt, sampler, val_tokens, args, hist: dict) -> dict:
     """Run steps ``args.start_step .. --steps``, appending to ``hist``; returns this session's
-    step count and summed step time. Progress bar on rank 0 only; its tokens/s is the session's
-    tokens over the session's step time (forward, backward, optimizer), as in the summary."""
-    from tqdm.auto import tqdm
-
+    step count and summed step time. Progress on rank 0 only (a bar on a terminal, a line every
+    few seconds in a log: ``progress``); its tokens/s is the session's tokens over the session's
+    step time (forward, backward, optimizer), as in the summary."""
     tokens_per_step = args.batch_size * args.seq_len * smp.rdp_size()
     session = {"steps": 0, "step_time_s": 0.0}
-    bar = tqdm(total=args.steps, initial=args.start_step, desc="train", disable=smp.rank() != 0,
-               dynamic_ncols=True)
+    bar = progress(args.steps, args.start_step, "train", disable=smp.rank() != 0)
     outcome.PROGRESS.stage, outcome.PROGRESS.step = "training", args.start_step
     model.train()
     for step in range(args.start_step, args.steps):

@@ -181,6 +181,8 @@ def run_phase(phase: str, fn: Callable[[], Any]) -> list[Any]:
 
 
 def single_error(phase: str, errors: list[str]) -> None:
-    """Raise one error listing every problem found (e.g. by all ranks' checksum checks)."""
+    """Raise one error listing every problem found (e.g. by all ranks' checksum checks), the
+    first one on the first line (it names the file and what is wrong with it)."""
     if errors:
-        raise CheckpointError(f"checkpoint {phase}:\n  - " + "\n  - ".join(errors))
+        more = f" and {len(errors) - 1} more" if len(errors) > 1 else ""
+        raise CheckpointError(f"{errors[0].splitlines()[0]} (checkpoint {phase}{more})\n  - " + "\n  - ".join(errors))

@@ -103,10 +103,21 @@ def open_inside(root: str | Path, rel: str, what: str = "the checkpoint") -> int
     if not stat.S_ISREG(st.st_mode):
         raise UnsafeCheckpointError(f"{path}: not a regular file ({_kind(st.st_mode)}); a checkpoint holds "
                                     "regular files only")
-    if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced between the two looks
+    try:
+        if not stat.S_ISREG(fstat(fd, path).st_mode):  # replaced between the two looks
+            raise UnsafeCheckpointError(f"{path}: not a regular file; a checkpoint holds regular files only")
+    except BaseException:
         os.close(fd)
-        raise UnsafeCheckpointError(f"{path}: not a regular file; a checkpoint holds regular files only")
+        raise
     return fd
+
+
+def fstat(fd: int, path) -> os.stat_result:
+    """``os.fstat``, its error naming ``path`` (a descriptor's error names no file)."""
+    try:
+        return os.fstat(fd)
+    except OSError as e:
+        raise type(e)(e.errno, e.strerror, str(path)) from None
 
 
 def _kind(mode: int) -> str:
@@ -129,11 +140,14 @@ class VerifiedReader:
         self.fd = open_inside(root, rel)
         self.pos, self.crc = 0, 0
         self._ahead: tuple[int, bytes] | None = None
-        size = os.fstat(self.fd).st_size
-        if size != entry["size"]:
-            os.close(self.fd)
-            raise CorruptFileError(f"{self.path}: size {size} bytes, manifest says {entry['size']} "
-                                   "(truncated or overwritten)")
+        try:
+            size = fstat(self.fd, self.path).st_size
+            if size != entry["size"]:
+                raise CorruptFileError(f"{self.path}: size {size} bytes, manifest says {entry['size']} "
+                                       "(truncated or overwritten)")
+        except BaseException:
+            self.close()
+            raise
 
     def __enter__(self) -> "VerifiedReader":
         return self
@@ -214,7 +228,11 @@ class VerifiedReader:
             CorruptFileError: naming the file.
         """
         self.skip_to(self.entry["size"])
-        if os.pread(self.fd, 1, self.pos):
+        try:
+            longer = os.pread(self.fd, 1, self.pos)
+        except OSError as e:
+            raise type(e)(e.errno, e.strerror, str(self.path)) from None
+        if longer:
             raise CorruptFileError(f"{self.path}: longer than the manifest's {self.entry['size']} bytes")
         got = f"{self.crc:08x}"
         if got != self.entry["crc32"]:
@@ -243,6 +261,20 @@ def check_file(root: str | Path, rel: str, entry: dict) -> str | None:
     return None
 
 
+def read_path(path: str | Path) -> bytes:
+    """The bytes of the file the user named (its own path: links followed), read here rather than
+    by ``torch.load``, whose reader turns an I/O error into an unrelated ``SystemError``; errors
+    name the file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise type(e)(e.errno, e.strerror, str(path)) from None
+    try:
+        return _read_all(fd, Path(path))
+    finally:
+        os.close(fd)
+
+
 def _read_all(fd: int, path: Path) -> bytes:
     chunks = []
     try:
@@ -262,7 +294,7 @@ def read_json(root: str | Path, rel: str, limit: int) -> object:
     path = Path(root) / rel
     fd = open_inside(root, rel)
     try:
-        size = os.fstat(fd).st_size
+        size = fstat(fd, path).st_size
         if size > limit:
             raise ValueError(f"{path}: {size} bytes, more than the {limit} a manifest may have")
         data = _read_all(fd, path)

@@ -18,6 +18,7 @@ values and Hugging Face configs.
 from __future__ import annotations
 
 import copy
+import io
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from .. import runtime
 from ..tp.layout import assemble
 from . import commit
+from .files import read_path
 from .plain import from_plain, to_plain
 from .safe_load import torch_load
 
@@ -132,9 +134,10 @@ def _is_record(obj: Any) -> bool:
 def _read(path: Path, weights_only: bool) -> Any:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such checkpoint file")
+    data = io.BytesIO(read_path(path))
     if weights_only:
-        return from_plain(torch_load(path))
-    return from_plain(torch.load(path, map_location="cpu", weights_only=False))
+        return from_plain(torch_load(data, name=str(path)))
+    return from_plain(torch.load(data, map_location="cpu", weights_only=False))
 
 
 def _decode(objs: list[Any], same_layout: bool) -> Any:

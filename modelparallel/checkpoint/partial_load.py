@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from . import commit, model_config, optim_part, parts, staging
 from .errors import run_phase, single_error
-from .files import CheckpointFiles, open_inside
+from .files import CheckpointFiles, fstat, open_inside
 from .parts import LoadReport
 from .partial import MODEL, OPTIMIZER, check_architecture
 
@@ -43,7 +43,9 @@ def _stat_problem(files: CheckpointFiles, rel: str) -> str | None:
     except (OSError, ValueError) as e:
         return str(e)
     try:
-        size = os.fstat(fd).st_size
+        size = fstat(fd, files.directory / rel).st_size
+    except OSError as e:
+        return str(e)
     finally:
         os.close(fd)
     want = files.manifest["files"][rel]["size"]

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from .. import runtime
 from . import commit, export_dtype, full, full_load, partial_load, single_file
+from .async_save import AsyncSaver
 from . import partial as partial_ckpt
 from .errors import run_phase
 from .files import CheckpointFiles
@@ -23,7 +24,7 @@ from .pending import PendingResume
 def save_checkpoint(path: str | Path, tag: str, partial: bool = True, model=None, optimizer=None,
                     user_content: Any = None, translate_if_full: bool = True,
                     num_kept_partial_checkpoints: int | None = None, trust_user_content: bool = False,
-                    dtype=None) -> None:
+                    dtype=None, async_save: bool = False) -> None:
     """Save a checkpoint (a collective: call it on every rank).
 
     Args:
@@ -45,6 +46,11 @@ def save_checkpoint(path: str | Path, tag: str, partial: bool = True, model=None
             then needs ``trust_user_content=True`` and runs whatever code the file names.
         dtype: full checkpoints only: export in ``torch.float32`` (a half-precision run's fp32
             master weights), ``torch.float16`` or ``torch.bfloat16``; None: the training dtype.
+        async_save: partial checkpoints only: return once this rank's state is copied to host
+            staging buffers; a background thread writes, fsyncs and commits it (see
+            ``async_save``). Its error is raised on every rank by the next save,
+            ``wait_for_checkpoints()`` or ``resume_from_checkpoint``; at exit the library waits
+            for it.
 
     Raises:
         ValueError: for bad arguments, before anything is written.
@@ -57,14 +63,39 @@ def save_checkpoint(path: str | Path, tag: str, partial: bool = True, model=None
     if partial and dtype is not None:
         raise ValueError("dtype= applies to full checkpoints (partial=False); a partial checkpoint keeps the "
                          "training dtype and the fp32 master weights")
+    if async_save and not partial:
+        raise ValueError("async_save=True applies to partial checkpoints; a full checkpoint is written synchronously")
+    wait_for_checkpoints()  # at most one save in flight; its error surfaces here
     if partial:
+        saver = _saver() if async_save else None
         partial_ckpt.save(Path(path), tag, model, optimizer, user_content, num_kept_partial_checkpoints,
-                          trust_user_content)
+                          trust_user_content, saver)
     elif single_file.is_file_tag(tag):
         single_file.save(Path(path), tag, model, user_content, translate_if_full, trust_user_content, dtype)
     else:
         full.save(Path(path), tag, model, user_content, translate_if_full, trust_user_content=trust_user_content,
                   dtype=dtype)
+
+
+def _saver() -> AsyncSaver:
+    rt = runtime.current()
+    if rt.checkpoint_saver is None:
+        rt.checkpoint_saver = AsyncSaver()
+    return rt.checkpoint_saver
+
+
+def wait_for_checkpoints() -> None:
+    """Wait for the asynchronous save in flight (if any) to be committed; raise its error on
+    every rank if it failed. Call it on every rank (the error is agreed by all of them)."""
+    rt = runtime.current() if runtime.is_initialized() else None
+    if rt is not None and rt.checkpoint_saver is not None:
+        rt.checkpoint_saver.wait()
+
+
+def checkpoint_staging_bytes() -> int:
+    """Host memory this rank holds for asynchronous saves (kept and reused between saves)."""
+    rt = runtime.current() if runtime.is_initialized() else None
+    return rt.checkpoint_saver.stager.nbytes if rt is not None and rt.checkpoint_saver is not None else 0
 
 
 def _defaults(model, optimizer):
@@ -126,6 +157,7 @@ def resume_from_checkpoint(path: str | Path, tag: str | None = None, partial: bo
             missing checkpoint; another architecture; strict mismatches (all listed); a missing,
             truncated, corrupted or unlisted file (named); content a checkpoint may not hold.
     """
+    wait_for_checkpoints()  # never read what a save in flight is writing
     rt = runtime.current()
     if rt.resume is not None:  # a new resume replaces one still waiting, even if it fails
         rt.resume.armed = False

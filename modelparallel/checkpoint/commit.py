@@ -63,12 +63,16 @@ def hidden_name(kind: str, nonce: str, name: str) -> str:
 
 
 def fsync_path(path: str | Path) -> None:
-    """fsync a file or a directory (a directory's fsync persists the names in it)."""
-    fd = os.open(path, os.O_RDONLY)
+    """fsync a file or a directory (a directory's fsync persists the names in it); an error
+    names ``path``."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise named(e, path) from None
 
 
 def fsync_tree(root: str | Path) -> None:
@@ -98,16 +102,22 @@ def write_file_atomic(path: str | Path, data: bytes) -> None:
 def file_checksum(path: str | Path, fsync: bool = False) -> dict:
     """``{"size", "crc32"}`` of a file. With ``fsync`` the file is also flushed to disk, in a
     thread while the CRC is computed: the disk write-back and the CPU work overlap (the CRC releases
-    the GIL), so checksumming a just-written checkpoint costs about what its fsync costs alone."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        sync = _Background(os.fsync, f.fileno()) if fsync else None
-        crc = 0
-        if size:
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:  # no copies: ~2x read()
-                crc = crc32(view)
-        if sync is not None:
-            sync.join()
+    the GIL), so checksumming a just-written checkpoint costs about what its fsync costs alone.
+    An error names ``path``."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            sync = _Background(os.fsync, f.fileno()) if fsync else None
+            crc = 0
+            try:
+                if size:
+                    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:  # no copies: ~2x read()
+                        crc = crc32(view)
+            finally:
+                if sync is not None:
+                    sync.join()
+    except OSError as e:
+        raise named(e, path) from None
     return {"size": size, "crc32": f"{crc:08x}"}
 
 

@@ -60,7 +60,7 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def agree(phase: str, error: BaseException | None, payload: Any = None) -> list[Any]:
+def agree(phase: str, error: BaseException | None, payload: Any = None, group=None) -> list[Any]:
     """Share each rank's outcome of ``phase``; raise on every rank if any rank failed.
 
     Returns:
@@ -79,7 +79,7 @@ def agree(phase: str, error: BaseException | None, payload: Any = None) -> list[
     if _world() > 1:
         outcomes = [None] * _world()
         try:
-            dist.all_gather_object(outcomes, (mine, payload, here), group=object_group())
+            dist.all_gather_object(outcomes, (mine, payload, here), group=group or object_group())
         except (RuntimeError, dist.DistBackendError) as lost:
             raise peer_lost(phase, lost) from (error or lost)
     failed = [(r, e) for r, (e, _, _) in enumerate(outcomes) if e is not None]
@@ -170,14 +170,15 @@ def _message(error: BaseException) -> str:
     return str(error)
 
 
-def run_phase(phase: str, fn: Callable[[], Any]) -> list[Any]:
-    """Run ``fn()`` on this rank, then ``agree``: every rank returns all ranks' results, or every
-    rank raises ``CheckpointError`` if ``fn`` raised anywhere."""
+def run_phase(phase: str, fn: Callable[[], Any], group=None) -> list[Any]:
+    """Run ``fn()`` on this rank, then ``agree`` (over ``group``, default ``object_group()``):
+    every rank returns all ranks' results, or every rank raises ``CheckpointError`` if ``fn``
+    raised anywhere."""
     try:
         result, error = fn(), None
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported to every rank by agree()
         result, error = None, e
-    return agree(phase, error, result)
+    return agree(phase, error, result, group)
 
 
 def single_error(phase: str, errors: list[str]) -> None:

@@ -32,7 +32,7 @@ from ..tp.layout import block_slices, local_block
 from . import commit, export_dtype, layouts, parts
 from .errors import run_phase
 from .files import CheckpointFiles, read_verified
-from .layouts import Items, translation  # noqa: F401 - translation: part of this module's API
+from .layouts import Items
 from .partial import describe
 from .shards import ShardWriter, plan_shards
 

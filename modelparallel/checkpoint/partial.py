@@ -48,13 +48,16 @@ def describe(model, optimizer) -> dict[str, Any]:
 
 
 def save(path: Path, tag: str, model, optimizer, user_content: Any, keep: int | None,
-         trust_user_content: bool = False) -> Path:
-    """Write ``path/{tag}_partial`` (a collective). Returns the committed directory.
+         trust_user_content: bool = False, saver=None) -> Path:
+    """Write ``path/{tag}_partial`` (a collective). Returns the committed directory (with a
+    ``saver``: the directory it will be committed as, once the background save finishes).
 
     Rank 0 takes the directory's writer lock for the job (``lock.job_lock``) before it cleans
     leftovers, so another job saving into ``path`` fails instead of deleting this one's files.
     Retention runs after the commit; a checkpoint it cannot delete is logged, not raised: the
-    save itself succeeded."""
+    save itself succeeded. With an ``async_save.AsyncSaver``, the states are copied into its
+    staging buffers here and the write, checksum and commit phases run in its background thread
+    on its own process group."""
     rank, world = _rank_world()
     name = f"{tag}_partial"
     states: dict[str, Any] = {}
@@ -70,26 +73,55 @@ def save(path: Path, tag: str, model, optimizer, user_content: Any, keep: int | 
         return staged
 
     staging = path / run_phase("save (prepare)", prepare)[0]
+    manifest = {"format": FORMAT, "version": 1, "tag": tag, "tensor_layout": CONTIGUOUS,
+                "parts": sorted(states) + ["user_content"], "user_content_trusted": bool(trust_user_content),
+                **describe(model, optimizer)}
+    phases = _Phases(path, staging, name, manifest, content.get("bytes"), keep)
+    if saver is None:
+        phases.run(states)
+        return path / name
+    group = saver.process_group()
+    found: dict[str, Any] = {}
     try:
-        written = run_phase("save (write)", lambda: _write(states, staging, content.get("bytes"), rank))
-        sums = run_phase("save (checksum)", lambda: _checksums(staging, rank, world))
-        files = {k: v for s in sums for k, v in s.items()}
-        lost = sorted({f for w in written for f in w} - set(files))
-        manifest = {"format": FORMAT, "version": 1, "tag": tag, "tensor_layout": CONTIGUOUS,
-                    "parts": sorted(states) + ["user_content"], "files": files,
-                    "user_content_trusted": bool(trust_user_content), **describe(model, optimizer)}
-        run_phase("save (commit)", lambda: _commit(path, staging, name, manifest, lost, keep) if rank == 0 else None)
+        run_phase("save (stage)", lambda: found.update(states=saver.stager.stage(states)))
     except Exception:
-        if rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
+        phases.discard()
         raise
+    saver.submit(tag, lambda: phases.run(found.pop("states"), group))
     return path / name
 
 
-def _write(states: dict, staging: Path, content: bytes | None, rank: int) -> list[str]:
+class _Phases:
+    """The phases of a save after ``prepare``: write, checksum, commit (on ``group``)."""
+
+    def __init__(self, path: Path, staging: Path, name: str, manifest: dict, content: bytes | None,
+                 keep: int | None):
+        self.path, self.staging, self.name, self.manifest = path, staging, name, manifest
+        self.content, self.keep = content, keep
+
+    def discard(self) -> None:
+        if _rank_world()[0] == 0:
+            shutil.rmtree(self.staging, ignore_errors=True)
+
+    def run(self, states: dict, group=None) -> None:
+        rank, world = _rank_world()
+        try:
+            written = run_phase("save (write)", lambda: _write(states, self.staging, self.content, rank, group), group)
+            sums = run_phase("save (checksum)", lambda: _checksums(self.staging, rank, world), group)
+            files = {k: v for s in sums for k, v in s.items()}
+            lost = sorted({f for w in written for f in w} - set(files))
+            manifest = {**self.manifest, "files": files}
+            run_phase("save (commit)", lambda: _commit(self.path, self.staging, self.name, manifest, lost, self.keep)
+                      if rank == 0 else None, group)
+        except Exception:
+            self.discard()
+            raise
+
+
+def _write(states: dict, staging: Path, content: bytes | None, rank: int, group=None) -> list[str]:
     """Write this rank's share; returns the files it wrote (checked again at commit)."""
     for part, state in states.items():
-        parts.write_part(state, staging / part)
+        parts.write_part(state, staging / part, group)
     if rank == 0:
         parts.write_bytes(staging / parts.USER_CONTENT, content)
     mine = [f"{part}/{p.name}" for part in states for p in (staging / part).glob(f"__{rank}_*.distcp")]

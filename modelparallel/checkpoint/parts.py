@@ -77,12 +77,12 @@ def loadable(state: dict[str, Any], report: LoadReport) -> set[str]:
     return set(flatten(state)) - skip
 
 
-def write_part(state: dict[str, Any], directory: Path) -> None:
+def write_part(state: dict[str, Any], directory: Path, group=None) -> None:
     """One DCP save (a collective), every tensor stored contiguous so that same-layout loads read
     in place (``fastread``). DCP's own fsync is off: the checksum phase fsyncs every file while
     it computes the CRC, before anything is committed (``commit.file_checksum``)."""
     try:
-        writer.save(state, directory, ContiguousSavePlanner())
+        writer.save(state, directory, ContiguousSavePlanner(), group)
     except (CheckpointException, OSError) as e:
         root = cause(e)
         if isinstance(root, OSError) and not root.filename and root.errno is not None:
@@ -132,11 +132,14 @@ def stage(path: Path, name: str, held: dict, user_content: Any, trusted: bool) -
 
 
 def write_bytes(path: Path, data: bytes) -> None:
-    """Write and fsync one file."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    """Write and fsync one file; an error names it."""
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise writer.named(e, path) from None
 
 
 def read_user_content(data: bytes, name: str | Path, trusted: bool = False) -> Any:

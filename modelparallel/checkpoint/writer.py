@@ -67,8 +67,9 @@ class CheckpointWriter(FileSystemWriter):
         return self.fs.errors
 
 
-def save(state: dict[str, Any], directory: Path, planner) -> None:
-    """One DCP save of ``state`` into ``directory`` (a collective).
+def save(state: dict[str, Any], directory: Path, planner, group=None) -> None:
+    """One DCP save of ``state`` into ``directory`` (a collective over ``group``, default the
+    world).
 
     Raises:
         OSError: this rank's first failed write, naming its file (not torch.save's
@@ -77,7 +78,7 @@ def save(state: dict[str, Any], directory: Path, planner) -> None:
     """
     writer = CheckpointWriter(directory)
     try:
-        dcp.save(state, storage_writer=writer, planner=planner)
+        dcp.save(state, storage_writer=writer, planner=planner, process_group=group)
     except (CheckpointException, OSError, RuntimeError) as e:
         if writer.errors:
             raise writer.errors[0] from e

@@ -59,7 +59,10 @@ def convert(source: Path, dest: Path, to: str) -> Path:
     from ..nn.huggingface import table_for
     from ..nn.huggingface.translate import from_hf, to_hf
 
-    config = json.loads((source / "config.json").read_text())
+    try:
+        config = json.loads((source / "config.json").read_text())
+    except OSError as e:
+        raise type(e)(e.errno, e.strerror, str(source / "config.json")) from None
     table = table_for(config.get("model_type", ""))
     if table is None:
         raise ValueError(f"{source}: model_type {config.get('model_type')!r} has no state-dict translation")
@@ -100,10 +103,10 @@ def _write_both(dest: Path, config: bytes, write_weights) -> None:
         for name in ("config.json", "model.safetensors"):
             os.replace(temps[name], dest / name)
         commit.fsync_path(dest)
-    except OSError as e:
-        for tmp in temps.values():
+    except OSError as e:  # nothing half-done: no weights file (its presence would refuse a rerun)
+        for path in (*temps.values(), dest / "model.safetensors"):
             with contextlib.suppress(OSError):
-                os.unlink(tmp)
+                os.unlink(path)
         raise named(e, dest / "model.safetensors") from None
 
 

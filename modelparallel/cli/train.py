@@ -63,6 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save-every", type=int, default=0, help="save a partial checkpoint every N steps "
                    "under OUT/checkpoints (default: never)")
     g.add_argument("--keep", type=int, default=None, help="keep only the N newest partial checkpoints")
+    g.add_argument("--sync-save", action="store_true",
+                   help="write each checkpoint before training goes on (default: staged to host memory, then "
+                        "written and committed in the background while training continues)")
     g.add_argument("--resume", nargs="?", const="newest", choices=("newest", "auto"), default=None,
                    metavar="auto", help="--resume: continue from the newest checkpoint in OUT/checkpoints "
                    "(an error if there is none); --resume auto: continue if there is one, else start fresh")

@@ -114,19 +114,24 @@ def train_loop(model, opt, sampler, val_tokens, args, hist: dict) -> dict:
         bar.update()
         if args.save_every and (step + 1) % args.save_every == 0:
             save(args, step + 1, hist, bar)
+    smp.wait_for_checkpoints()  # the last checkpoint is committed before the run goes on
     bar.close()
     return session
 
 
 def save(args, step: int, hist: dict, bar) -> None:
-    """A partial checkpoint of step ``step`` with the history so far; one line on rank 0."""
+    """A partial checkpoint of step ``step`` with the history so far; one line on rank 0. By
+    default asynchronous: training waits only for the copy to host memory (and for the previous
+    save, if it is still being written); ``--sync-save`` writes it before going on."""
     start = time.perf_counter()
     directory = resume.checkpoint_dir(args.out)
+    sync = getattr(args, "sync_save", True)
     smp.save_checkpoint(directory, tag=resume.step_tag(step), user_content={"step": step, "history": hist},
-                        num_kept_partial_checkpoints=args.keep)
+                        num_kept_partial_checkpoints=args.keep, async_save=not sync)
     if smp.rank() == 0:
-        bar.write(f"step {step}: saved checkpoint {directory / (resume.step_tag(step) + resume.PARTIAL)} "
-                  f"({time.perf_counter() - start:.1f} s)")
+        took = time.perf_counter() - start
+        how = f"{took:.1f} s" if sync else f"staged in {took:.1f} s, written in the background"
+        bar.write(f"step {step}: saved checkpoint {directory / (resume.step_tag(step) + resume.PARTIAL)} ({how})")
 
 
 def resume_run(args, sampler) -> tuple[int, dict]:

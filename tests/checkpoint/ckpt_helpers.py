@@ -23,10 +23,15 @@ def cfg(vocab: int = 64, **kw) -> GPT2Config:
     return GPT2Config(**{**base, **kw})
 
 
-def build(seed: int = 0, tp: int = 2, steps: int = 1, optimizer_cls=torch.optim.AdamW, **cfg_kw):
+def build(seed: int = 0, tp: int = 2, steps: int = 1, optimizer_cls=torch.optim.AdamW, init: bool = True,
+          **cfg_kw):
     """A DistributedModel and DistributedOptimizer that took ``steps`` steps (so the optimizer
-    has state); ``seed`` changes the initial weights."""
-    smp.init({"tensor_parallel_degree": tp, "random_seed": seed})
+    has state); ``seed`` changes the initial weights. ``init=False`` builds in the running job
+    (each ``smp.init`` makes new process groups, whose threads live as long as the process)."""
+    if init:
+        smp.init({"tensor_parallel_degree": tp, "random_seed": seed})
+    else:
+        torch.manual_seed(seed)
     model = smp.DistributedModel(GPT2LMHeadModel(cfg(**cfg_kw)))
     optimizer = smp.DistributedOptimizer(optimizer_cls(model.parameters(), lr=1e-2))
     vocab = model.module.config.vocab_size

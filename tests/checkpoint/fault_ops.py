@@ -29,7 +29,14 @@ def _tp() -> int:
 
 
 def _fresh(tp: int, seed: int = 9):
-    return build(seed=seed, tp=tp, steps=1)
+    """A trained model and optimizer of ``seed`` in the series' job (``start``: one ``smp.init``
+    per series, since every init makes new process groups whose threads are never freed)."""
+    return build(seed=seed, tp=tp, steps=1, init=False)
+
+
+def start() -> None:
+    """The job a series of trials runs in: TP = the number of ranks."""
+    smp.init({"tensor_parallel_degree": _tp(), "random_seed": 0})
 
 
 def _loads_as(path: Path, tag: str | None, want: dict, tp: int, partial: bool = True) -> list[str]:
@@ -103,7 +110,7 @@ class FullSave(PartialSave):
             return problems + [f"newest names {newest!r}"]
         if error is None and newest != "b":
             problems.append("the save reported success but newest is not b")
-        for tag in {"a", newest}:
+        for tag in sorted({"a", newest}):  # the same order on every rank: loads are collectives
             problems += _loads_as(root, tag, ctx[tag], _tp(), partial=False)
         return problems
 

@@ -40,8 +40,9 @@ class Fault(OSError):
 class Counter:
     """Call numbering of one injection window (thread-safe: checksums fsync in a thread)."""
 
-    def __init__(self, root: str, fail_at: int, kind: str):
+    def __init__(self, root: str, fail_at: int, kind: str, only: set[str] | None = None):
         self.root, self.fail_at, self.kind = os.path.realpath(root), fail_at, kind
+        self.only = only
         self.count, self.lock = 0, threading.Lock()
         self.fds: dict[int, str] = {}
         self.fired: str | None = None
@@ -59,6 +60,8 @@ class Counter:
 
     def hit(self, name: str, where: str) -> str | None:
         """The fault to inject into this call (None: run it)."""
+        if self.only is not None and name not in self.only:
+            return None
         with self.lock:
             self.count += 1
             if self.count != self.fail_at:
@@ -200,10 +203,11 @@ _OS_CALLS = ("open", "read", "pread", "preadv", "write", "pwrite", "fsync", "ftr
 
 
 @contextlib.contextmanager
-def inject(root, fail_at: int = 0, kind: str = "error"):
+def inject(root, fail_at: int = 0, kind: str = "error", only: set[str] | None = None):
     """Count calls on files under ``root``; the ``fail_at``-th (1-based; 0: none) fails with a
-    fault of ``kind`` ("error", "other", "short"). Yields the ``Counter`` (``count``: calls
-    seen; ``fired``: which call failed)."""
+    fault of ``kind`` ("error", "other", "short"). ``only``: count only these calls (e.g.
+    ``WRITES``: the N-th write). Yields the ``Counter`` (``count``: calls seen; ``fired``: which
+    call failed)."""
     import safetensors
     import safetensors.torch
     import torch
@@ -211,7 +215,7 @@ def inject(root, fail_at: int = 0, kind: str = "error"):
     from modelparallel.checkpoint import commit
     from modelparallel.materialize import safetensors_io
 
-    counter = Counter(str(root), fail_at, kind)
+    counter = Counter(str(root), fail_at, kind, only)
     saved = []
 
     def patch(owner, attr, new):

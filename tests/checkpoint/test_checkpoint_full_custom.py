@@ -11,7 +11,6 @@ loader could not map them back (modelparallel/checkpoint/layouts.py, full.py, fu
 single_file.py).
 """
 
-import copy
 import os
 import sys
 from pathlib import Path
@@ -62,7 +61,7 @@ def distributed(kind: str, tp: int, seed: int):
 
 
 def save_both(kind: str, path: str) -> dict:
-    model = distributed(kind, 2, 0)
+    distributed(kind, 2, 0)
     smp.save_checkpoint(path, "full", partial=False, user_content={"kind": kind})
     smp.save_checkpoint(path, "fullmodel.pt", partial=False, user_content={"kind": kind})
     return {k: v.clone() for k, v in unsharded(kind).state_dict().items()}

@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import harness
@@ -47,21 +48,24 @@ def test_optimizer_class_and_model_config_are_compared(tmp_path):
         assert r["changed"] == []
 
 
-def job_lock(path: str) -> dict:
-    """Between two saves of this job, another process cannot take the directory's lock."""
+def job_lock(path: str, asynchronous: bool = False) -> dict:
+    """Between two saves of this job, another process cannot take the directory's lock (also
+    while an asynchronous save is still being written)."""
     build()
-    smp.save_checkpoint(path, "a")
+    smp.save_checkpoint(path, "a", async_save=asynchronous)
     probe = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR)\n"
              "try:\n    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\nexcept BlockingIOError:\n    sys.exit(7)\n")
     locked = None
     if smp.rank() == 0:
         locked = subprocess.run([sys.executable, "-c", probe, str(Path(path) / commit.LOCK)]).returncode == 7
-    smp.save_checkpoint(path, "b", num_kept_partial_checkpoints=1)  # the job itself saves again
+    smp.save_checkpoint(path, "b", num_kept_partial_checkpoints=1, async_save=asynchronous)  # the job saves again
+    smp.wait_for_checkpoints()
     return {"locked": locked, "listing": sorted(os.listdir(path))}
 
 
-def test_the_directory_stays_locked_for_the_job_between_saves(tmp_path):
-    r = harness.run(2, job_lock, str(tmp_path))[0]
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_the_directory_stays_locked_for_the_job_between_saves(tmp_path, asynchronous):
+    r = harness.run(2, job_lock, str(tmp_path), asynchronous)[0]
     assert r["locked"], "another process could lock the directory between this job's saves"
     assert r["listing"] == [commit.LOCK, "b_partial", "newest"]
 

@@ -11,19 +11,22 @@ from . import delayed_param, patches
 from .activations import set_activation_checkpointing
 from .clip import clip_grad_norm_
 from .config import Config
+from . import context
+from .cp import gather_sequence, get_batch_for_cp_rank
 from .creation import delay_param_initialization, model_creation
 from .materialize.loading import load_hf_checkpoint
 from .materialize.meta import MetaTensorError
 from .model import DistributedModel
 from .optimizer import DistributedOptimizer
 from .runtime import (
-    DP_GROUP, MP_GROUP, PP_GROUP, RDP_GROUP, TP_GROUP, WORLD, CommGroup, dp_rank, dp_size,
+    CP_GROUP, DP_CP_GROUP, DP_GROUP, MP_GROUP, PP_GROUP, RDP_GROUP, TP_GROUP, WORLD, CommGroup, cp_rank, cp_size,
+    dp_rank, dp_size, get_cp_process_group,
     get_dp_process_group, get_mp_process_group, get_pp_process_group, get_rdp_process_group,
     get_tp_process_group, get_world_process_group, init, is_initialized, local_rank, local_size,
     mp_rank, mp_size, pp_rank, pp_size, rank, rdp_rank, rdp_size, size, tp_rank, tp_size,
 )
 from .comm import (
-    RankType, allgather, barrier, broadcast, dp_barrier, dp_mesh, get_dp_group, get_mp_group,
+    RankType, allgather, barrier, broadcast, cp_mesh, dp_barrier, dp_mesh, get_cp_group, get_dp_group, get_mp_group,
     get_pp_group, get_rdp_group, get_tp_group, get_world_group, mp_barrier, recv_from, send, tp_mesh,
 )
 from .state import state
@@ -51,4 +54,6 @@ __all__ = [
     "MetaTensorError", "delay_param_initialization", "delayed_param", "load_hf_checkpoint", "model_creation",
     "transform", "clip_grad_norm_",
     "patches", "set_activation_checkpointing",
+    "CP_GROUP", "DP_CP_GROUP", "context", "cp_rank", "cp_size", "cp_mesh", "gather_sequence", "get_batch_for_cp_rank",
+    "get_cp_group", "get_cp_process_group",
 ]

@@ -14,7 +14,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .runtime import DP_GROUP, MP_GROUP, PP_GROUP, RDP_GROUP, TP_GROUP, WORLD, CommGroup, current
+from .runtime import CP_GROUP, DP_GROUP, MP_GROUP, PP_GROUP, RDP_GROUP, TP_GROUP, WORLD, CommGroup, current
 
 
 class RankType(str, Enum):
@@ -26,6 +26,7 @@ class RankType(str, Enum):
     RDP_RANK = "rdp"
     MP_RANK = "mp"
     PP_RANK = "pp"
+    CP_RANK = "cp"
 
 
 def _members(group: CommGroup, name: str, what: str):
@@ -44,6 +45,7 @@ get_dp_group = _members(DP_GROUP, "get_dp_group", "the ranks holding replicas of
 get_rdp_group = _members(RDP_GROUP, "get_rdp_group", "the ranks holding the same shard as this rank")
 get_mp_group = _members(MP_GROUP, "get_mp_group", "the ranks over which this rank's model replica is partitioned")
 get_pp_group = _members(PP_GROUP, "get_pp_group", "this rank's pipeline group (one rank per stage)")
+get_cp_group = _members(CP_GROUP, "get_cp_group", "the ranks splitting this rank's sequences")
 
 
 def tp_mesh() -> DeviceMesh:
@@ -52,9 +54,15 @@ def tp_mesh() -> DeviceMesh:
 
 
 def dp_mesh() -> DeviceMesh:
-    """The 1-D DeviceMesh of the ranks holding the same shard (SageMaker's rdp group): the mesh
-    FSDP shards over."""
+    """The 1-D DeviceMesh FSDP shards over: the ranks holding the same shard (SageMaker's rdp
+    group), times the context-parallel ranks when ``context_parallel_degree`` > 1 (they hold the
+    same parameters too)."""
     return current().dp_mesh
+
+
+def cp_mesh() -> DeviceMesh:
+    """The 1-D context-parallel DeviceMesh of this rank (the ranks splitting its sequences)."""
+    return current().cp_mesh
 
 
 def _global_rank(rank: int, rank_type: RankType | str) -> int:

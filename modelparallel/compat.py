@@ -7,6 +7,9 @@ failures scattered through the package. Each entry says why the public API does 
 
 from __future__ import annotations
 
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
 # The (local shape, global offset) of any mesh coordinate's block, for every placement DTensor
 # has (FSDP's strided shard of a TP shard included); the public API only answers for this rank.
 from torch.distributed.tensor._utils import (
@@ -39,5 +42,25 @@ from torch.distributed.fsdp._flat_param import FlatParamHandle
 # the survivors can tell which rank stopped answering. torch.distributed exposes no public getter.
 from torch.distributed.distributed_c10d import _get_default_store as default_store
 
-__all__ = ["FlatParamHandle", "default_store", "compute_local_shape_and_global_offset", "flatten_state_dict", "fsdp_optim_utils",
-           "set_element"]
+
+# Several dimensions of a DeviceMesh as one (the data and context ranks FSDP shards over), kept
+# in the root mesh so DTensors on its other dimensions (TP shards) compose with it; PyTorch
+# exposes no public name for it yet (``DeviceMesh._flatten``).
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """``mesh``'s dimensions as one named ``name`` (created once per root mesh, then reused)."""
+    return mesh._flatten(name)
+
+
+# PyTorch's fused CPU attention kernel with its log-sum-exp, and its backward given an output and
+# log-sum-exp: context parallelism merges attention blocks by their log-sum-exp and differentiates
+# each block against the merged result; ``scaled_dot_product_attention`` returns neither.
+flash_attention_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+flash_attention_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+# Not a private name: SageMaker's module names for notebooks and tests (``modelparallel run``
+# installs the same hook for a whole script); re-exported here as ``modelparallel.compat``'s.
+from .sagemaker.hook import sagemaker_imports  # noqa: E402 - after the private names it sits beside
+
+__all__ = ["FlatParamHandle", "compute_local_shape_and_global_offset", "default_store", "flash_attention_cpu",
+           "flash_attention_cpu_backward", "flatten_mesh", "flatten_state_dict", "fsdp_optim_utils",
+           "sagemaker_imports", "set_element"]

@@ -34,6 +34,13 @@ class _Derived:
         return self.world_size // self.model_ranks
 
     @property
+    def replica_degree(self) -> int:
+        """Ranks holding the same parameters (same tp and pp rank): the data-parallel degree
+        times the context-parallel degree. Gradients are averaged, and FSDP shards, over them;
+        data is sharded over the data-parallel ranks only (context ranks split one sequence)."""
+        return self.dp_degree * self.context_parallel_degree
+
+    @property
     def model_ranks(self) -> int:
         """Ranks that one replica spans: tensor x pipeline x context parallel degrees."""
         return self.tensor_parallel_degree * self.pipeline_parallel_degree * self.context_parallel_degree
@@ -42,11 +49,11 @@ class _Derived:
     def shard_degree(self) -> int:
         """The v1 sharded-data-parallel degree ``DistributedModel`` applies (1 = off), from
         ``sharded_data_parallel_degree``, an explicit ``hybrid_shard_degree`` > 1, or
-        ``shard_optimizer_state`` (every rdp rank)."""
+        ``shard_optimizer_state`` (every replica: rdp x cp ranks)."""
         sdp, hsd = self.sharded_data_parallel_degree, self.hybrid_shard_degree
         if sdp > 1 or hsd > 1:
             return sdp if sdp > 1 else hsd
-        return self.dp_degree if self.shard_optimizer_state else 1
+        return self.replica_degree if self.shard_optimizer_state else 1
 
     @property
     def keep_params_gathered(self) -> bool:
@@ -58,9 +65,9 @@ class _Derived:
 
     @property
     def fsdp_shard_degree(self) -> int:
-        """The v2 FSDP sharding degree: ``hybrid_shard_degree``, or every data-parallel rank
-        when it is 0 (v2's default, full sharding)."""
-        return self.hybrid_shard_degree or self.dp_degree
+        """The v2 FSDP sharding degree: ``hybrid_shard_degree``, or every replica (data x context
+        ranks) when it is 0 (v2's default, full sharding)."""
+        return self.hybrid_shard_degree or self.replica_degree
 
     @property
     def scaled_batch(self) -> bool:
@@ -169,10 +176,12 @@ def _check_degrees(cfg: Config, problems: list[str]) -> None:
             "and disagree"
         )
     shard = cfg.shard_degree
-    if shard > 1 and valid and world % cfg.model_ranks == 0 and cfg.dp_degree % shard:
+    if shard > 1 and valid and world % cfg.model_ranks == 0 and cfg.replica_degree % shard:
+        what = "data-parallel degree" if cfg.context_parallel_degree == 1 else "data x context parallel degree"
         problems.append(
-            f"sharded data parallel degree {shard} does not divide the data-parallel degree "
-            f"{cfg.dp_degree} (world {world} / {cfg.model_ranks} ranks per model replica)"
+            f"sharded data parallel degree {shard} does not divide the {what} "
+            f"{cfg.replica_degree} (world {world} / {cfg.model_ranks // cfg.context_parallel_degree} ranks "
+            "per model replica)"
         )
     if cfg.fp16 and cfg.bf16:
         problems.append("fp16 and bf16 are both true; choose one")

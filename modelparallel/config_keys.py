@@ -29,7 +29,8 @@ class Key:
     status: str
     doc: str
     api: str = "v1"
-    """Which SageMaker API has the key: "v1", "v2" or "v1+v2"."""
+    """Which SageMaker API has the key: "v1", "v2" or "v1+v2"; "ours" for an extension key
+    SageMaker does not have."""
     minimum: int | None = None
     """The smallest value accepted (numbers only); None: no bound."""
 
@@ -76,8 +77,13 @@ KEYS: tuple[Key, ...] = (
     Key("allow_empty_shards", bool, False, NO_EFFECT,
         "v2: uneven and empty shards are always allowed here.", "v2"),
     Key("fsdp_cache_flush_warnings", bool, True, NO_EFFECT, "v2: CUDA allocator warnings.", "v2"),
-    Key("context_parallel_degree", int, 1, DEFAULT_ONLY, "v2: context parallelism is not built.", "v2", minimum=1),
+    Key("context_parallel_degree", int, 1, IMPLEMENTED,
+        "v2: ranks splitting every sequence (ring or all-gather attention); each rank gets "
+        "chunks r and 2C-1-r of 2C (``smp.get_batch_for_cp_rank``).", "v2", minimum=1),
     Key("expert_parallel_degree", int, 1, DEFAULT_ONLY, "v2: expert parallelism is not built.", "v2", minimum=1),
+    Key("sequence_parallel", bool, False, IMPLEMENTED,
+        "Ours: inside tensor parallelism, norms, dropout and residual adds run on sequence shards "
+        "(Megatron's sequence parallelism); the sequence must divide by the degree.", "ours"),
     # --- precision ---------------------------------------------------------------------------
     Key("fp16", bool, False, IMPLEMENTED, "Train in float16 with a loss-scaling optimizer."),
     Key("bf16", bool, False, IMPLEMENTED, "Train in bfloat16."),

@@ -32,7 +32,6 @@ _NOT_IMPLEMENTED = {
     "use_alibi": "ALiBi is a property of the architecture (HF BLOOM/MPT use it); it cannot be added to another",
     "attention_in_fp32": "attention runs in the model's dtype",
     "fp32_residual_addition": "residual additions run in the model's dtype",
-    "query_key_layer_scaling": "Megatron's 1/layer query-key scaling is not part of HF's attention",
 }
 
 
@@ -96,15 +95,18 @@ def model_creation(tensor_parallelism: bool = False, zero_init: bool | None = No
         fused_softmax, fused_dropout, fused_bias_gelu: kernel choices that do not change the
             function computed; PyTorch chooses its kernels.
         delayed_init: build on the meta device and initialize after sharding (default True).
-        use_alibi, attention_in_fp32, fp32_residual_addition, query_key_layer_scaling: change
-            the numerics of HF's modules; True raises ``NotImplementedError``.
+        query_key_layer_scaling: in float16, compute layer L's attention scores divided by L
+            and multiply them back in float32 (Megatron's overflow guard); no effect in other
+            dtypes, nor where HF scores in float32 already (GPT-J, GPT-Neo).
+        use_alibi, attention_in_fp32, fp32_residual_addition: change the numerics of HF's
+            modules; True raises ``NotImplementedError``.
     """
     _check(dict(use_alibi=use_alibi, attention_in_fp32=attention_in_fp32,
-                fp32_residual_addition=fp32_residual_addition, query_key_layer_scaling=query_key_layer_scaling))
+                fp32_residual_addition=fp32_residual_addition))
     if fused_softmax or fused_dropout or fused_bias_gelu:
         logger.debug("modelparallel: fused kernels are chosen by PyTorch (fused_* options need no action)")
     attn = None if flash_attention is None else ("sdpa" if flash_attention else "eager")
     options = CreationOptions(delayed=delayed_init, dtype=dtype, distribute_embedding=distribute_embedding,
-                              attn_implementation=attn)
+                              attn_implementation=attn, query_key_layer_scaling=query_key_layer_scaling)
     with marks.tensor_parallelism(enabled=tensor_parallelism), _building(options):
         yield

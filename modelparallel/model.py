@@ -17,7 +17,7 @@ from .training import batch
 from .training.dp import OverlappedAverage, allreduce_gradients
 from .model_tp import TensorParallelMethods
 from .materialize.state_dict import LoadReport, full_state_dict, load_state_dict, local_state_dict
-from .parallelize import parallelize
+from .parallelize import check, parallelize
 
 logger = logging.getLogger("modelparallel")
 
@@ -65,6 +65,7 @@ class DistributedModel(TensorParallelMethods, nn.Module):
         if isinstance(module, DistributedModel) or module.__dict__.get("_mp_wrapped"):
             raise ValueError("DistributedModel was already applied to this model; wrap a model once")
         rt = runtime.current()
+        check(module, rt)  # what no plan can fix is refused before the first collective
         super().__init__()
         dtype = torch.float16 if rt.config.fp16 else torch.bfloat16 if rt.config.bf16 else None
         state = wrapping.before_shard(module, rt, dtype)  # meta / rank-0-only / delayed-init models
@@ -132,12 +133,12 @@ class DistributedModel(TensorParallelMethods, nn.Module):
         if self._v1.overlap is not None and self._v1.overlap.armed:
             self._v1.overlap.finish()
         else:
-            allreduce_gradients(self.module.parameters(), rt.group(runtime.RDP_GROUP), rt.config.dp_degree)
+            allreduce_gradients(self.module.parameters(), rt.group(runtime.DP_CP_GROUP), rt.config.replica_degree)
 
     def _averages(self, rt) -> bool:
-        """Whether this model's gradients are averaged over data-parallel replicas here (FSDP
-        reduce-scatters them itself)."""
-        return rt.config.ddp and not self._mp_state.fsdp and rt.config.dp_degree > 1
+        """Whether this model's gradients are averaged over data-parallel replicas (and context
+        ranks, which hold the same parameters) here (FSDP reduce-scatters them itself)."""
+        return rt.config.ddp and not self._mp_state.fsdp and rt.config.replica_degree > 1
 
     def _arm_overlap(self, rt) -> None:
         """Before a backward pass that ends with the data-parallel average (the last microbatch
@@ -154,8 +155,8 @@ class DistributedModel(TensorParallelMethods, nn.Module):
         if not last or (v1.passes + 1) % v1.backward_passes_per_step:
             return
         if v1.overlap is None:
-            v1.overlap = OverlappedAverage(self.module.parameters(), rt.group(runtime.RDP_GROUP), rt.config.dp_degree,
-                                           v1.bucket_cap_mb)
+            v1.overlap = OverlappedAverage(self.module.parameters(), rt.group(runtime.DP_CP_GROUP),
+                                           rt.config.replica_degree, v1.bucket_cap_mb)
         v1.overlap.arm()
 
     @property

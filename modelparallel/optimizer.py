@@ -97,6 +97,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def defaults(self) -> dict[str, Any]:
         return self.optimizer.defaults
 
+    @property
+    def fp16_groups(self) -> list[list[torch.nn.Parameter]]:
+        """SageMaker's name for the model's parameters per group, in ``param_groups`` order
+        (whatever their dtype): checkpoint helpers map them to names and global shapes
+        (a sharded parameter's ``shape`` is its global one)."""
+        return [list(group["params"]) for group in self.optimizer.param_groups]
+
     def __getattr__(self, name: str):
         # Only reached for names the wrapper lacks (e.g. hooks, optimizer-specific attributes).
         inner = self.__dict__.get("optimizer")

@@ -5,34 +5,61 @@ here, so every dimension is applied in the same order whichever API the script u
 dimension lives in its own package that takes the model and the mesh it needs, and knows nothing
 of the others; this module only orders them:
 
-1. tensor parallelism (``tp.walker``): shards each layer over the ``tp`` mesh dimension.
+1. tensor parallelism (``tp.walker``): shards each layer over the ``tp`` mesh dimension (with the
+   ``sequence_parallel`` key, the hidden states between its regions split over it too);
+2. context parallelism (``context``): splits every sequence over the ``cp`` mesh dimension
+   (attention reaches the other ranks' keys and values; the weights are not split).
 
 Data parallelism (replica gradient averaging, FSDP) is applied after this by the caller, over
-``Runtime.mesh["dp"]``, because the two APIs differ there (v1 wraps it itself, v2 scripts call
-FSDP themselves).
+``Runtime.dp_mesh`` (the data-parallel ranks, times the context-parallel ones: they hold the
+same weights), because the two APIs differ there (v1 wraps it itself, v2 scripts call FSDP
+themselves).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from . import context
+from .models import context_spec_for
 from .runtime import Runtime
 from .tp import walker
 from .tp.plan import ArchSpec
 
 
-def parallelize(module: nn.Module, rt: Runtime, spec: ArchSpec | None) -> list[str]:
+def check(module: nn.Module, rt: Runtime, cp_comm_type: str = "p2p") -> None:
+    """Refuse, before any collective, a model a dimension cannot run whatever its weights (an
+    encoder under context parallelism, an unknown ``cp_comm_type``).
+
+    Raises:
+        ValueError, NotImplementedError: naming the model type or the value at fault.
+    """
+    context.check_comm_type(cp_comm_type)
+    if rt.config.context_parallel_degree > 1:
+        context.check_model(module, context_spec_for(module))
+
+
+def parallelize(module: nn.Module, rt: Runtime, spec: ArchSpec | None, cp_comm_type: str = "p2p",
+                tensor_parallel: bool = True) -> list[str]:
     """Apply every model-parallel dimension the runtime asks for to ``module``, in place.
 
     Args:
         module: the model (real or on the meta device).
         rt: the running job (its config and meshes).
         spec: the architecture's plan, or None for a model the walker handles from its marks.
+        cp_comm_type: context parallelism's communication, "p2p" or "all_gather".
+        tensor_parallel: run the TP walker (``transform`` leaves a plain model at TP degree 1).
 
     Returns:
         Paths of the modules left replicated over the tensor-parallel ranks (for the log line).
 
     Raises:
-        ValueError: when a dimension's plan does not fit the model, before any tensor is touched.
+        ValueError, NotImplementedError: when a dimension's plan does not fit the model (or the
+            context-parallel communication is unknown), before any tensor is touched.
     """
-    return walker.parallelize(module, rt.tp_mesh, spec)
+    check(module, rt, cp_comm_type)  # a model context parallelism refuses is refused unsharded
+    cp = rt.config.context_parallel_degree > 1
+    replicated = walker.parallelize(module, rt.tp_mesh, spec, rt.config.sequence_parallel) if tensor_parallel else []
+    if cp:
+        context.parallelize(module, rt.cp_mesh, context_spec_for(module), cp_comm_type)
+    return replicated

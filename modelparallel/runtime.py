@@ -14,7 +14,10 @@ Rank vocabulary (SageMaker's). ``TP_GROUP``: ranks sharing one copy of each laye
 are averaged over it. ``DP_GROUP``: ranks with the same pp rank; the TP group is a subset of it,
 because with ``prescaled_batch`` false each TP rank brings its own batch. ``MP_GROUP``: the ranks
 that together hold one model copy (tp x pp). ``PP_GROUP``: ranks with the same tp, rdp and cp
-rank: one per pipeline stage. Every group is "the ranks that differ from this one only along
+rank: one per pipeline stage. ``CP_GROUP`` (SageMaker v2): ranks splitting the same sequences,
+with the same tp, rdp and pp rank. ``DP_CP_GROUP`` (ours): ranks holding the same parameters,
+with the same tp and pp rank (rdp x cp): gradients are averaged, and FSDP shards, over it, as
+torchtitan's ``dp_shard_cp`` does. Every group is "the ranks that differ from this one only along
 these dimensions" (``GROUP_DIMS``), numbered in global-rank order as torch numbers a group.
 """
 
@@ -32,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from .compat import flatten_mesh
 from .config import Config, build_config, without_effect
 from .config_keys import PLACEMENTS
 
@@ -47,10 +51,13 @@ class CommGroup(str, Enum):
     RDP_GROUP = "rdp"
     MP_GROUP = "mp"
     PP_GROUP = "pp"
+    CP_GROUP = "cp"
+    DP_CP_GROUP = "dp_cp"
 
 
 WORLD, DP_GROUP, TP_GROUP = CommGroup.WORLD, CommGroup.DP_GROUP, CommGroup.TP_GROUP
 RDP_GROUP, MP_GROUP, PP_GROUP = CommGroup.RDP_GROUP, CommGroup.MP_GROUP, CommGroup.PP_GROUP
+CP_GROUP, DP_CP_GROUP = CommGroup.CP_GROUP, CommGroup.DP_CP_GROUP
 
 DIMS = ("pp", "dp", "cp", "tp")
 """The world mesh's dimensions, in the order of its axes."""
@@ -62,6 +69,8 @@ GROUP_DIMS: dict[CommGroup, tuple[str, ...]] = {
     RDP_GROUP: ("dp",),
     DP_GROUP: ("dp", "cp", "tp"),
     MP_GROUP: ("pp", "tp"),
+    CP_GROUP: ("cp",),
+    DP_CP_GROUP: ("dp", "cp"),
 }
 """The mesh dimensions along which a group's members differ from each other."""
 
@@ -112,8 +121,17 @@ class Runtime:
         return self.mesh["tp"]
 
     @property
+    def cp_mesh(self) -> DeviceMesh:
+        """This rank's 1-D context-parallel mesh (the ranks splitting its sequences)."""
+        return self.world_mesh["cp"]
+
+    @property
     def dp_mesh(self) -> DeviceMesh:
-        return self.mesh["dp"]
+        """The 1-D mesh FSDP shards over: the data-parallel ranks, times the context-parallel ones
+        when context parallelism is on (they hold the same parameters; the ``dp_cp`` dimension)."""
+        if self.world_mesh.size(DIMS.index("cp")) == 1:
+            return self.mesh["dp"]
+        return flatten_mesh(self.world_mesh["dp", "cp"], "dp_cp")
 
     def group(self, name: str | CommGroup) -> dist.ProcessGroup:
         """The process group for one of ``CommGroup``'s members (or its string value)."""
@@ -259,7 +277,7 @@ def init(config: dict | str | None = None, *, timeout_s: float = 300.0) -> Runti
     random.seed(cfg.random_seed)
     _RUNTIME = Runtime(config=cfg, world_mesh=world_mesh, mesh=world_mesh["dp", "tp"], device=device,
                        _groups=_multi_dim_groups(world_mesh))
-    _fsdp1_layout(cfg, _RUNTIME.mesh)
+    _fsdp1_layout(cfg, _RUNTIME)
     _setup_logging(dist.get_rank())
     if dist.get_rank() == 0:
         logger.info("world %d = %s on %s", cfg.world_size,
@@ -269,13 +287,13 @@ def init(config: dict | str | None = None, *, timeout_s: float = 300.0) -> Runti
     return _RUNTIME
 
 
-def _fsdp1_layout(cfg: Config, mesh: DeviceMesh) -> None:
+def _fsdp1_layout(cfg: Config, rt: Runtime) -> None:
     """The data-parallel layout a user's own FSDP1 call gets (SageMaker v2 scripts wrap the
-    model themselves after ``init``)."""
+    model themselves after ``init``): the data x context ranks."""
     from .training import fsdp1_v2
 
     fsdp1_v2.install()
-    fsdp1_v2.configure(fsdp1_v2.Layout(mesh["dp"], cfg.tensor_parallel_degree, cfg.hybrid_shard_degree))
+    fsdp1_v2.configure(fsdp1_v2.Layout(rt.dp_mesh, cfg.tensor_parallel_degree, cfg.hybrid_shard_degree))
 
 
 _LOGGED_KEYS: set[str] = set()
@@ -314,6 +332,8 @@ _GROUP_DOCS = {
               "degree 1); shard data with dp_rank/dp_size when prescaled_batch is false",
     MP_GROUP: "the ranks that together hold one model copy",
     PP_GROUP: "the pipeline group: ranks with this rank's tp and rdp rank, one per stage",
+    CP_GROUP: "the context-parallel group: ranks splitting the same sequences",
+    DP_CP_GROUP: "the data x context parallel ranks: ranks holding the same parameters (same tp and pp rank)",
 }
 
 
@@ -343,6 +363,7 @@ rdp_rank, rdp_size, get_rdp_process_group = _group_api(RDP_GROUP, "rdp_rank", "r
 dp_rank, dp_size, get_dp_process_group = _group_api(DP_GROUP, "dp_rank", "dp_size", "get_dp_process_group")
 mp_rank, mp_size, get_mp_process_group = _group_api(MP_GROUP, "mp_rank", "mp_size", "get_mp_process_group")
 pp_rank, pp_size, get_pp_process_group = _group_api(PP_GROUP, "pp_rank", "pp_size", "get_pp_process_group")
+cp_rank, cp_size, get_cp_process_group = _group_api(CP_GROUP, "cp_rank", "cp_size", "get_cp_process_group")
 
 
 def local_rank() -> int:

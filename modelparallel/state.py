@@ -57,13 +57,16 @@ class _State:
     dp_size = rdp_size = _asks("rdp_size", "v2's data-parallel size: replicas of one model copy.")
     pp_rank = _asks("pp_rank")
     pp_size = _asks("pp_size")
-    cp_rank = ep_rank = property(_zero, doc="0: context and expert parallelism are not built.")
+    cp_rank = _asks("cp_rank", "This rank's place among the ranks splitting its sequences (``smp.cp_rank()``).")
+    cp_size = _asks("cp_size", "Ranks splitting one sequence (``smp.cp_size()``).")
+    ep_rank = property(_zero, doc="0: expert parallelism is not built.")
 
     world_process_group = _asks("get_world_process_group")
     tp_process_group = _asks("get_tp_process_group")
     dp_process_group = _asks("get_rdp_process_group", "v2's data-parallel group: the ranks holding the same shard.")
+    cp_process_group = _asks("get_cp_process_group")
 
-    cp_size = _config("context_parallel_degree")
+    context_parallel_degree = _config("context_parallel_degree")
     ep_size = _config("expert_parallel_degree")
     tensor_parallel_degree = _config("tensor_parallel_degree")
     hybrid_shard_degree = _config("hybrid_shard_degree")

@@ -19,17 +19,18 @@ import torch.distributed as dist
 from torch import nn
 
 from . import runtime
+from . import context
 from .materialize import meta
 from .materialize.rank0_sync import (  # noqa: F401 - SYNCED_FROM_RANK0, meta_states, move: re-exported
     SYNCED_FROM_RANK0, check_rank0_source, meta_states, move, sync_from_rank0)
 from .models import spec_for
-from .parallelize import parallelize
+from .parallelize import check, parallelize
 from .tp import marks
 from .training import fsdp1_tp_state
 
 logger = logging.getLogger("modelparallel")
 
-CP_COMM_TYPES = ("p2p", "all_gather")
+CP_COMM_TYPES = context.COMM_TYPES
 
 
 def _runtime(config: dict | None) -> runtime.Runtime:
@@ -70,9 +71,9 @@ def transform(model: nn.Module, device=None, dtype: torch.dtype | None = None, c
         load_state_dict_from_rank0: afterwards every rank holds exactly its shard of rank 0's
             weights (so FSDP's ``sync_module_states`` and a ``DelayedParamIniter`` of the result
             have nothing left to do). A collective: call on every rank.
-        cp_comm_type: context parallelism's communication ("p2p" or "all_gather"); accepted for
-            scripts written for SageMaker, it changes nothing at context parallel degree 1, the
-            only degree supported.
+        cp_comm_type: context parallelism's communication at ``context_parallel_degree`` > 1:
+            "p2p" (ring attention: keys and values passed rank to rank, overlapped with compute)
+            or "all_gather" (gathered once per layer). Checked, and without effect, at degree 1.
 
     Without ``load_state_dict_from_rank0``, a model built on meta stays on meta (shards
     described, not allocated) until ``smp.load_hf_checkpoint`` or ``DelayedParamIniter``
@@ -85,10 +86,11 @@ def transform(model: nn.Module, device=None, dtype: torch.dtype | None = None, c
         MetaTensorError: with ``load_state_dict_from_rank0`` when rank 0's model is on meta.
         ValueError: when the plan does not fit the model (before any tensor is touched), or for
             an unknown ``cp_comm_type``.
+        NotImplementedError: context parallelism of an architecture it cannot run (an encoder).
     """
-    if cp_comm_type not in CP_COMM_TYPES:
-        raise ValueError(f"transform(cp_comm_type={cp_comm_type!r}): expected one of {CP_COMM_TYPES}")
+    context.check_comm_type(cp_comm_type)
     rt = _runtime(config)
+    check(model, rt, cp_comm_type)  # before the rank-0 sync's first collective
     device = torch.device(device) if device is not None else rt.device
     full = {}
     if load_state_dict_from_rank0:
@@ -97,12 +99,14 @@ def transform(model: nn.Module, device=None, dtype: torch.dtype | None = None, c
         if dist.get_rank() != 0:
             full = {}
     move(model, device, dtype)
-    if rt.tp_mesh.size() > 1 or _registered_or_marked(model):
-        parallelize(model, rt, spec_for(model))
+    sharded = rt.tp_mesh.size() > 1 or _registered_or_marked(model)
+    if sharded or rt.config.context_parallel_degree > 1:
+        parallelize(model, rt, spec_for(model), cp_comm_type, tensor_parallel=sharded)
+    if sharded:
         fsdp1_tp_state.install()  # users wrap the result in FSDP1 and resume through DCP
     if load_state_dict_from_rank0:
         meta.materialize(model, device)
-        sync_from_rank0(model, full, rt.mesh)
+        sync_from_rank0(model, full, rt.world_mesh)
         full.clear()
         model.__dict__[SYNCED_FROM_RANK0] = True
     return model

@@ -25,8 +25,7 @@ def cfg():
                        num_key_value_heads=2, vocab_size=101, max_position_embeddings=64)
 
 
-@pytest.mark.parametrize("option", ["use_alibi", "attention_in_fp32", "fp32_residual_addition",
-                                    "query_key_layer_scaling"])
+@pytest.mark.parametrize("option", ["use_alibi", "attention_in_fp32", "fp32_residual_addition"])
 def test_numerics_changing_options_refused_by_name(option):
     with pytest.raises(NotImplementedError, match=option):
         with smp.model_creation(**{option: True}):

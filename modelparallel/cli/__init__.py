@@ -16,6 +16,7 @@ COMMANDS: dict[str, str] = {
     "train": "modelparallel.cli.train",
     "convert": "modelparallel.cli.convert",
     "inspect": "modelparallel.cli.inspect",
+    "run": "modelparallel.sagemaker.launch",
 }
 
 
@@ -39,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:  # the separator our own launcher puts before the arguments
         argv = argv[1:]
+    if argv[:1] == ["run"]:  # torchrun's options and the script's own: the command parses them
+        from ..sagemaker.launch import main as run_main
+
+        return run_main(argv[1:])
     args = build_parser().parse_args(argv)
     args.argv = argv  # kept so a launcher can start the same command on every rank
     try:

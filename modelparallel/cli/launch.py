@@ -98,14 +98,22 @@ def torchrun(nodes: Nodes, argv: list[str], extra_env: dict[str, str]) -> BaseEx
     """Run the ranks of this machine to the end; returns None on success, else the exception
     torchrun's agent raised (``ChildFailedError``, ``SignalException`` on Ctrl-C / SIGTERM, a
     rendezvous error...). The agent's own log lines are silenced: the caller reports."""
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.run import parse_args
 
-    os.environ.update(rank_env(nodes.nproc), **extra_env)
+    return run_agent(parse_args(torchrun_args(nodes, argv)), nodes.nproc, extra_env)
+
+
+def run_agent(args, nproc: int, extra_env: dict[str, str]) -> BaseException | None:
+    """``torchrun`` with its parsed arguments ``args`` (``nproc`` ranks on this machine), as
+    ``torchrun`` above describes; ``modelparallel run`` passes the user's torchrun options."""
+    from torch.distributed.run import run
+
+    os.environ.update(rank_env(nproc), **extra_env)
     for name in list(logging.root.manager.loggerDict):  # each sets its own level, so set each
         if name.startswith(("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
-        run(parse_args(torchrun_args(nodes, argv)))
+        run(args)
     except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - reported by the caller
         return exc
     return None

@@ -116,7 +116,7 @@ def write_log(log_path: Path, records: list[dict]) -> Path:
     return log_path
 
 
-def failure_block(first: dict, log_path: Path | None, n_failed: int, hint: str = "") -> str:
+def failure_block(first: dict, log_path: Path | None, n_failed: int, hint: str = "", command: str = "train") -> str:
     """The few lines printed for a failed run: who failed first, with what, and where the rest is."""
     message = first["message"]
     lines = message.splitlines()
@@ -124,7 +124,7 @@ def failure_block(first: dict, log_path: Path | None, n_failed: int, hint: str =
         message = "\n".join(lines[:12] + [f"... ({len(lines) - 12} more lines in the log)"])
     where = f"rank {first['rank']}" + (f" at step {first['step']}" if first["step"] is not None else
                                        f" during {first['stage']}")
-    out = [f"modelparallel train failed: {where}", f"  {first['type']}: {message}".replace("\n", "\n  ")]
+    out = [f"modelparallel {command} failed: {where}", f"  {first['type']}: {message}".replace("\n", "\n  ")]
     if n_failed > 1:
         out.append(f"  ({n_failed - 1} other rank(s) failed after it)")
     if hint:

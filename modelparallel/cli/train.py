@@ -40,9 +40,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="held-out tail of the corpus for validation (default: %(default)s)")
     g = p.add_argument_group("parallelism")
     g.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (default: %(default)s)")
+    g.add_argument("--cp", type=int, default=1,
+                   help="context-parallel degree: every sequence split over this many ranks, which hold "
+                        "chunks r and 2cp-1-r of it (--seq-len must divide by 2 x --cp; no sample is "
+                        "generated at --cp > 1) (default: %(default)s)")
     g.add_argument("--nproc", type=int, default=None,
-                   help="ranks to launch on this machine; --nproc x --nnodes must be a multiple of --tp, "
-                        "the rest is data parallel (default: --tp / --nnodes)")
+                   help="ranks to launch on this machine; --nproc x --nnodes must be a multiple of --tp x "
+                        "--cp, the rest is data parallel (default: --tp x --cp / --nnodes)")
     g = p.add_argument_group("several machines (passed to torchrun; run the same command on each)")
     g.add_argument("--nnodes", type=int, default=1, help="number of machines (default: %(default)s)")
     g.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nnodes-1")
@@ -83,7 +87,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _range_problems(args: argparse.Namespace) -> list[str]:
-    checks = [("--tp", args.tp, 1), ("--nproc", args.nproc, 1), ("--steps", args.steps, 1),
+    checks = [("--tp", args.tp, 1), ("--cp", args.cp, 1), ("--nproc", args.nproc, 1), ("--steps", args.steps, 1),
               ("--batch-size", args.batch_size, 1), ("--seq-len", args.seq_len, 2),
               ("--eval-windows", args.eval_windows, 1), ("--sample-tokens", args.sample_tokens, 0),
               ("--max-files", _given(args.max_files, 1), 1), ("--eval-every", _given(args.eval_every, 0), 0),
@@ -96,6 +100,9 @@ def _range_problems(args: argparse.Namespace) -> list[str]:
         problems.append(f"--lr must be positive, got {args.lr}")
     if not 0 < args.val_fraction < 0.5:
         problems.append(f"--val-fraction must be in (0, 0.5), got {args.val_fraction}")
+    if args.cp >= 1 and args.seq_len >= 2 and args.seq_len % (2 * args.cp):
+        problems.append(f"--seq-len {args.seq_len} is not divisible by 2 x --cp = {2 * args.cp} (each "
+                        "context-parallel rank holds two equal chunks of every sequence)")
     if args.sample_tokens and not args.prompt:
         problems.append("--prompt must not be empty when --sample-tokens > 0")
     if args.temperature < 0:
@@ -129,12 +136,13 @@ def _corpus_problems(args: argparse.Namespace) -> list[str]:
 
 
 def _world_problems(args: argparse.Namespace) -> list[str]:
-    """The launch shape: ``--tp`` must divide the number of ranks, whoever launches them."""
+    """The launch shape: ``--tp`` x ``--cp`` must divide the number of ranks, whoever launches them."""
     world = int(os.environ["WORLD_SIZE"]) if launch.under_launcher() else args.nproc * args.nnodes
     where = "the launcher's WORLD_SIZE" if launch.under_launcher() else \
         "--nproc" if args.nnodes == 1 else f"--nproc x --nnodes = {args.nproc} x {args.nnodes} ="
-    if args.tp >= 1 and world >= 1 and world % args.tp:
-        return [f"--tp {args.tp} does not divide {where} {world}"]
+    model = f"--tp {args.tp}" if args.cp == 1 else f"--tp {args.tp} x --cp {args.cp} = {args.tp * args.cp}"
+    if args.tp >= 1 and args.cp >= 1 and world >= 1 and world % (args.tp * args.cp):
+        return [f"{model} does not divide {where} {world}"]
     return []
 
 
@@ -156,7 +164,7 @@ def check_args(args: argparse.Namespace) -> list[str]:
     not as one traceback per rank). Fills in defaults that depend on other arguments, and
     ``args.resume_tag``: the checkpoint to continue from (None: from step 0)."""
     if args.nproc is None:
-        args.nproc = max(1, args.tp // max(args.nnodes, 1))
+        args.nproc = max(1, args.tp * max(args.cp, 1) // max(args.nnodes, 1))
     problems = _range_problems(args) + _world_problems(args)
     try:
         args.data_files = find_text_files(args.data) if args.data else \

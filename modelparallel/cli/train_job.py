@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import modelparallel as smp
 
+from .. import runtime
 from . import launch, outcome, plot, resume
 from .data import WindowSampler, eval_batches, read_corpus, select_files, split_holdout
 from .progress import progress
@@ -51,13 +52,26 @@ def lr_at(step: int, args) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def _replicas():
+    """(process group, size) of the data x context ranks: TP ranks of one replica already agree,
+    context ranks each hold a share of the loss."""
+    return runtime.current().group(runtime.DP_CP_GROUP), smp.rdp_size() * smp.cp_size()
+
+
 def dp_mean(values: list[float]) -> list[float]:
-    """The mean over data-parallel groups (TP ranks of one group already agree)."""
-    if smp.rdp_size() == 1:
+    """The mean over data-parallel replicas (and context ranks: the mean of their loss shares is
+    the replica's loss)."""
+    group, size = _replicas()
+    if size == 1:
         return values
     t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, group=smp.get_rdp_process_group())
-    return (t / smp.rdp_size()).tolist()
+    dist.all_reduce(t, group=group)
+    return (t / size).tolist()
+
+
+def _cp_part(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This context-parallel rank's part of input windows and their targets (all of it at --cp 1)."""
+    return smp.get_batch_for_cp_rank((x, y)) if smp.cp_size() > 1 else (x, y)
 
 
 @torch.no_grad()
@@ -67,9 +81,11 @@ def evaluate(model, val_tokens: torch.Tensor, args) -> float:
     total = torch.zeros(2, dtype=torch.float64)
     for x, y in eval_batches(val_tokens, args.seq_len, args.batch_size, args.eval_windows,
                              smp.rdp_rank(), smp.rdp_size()):
+        x, y = _cp_part(x, y)  # under --cp a rank's loss is its share: share x its tokens = its sum
         total += torch.tensor([model(x, labels=x, shift_labels=y).loss.item() * y.numel(), y.numel()])
-    if smp.rdp_size() > 1:
-        dist.all_reduce(total, group=smp.get_rdp_process_group())
+    group, size = _replicas()
+    if size > 1:
+        dist.all_reduce(total, group=group)
     model.train()
     return (total[0] / total[1]).item()
 
@@ -93,7 +109,7 @@ def train_loop(model, opt, sampler, val_tokens, args, hist: dict) -> dict:
         start = time.perf_counter()
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
-        x, y = sampler.next_batch()
+        x, y = _cp_part(*sampler.next_batch())
         loss = model(x, labels=x, shift_labels=y).loss
         model.backward(loss)
         opt.step()
@@ -161,6 +177,8 @@ def generate_sample(model, tokenizer, args) -> str:
     sampling seed is reset identically on all ranks so they pick the same tokens."""
     if args.sample_tokens == 0:
         return ""
+    if smp.cp_size() > 1:
+        return "(no sample: generation is not context parallel; train with --cp 1 to sample)"
     ids = torch.tensor([tokenizer.encode(args.prompt, add_special_tokens=False)], dtype=torch.long)
     sampling = {"do_sample": True, "temperature": args.temperature, "top_k": 40} if args.temperature > 0 \
         else {"do_sample": False}
@@ -180,7 +198,7 @@ def _summary(args, hist, info, val_loss, sample, times: dict, session: dict, n_p
     return {
         "config": {k: (str(v) if k in ("out",) else v) for k, v in vars(args).items()
                    if not k.startswith("_") and k not in ("argv", "data_files")},
-        "world_size": smp.size(), "tp": smp.tp_size(), "dp": smp.rdp_size(),
+        "world_size": smp.size(), "tp": smp.tp_size(), "cp": smp.cp_size(), "dp": smp.rdp_size(),
         "threads_per_rank": torch.get_num_threads(), "optimizer": type(opt).__name__,
         "parameters": n_params, "corpus": info, **hist,
         # the history starts later than step 0 only if resumed from a checkpoint that did not keep it
@@ -197,8 +215,9 @@ def _summary(args, hist, info, val_loss, sample, times: dict, session: dict, n_p
 def _report(args, m: dict) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     plot.write_metrics(args.out, m)
+    layout = f"tp {m['tp']}" + (f" x cp {m['cp']}" if m["cp"] > 1 else "") + f" x dp {m['dp']}"
     plot.plot_loss(args.out, m["loss"], m["val"] + [[args.steps, m["final_val_loss"]]],
-                   f"{args.model}: tp {m['tp']} x dp {m['dp']}, {m['parameters'] / 1e6:.2f}M params",
+                   f"{args.model}: {layout}, {m['parameters'] / 1e6:.2f}M params",
                    first_step=m["history_first_step"])
     resumed = f"; resumed at step {m['first_step']}" if m["first_step"] else ""
     print(f"\ntrain loss {m['initial_train_loss']:.3f} -> {m['final_train_loss']:.3f} (mean of last steps), "
@@ -214,7 +233,8 @@ def run_job(args: argparse.Namespace) -> int:
     """Train on this rank; rank 0 writes the artifacts and prints the summary."""
     dtype = getattr(args, "dtype", "fp32")
     # the TP ranks of a replica draw the same windows: SageMaker's prescaled-batch layout
-    smp.init({"tensor_parallel_degree": args.tp, "random_seed": args.seed, "prescaled_batch": True,
+    smp.init({"tensor_parallel_degree": args.tp, "context_parallel_degree": args.cp, "random_seed": args.seed,
+              "prescaled_batch": True,
               "fp16": dtype == "fp16", "bf16": dtype == "bf16"})
     tokenizer = load_tokenizer(args.model)
     train_tokens, val_tokens, info = load_data(args, tokenizer)

@@ -29,7 +29,9 @@ def launch_ranks(args: argparse.Namespace) -> int:
     world = args.nproc * args.nnodes
     where = "" if args.nnodes == 1 else f" on this machine (node {args.node_rank} of {args.nnodes}, {world} in all)"
     start = "step 0" if args.resume_tag is None else f"checkpoint {args.resume_tag}"
-    print(f"modelparallel train: launching {args.nproc} ranks{where} (tp {args.tp}, dp {world // args.tp}, "
+    cp = f"cp {args.cp}, " if args.cp > 1 else ""
+    print(f"modelparallel train: launching {args.nproc} ranks{where} (tp {args.tp}, {cp}dp "
+          f"{world // (args.tp * args.cp)}, "
           f"{launch.rank_env(args.nproc)['OMP_NUM_THREADS']} thread(s) each), from {start}",
           file=sys.stderr, flush=True)
     status = Path(tempfile.mkdtemp(prefix="modelparallel-train-"))

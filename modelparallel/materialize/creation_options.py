@@ -11,7 +11,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..models import sagemaker_layout_for
 from ..tp.plan import ArchSpec, ModulePlan
+from . import qk_scaling
 
 _VOCAB_STYLES = ("vocab_embedding", "vocab_colwise")
 
@@ -24,6 +26,7 @@ class CreationOptions:
     dtype: torch.dtype | None = None
     distribute_embedding: bool = True
     attn_implementation: str | None = None
+    query_key_layer_scaling: bool = False
 
 
 def options_of(module: nn.Module) -> CreationOptions | None:
@@ -44,10 +47,15 @@ def without_vocab(spec: ArchSpec | None) -> ArchSpec | None:
 
 
 def apply_attention(module: nn.Module, options: CreationOptions | None) -> None:
-    """Switch an HF model to the attention implementation ``flash_attention`` asked for."""
-    if options is None or options.attn_implementation is None:
+    """Switch an HF model to the attention implementation ``flash_attention`` asked for, then to
+    its layer-scaled form with ``query_key_layer_scaling`` (unless its scores are fp32 anyway)."""
+    if options is None:
         return
-    if not callable(getattr(module, "set_attn_implementation", None)):
-        raise NotImplementedError(f"flash_attention: {type(module).__name__} is not an HF model whose attention "
-                                  "implementation can be chosen")
-    module.set_attn_implementation(options.attn_implementation)
+    if options.attn_implementation is not None:
+        if not callable(getattr(module, "set_attn_implementation", None)):
+            raise NotImplementedError(f"flash_attention: {type(module).__name__} is not an HF model whose "
+                                      "attention implementation can be chosen")
+        module.set_attn_implementation(options.attn_implementation)
+    layout = sagemaker_layout_for(module)
+    if options.query_key_layer_scaling and not (layout is not None and layout.scores_in_fp32):
+        qk_scaling.enable(module)

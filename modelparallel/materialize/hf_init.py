@@ -26,6 +26,21 @@ def is_hf_model(module: nn.Module) -> bool:
     return callable(getattr(module, "_init_weights", None)) and hasattr(module, "config")
 
 
+def tie_as_config(model: nn.Module) -> bool:
+    """Tie ``model``'s weights as its HF config says (``tie_word_embeddings``...), with HF's own
+    ``tie_weights``; returns whether that tied anything that was separate.
+
+    HF ties in ``init_weights``, which scripts sometimes replace to skip initialization
+    (``PreTrainedModel.init_weights = lambda x: None``): the LM head is then a second, untied
+    copy that trains apart from the embedding, silently. HF models only; others are untouched.
+    """
+    if not is_hf_model(model) or not callable(getattr(model, "tie_weights", None)):
+        return False
+    before = sum(1 for _ in model.parameters())
+    model.tie_weights()
+    return sum(1 for _ in model.parameters()) < before
+
+
 def owners(model: nn.Module) -> dict[int, nn.Module]:
     """id(module) -> the innermost HF model containing it (composite models nest several)."""
     out: dict[int, nn.Module] = {}

@@ -10,23 +10,32 @@ take the same path and no rank waits in a collective the others skip. The outcom
 * all meta, built in a delayed-init context: shard, then ``InitEngine.init_all``;
 * all meta otherwise: shard and stay on meta until ``smp.load_hf_checkpoint`` (forward refuses);
 * any other mix: refused on every rank, naming the ranks.
+
+Two fixes apply to every path: the weights the HF config ties are tied before sharding (scripts
+that skip HF's ``init_weights`` also skip its tying), and after the shards have values every
+parameter held whole on each TP rank is made equal to TP rank 0's (``tp_sync``).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..models import spec_for
+from ..models import sagemaker_layout_for, spec_for
+from ..models._sagemaker import offer_tree
 from ..tp.plan import ArchSpec
 from ..training import fsdp
 from . import creation_options as creation
-from . import meta
+from . import hf_init, meta
 from .init_engine import InitEngine
 from .rank0_sync import meta_states, move, sync_from_rank0
+from .tp_sync import broadcast_replicated
+
+logger = logging.getLogger("modelparallel")
 
 
 @dataclass
@@ -56,10 +65,13 @@ def _mode(states: list[tuple[bool, bool]]) -> str:
 def before_shard(module: nn.Module, rt, dtype: torch.dtype | None) -> WrapState:
     """Agree on the path, move/cast what has data, pick the plan; a collective."""
     options = creation.options_of(module)
+    if hf_init.tie_as_config(module) and dist.get_rank() == 0:
+        logger.info("tied the weights %s's config ties (they were separate copies: was "
+                    "PreTrainedModel.init_weights replaced?)", type(module).__name__)
     spec = spec_for(module)
     if options is not None and not options.distribute_embedding:
         spec = creation.without_vocab(spec)
-    fsdp.check_degree(rt.config.shard_degree, rt.config.dp_degree)
+    fsdp.check_degree(rt.config.shard_degree, rt.config.replica_degree)
     creation.apply_attention(module, options)
     state = WrapState(spec, options)
     mode = _mode(meta_states(module)) if dist.get_world_size() > 1 else ("meta" if meta.has_meta(module) else "real")
@@ -78,16 +90,21 @@ def after_shard(module: nn.Module, rt, state: WrapState) -> None:
     """Give the shards storage and values (from rank 0, or by delayed init), then FSDP."""
     if state.from_rank0:
         meta.materialize(module, rt.device)
-        sync_from_rank0(module, state.full_on_rank0, rt.mesh)
+        sync_from_rank0(module, state.full_on_rank0, rt.world_mesh)
         state.full_on_rank0.clear()
     elif state.pending_meta and state.options is not None and state.options.delayed:
         initer = InitEngine(module, device=rt.device)
         with initer.validate_params_and_buffers_inited():
             initer.init_all()
         state.pending_meta = False
-    state.fsdp = fsdp.shard_data_parallel(module, rt.mesh, state.spec, rt.config.shard_degree,
+    if not state.from_rank0 and not state.pending_meta:  # the sync from rank 0 made them equal already
+        broadcast_replicated(module, rt.tp_mesh)
+    state.fsdp = fsdp.shard_data_parallel(module, rt.dp_mesh, state.spec, rt.config.shard_degree,
                                           fsdp.mixed_precision(state.compute_dtype),
                                           keep_gathered=rt.config.keep_params_gathered)
+    layout = sagemaker_layout_for(module)
+    if layout is not None:  # SageMaker's names (seq_layers, .attention, .output) as aliases
+        offer_tree(module, layout)
 
 
 def check_ready(module: nn.Module, state: WrapState) -> None:

@@ -2,7 +2,9 @@
 
 A module here (any whose name does not start with ``_``) describes one HF architecture and
 exports ``SPEC`` (its ``ArchSpec``: plan, packed weights, loss kind) and ``TABLE`` (its
-``KeyTable`` for state-dict translation). Adding the file is all it takes to register it.
+``KeyTable`` for state-dict translation), and optionally ``SAGEMAKER`` (a ``SageMakerLayout``:
+where SageMaker's module names fall in it) and, for a causal decoder that context parallelism can
+run, ``CONTEXT`` (its ``ContextSpec``). Adding the file is all it takes to register it.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from types import ModuleType
 
 from torch import nn
 
+from ..context.spec import ContextSpec
 from ..nn.huggingface.translate import KeyTable
 from ..tp.plan import ArchSpec
+from ._sagemaker import SageMakerLayout
 
 
 def _modules() -> list[ModuleType]:
@@ -28,12 +32,16 @@ def _check(module: ModuleType) -> ModuleType:
     if not isinstance(spec, ArchSpec) or not isinstance(table, KeyTable) or table.arch != spec.model_type:
         raise TypeError(f"{module.__name__} must export SPEC (an ArchSpec) and TABLE (a KeyTable) for the same "
                         f"model_type, got {type(spec).__name__} and {type(table).__name__}")
+    if not isinstance(getattr(module, "CONTEXT", None), (ContextSpec, type(None))):
+        raise TypeError(f"{module.__name__}.CONTEXT must be a ContextSpec")
     return module
 
 
 _ALL = [_check(m) for m in _modules()]
 ARCHITECTURES: dict[str, ArchSpec] = {m.SPEC.model_type: m.SPEC for m in _ALL}
 TABLES: dict[str, KeyTable] = {m.SPEC.model_type: m.TABLE for m in _ALL}
+CONTEXTS: dict[str, ContextSpec] = {m.SPEC.model_type: m.CONTEXT for m in _ALL if getattr(m, "CONTEXT", None)}
+LAYOUTS: dict[str, SageMakerLayout] = {m.SPEC.model_type: m.SAGEMAKER for m in _ALL if hasattr(m, "SAGEMAKER")}
 
 
 def spec_for(model: nn.Module) -> ArchSpec | None:
@@ -41,6 +49,16 @@ def spec_for(model: nn.Module) -> ArchSpec | None:
     return ARCHITECTURES.get(getattr(getattr(model, "config", None), "model_type", None))
 
 
+def context_spec_for(model: nn.Module) -> ContextSpec | None:
+    """The built-in ``ContextSpec`` of an HF model, or None if context parallelism cannot run it."""
+    return CONTEXTS.get(getattr(getattr(model, "config", None), "model_type", None))
+
+
 def table_for(model_type: str | None) -> KeyTable | None:
     """The key table of an HF ``model_type``, or None if it has no translation."""
     return TABLES.get(model_type)
+
+
+def sagemaker_layout_for(model: nn.Module) -> SageMakerLayout | None:
+    """Where SageMaker's module names fall in an HF model, or None if its architecture has none."""
+    return LAYOUTS.get(getattr(getattr(model, "config", None), "model_type", None))

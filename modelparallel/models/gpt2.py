@@ -10,9 +10,11 @@ Older HF checkpoints also stored a causal mask and a masked bias per layer; they
 import and re-created on export when asked for.
 """
 
+from ..context.spec import ContextSpec
 from ..nn.huggingface.translate import KeyTable, causal_mask, masked_bias
 from ..tp.plan import ArchSpec, ModulePlan, Packed, packed_keys
 from ._parts import LM_HEAD, column_row
+from ._sagemaker import SageMakerLayout
 
 PACKED = {"h.*.attn.c_attn": Packed(chunks=3, dims={"weight": 1, "bias": 0})}
 
@@ -31,6 +33,8 @@ SPEC = ArchSpec(
     head=LM_HEAD,
     loss="causal",
 )
+
+CONTEXT = ContextSpec(attention="h.*.attn")  # HF's attention interface (its scale includes the layer scaling)
 
 GPT_KEYS = (
     "wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias",
@@ -51,3 +55,6 @@ TABLE = KeyTable(
     tied={"lm_head.weight": "transformer.wte.weight"},
     legacy_buffers={"h.{}.attn.bias": causal_mask, "h.{}.attn.masked_bias": masked_bias(-1e4)},
 )
+
+SAGEMAKER = SageMakerLayout(layers="h", attention="attn", output="mlp")
+"""SageMaker's ``transformer.seq_layers.N.attention`` / ``.output`` over ``h.N.attn`` / ``h.N.mlp``."""

@@ -10,9 +10,11 @@ is fused. Older HF checkpoints stored a causal mask and masked bias per layer; c
 only weights (the rotary table ``embed_positions`` is recomputed).
 """
 
+from ..context.spec import ContextSpec
 from ..nn.huggingface.translate import KeyTable, causal_mask, masked_bias
 from ..tp.plan import SharedInput
 from ._parts import decoder_lm
+from ._sagemaker import SageMakerLayout
 
 SPEC = decoder_lm(
     "gptj", embedding="wte",
@@ -21,6 +23,10 @@ SPEC = decoder_lm(
     divisible=("num_attention_heads",), per_rank=("num_attention_heads",),
     shared_inputs={"h.*": SharedInput(output_of="ln_1")},  # q, k, v and fc_in read ln_1's output
 )
+
+CONTEXT = ContextSpec(  # GPTJAttention._attn(q, k, v, mask) divides q . k by sqrt(head_dim) itself
+    attention="h.*.attn", method="_attn", scale=lambda attn: 1 / attn.scale_attn,
+    dropout=lambda attn: attn.attn_dropout.p)
 
 TABLE = KeyTable(
     arch="gptj",
@@ -34,3 +40,6 @@ TABLE = KeyTable(
     head_keys=("lm_head.weight", "lm_head.bias", "score.weight"),
     legacy_buffers={"h.{}.attn.bias": causal_mask, "h.{}.attn.masked_bias": masked_bias(-1e9)},
 )
+
+SAGEMAKER = SageMakerLayout(layers="h", attention="attn", output="mlp", scores_in_fp32=True)
+"""SageMaker's tree over ``h.N.attn`` / ``h.N.mlp``; ``GPTJAttention._attn`` scores in float32."""

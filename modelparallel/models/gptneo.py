@@ -11,9 +11,11 @@ local layers, the causal mask restricted to a window.
 
 import torch
 
+from ..context.spec import ContextSpec
 from ..nn.huggingface.translate import KeyTable, causal_mask, masked_bias
 from ..tp.plan import SharedInput
 from ._parts import decoder_lm
+from ._sagemaker import SageMakerLayout
 from .gpt2 import GPT_KEYS
 
 SPEC = decoder_lm(
@@ -23,6 +25,12 @@ SPEC = decoder_lm(
     divisible=("num_heads",), per_rank=("num_heads",),
     shared_inputs={"h.*.attn.attention": SharedInput(arg="hidden_states")},  # q, k, v
 )
+
+
+CONTEXT = ContextSpec(  # GPTNeoSelfAttention._attn: unscaled; local layers see the last window_size tokens
+    attention="h.*.attn.attention", method="_attn", scale=lambda attn: 1.0,
+    window=lambda attn: attn.config.window_size if attn.attention_type == "local" else None,
+    dropout=lambda attn: attn.attn_dropout.p)
 
 
 def legacy_mask(max_seq_len: int, layer: int, config=None) -> torch.Tensor:
@@ -47,3 +55,6 @@ TABLE = KeyTable(
     tied={"lm_head.weight": "transformer.wte.weight"},
     legacy_buffers={"h.{}.attn.attention.bias": legacy_mask, "h.{}.attn.attention.masked_bias": masked_bias(-1e9)},
 )
+
+SAGEMAKER = SageMakerLayout(layers="h", attention="attn", output="mlp", scores_in_fp32=True)
+"""SageMaker's tree over ``h.N.attn`` / ``h.N.mlp``; ``GPTNeoSelfAttention._attn`` scores in float32."""

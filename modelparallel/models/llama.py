@@ -12,6 +12,7 @@ No weight is fused. The distributed state dict is HF's: rotary ``inv_freq`` is a
 buffer the model recomputes, so nothing else is stored.
 """
 
+from ..context.spec import ContextSpec
 from ..nn.huggingface.translate import KeyTable
 from ..tp.plan import SharedInput
 from ._parts import decoder_lm
@@ -24,6 +25,8 @@ SPEC = decoder_lm(
     shared_inputs={"layers.*.self_attn": SharedInput(arg="hidden_states"),  # q, k, v
                    "layers.*.mlp": SharedInput(arg="x")},  # gate, up
 )
+
+CONTEXT = ContextSpec(attention="layers.*.self_attn")  # HF's attention interface
 
 TABLE = KeyTable(
     arch="llama",

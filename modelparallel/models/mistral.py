@@ -13,3 +13,4 @@ from . import llama
 
 SPEC = replace(llama.SPEC, model_type="mistral")
 TABLE = replace(llama.TABLE, arch="mistral")
+CONTEXT = llama.CONTEXT  # HF's attention interface passes the sliding window itself

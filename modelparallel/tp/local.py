@@ -18,6 +18,11 @@ backward receives may be the very tensor autograd hands to another branch too.
 
 Layouts: ``nn.Linear`` stores [out, in], HF's ``Conv1D`` [in, out]; column parallel shards ``out``,
 row parallel ``in``. Each rank's shard is stored contiguous, so every GEMM reads it as is.
+
+Under sequence parallelism (``sequence.py``; the walker sets ``_mp_sequence_parallel`` on the
+layers inside the split blocks) a column layer's ``f`` becomes an all-gather of the sequence and a
+row layer's ``g`` a reduce-scatter, its bias then added to the shard with a gradient summed over
+the ranks.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from transformers.pytorch_utils import Conv1D
+
+from .sequence import SEQUENCE_PARALLEL, gather_sequence, keep_shards, reduce_scatter_sequence
 
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
@@ -90,7 +97,9 @@ def column_input(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     mesh = module.weight.device_mesh
     if isinstance(x, DTensor):
         return x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
-    return x if getattr(module, "_mp_shared_input", False) else copy_to_tp(x, mesh)
+    if getattr(module, "_mp_shared_input", False):
+        return x
+    return gather_sequence(x, mesh) if getattr(module, SEQUENCE_PARALLEL, False) else copy_to_tp(x, mesh)
 
 
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -102,7 +111,8 @@ class ColwiseLinear:
     [..., out/tp]."""
 
     def forward(self, x):
-        return F.linear(column_input(self, x), self.weight.to_local(), _local(self.bias))
+        with keep_shards(self):
+            return F.linear(column_input(self, x), self.weight.to_local(), _local(self.bias))
 
 
 class ColwiseConv1D:
@@ -110,7 +120,8 @@ class ColwiseConv1D:
 
     def forward(self, x):
         x = column_input(self, x)
-        y = torch.addmm(self.bias.to_local(), x.reshape(-1, x.size(-1)), self.weight.to_local())
+        with keep_shards(self):
+            y = torch.addmm(self.bias.to_local(), x.reshape(-1, x.size(-1)), self.weight.to_local())
         return y.view(*x.shape[:-1], -1)
 
 
@@ -129,13 +140,25 @@ def _add_bias_(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return y if bias is None else y.add_(_bias_like(bias, y))
 
 
+def _row_output(module: nn.Module, y: torch.Tensor) -> torch.Tensor:
+    """The partial products ``y`` [..., S, out] of a row layer summed over the ranks (``g``), or
+    under sequence parallelism reduce-scattered to this rank's sequence shard; then the bias (on
+    a shard, its gradient is this rank's part of the sum)."""
+    mesh = module.weight.device_mesh
+    if not getattr(module, SEQUENCE_PARALLEL, False):
+        return _add_bias_(reduce_from_tp(y, mesh), module.bias)
+    y = reduce_scatter_sequence(y, mesh)
+    if module.bias is None:
+        return y
+    return y.add_(module.bias.to_local(grad_placements=[Partial()]).to(y.dtype))
+
+
 class RowwiseLinear:
     """Forward of an ``nn.Linear`` with weight Shard(1) [out, in/tp], bias replicated: ``g`` sums
     the partial products, then the bias is added once."""
 
     def forward(self, x):
-        y = reduce_from_tp(F.linear(_row_input(x), self.weight.to_local()), self.weight.device_mesh)
-        return _add_bias_(y, self.bias)
+        return _row_output(self, F.linear(_row_input(x), self.weight.to_local()))
 
 
 class RowwiseConv1D:
@@ -144,8 +167,7 @@ class RowwiseConv1D:
     def forward(self, x):
         x = _row_input(x)
         y = torch.mm(x.reshape(-1, x.size(-1)), self.weight.to_local())
-        y = _add_bias_(reduce_from_tp(y, self.weight.device_mesh), self.bias)
-        return y.view(*x.shape[:-1], -1)
+        return _row_output(self, y.view(*x.shape[:-1], -1))
 
 
 _CLASSES: dict[tuple[type, type], type] = {}
@@ -199,19 +221,21 @@ class LocalRowwise(ParallelStyle):
         return with_forward(module, RowwiseConv1D if conv else RowwiseLinear)
 
 
-def install_shared_input(module: nn.Module, shared, mesh: DeviceMesh) -> None:
-    """Apply ``f`` once to the tensor a ``plan.SharedInput`` names: the argument ``shared.arg`` of
-    ``module``'s forward, or the output of its child ``shared.output_of``."""
+def install_shared_input(module: nn.Module, shared, mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
+    """Apply ``f`` (under sequence parallelism: the sequence all-gather) once to the tensor a
+    ``plan.SharedInput`` names: the argument ``shared.arg`` of ``module``'s forward, or the
+    output of its child ``shared.output_of``."""
+    enter = gather_sequence if sequence_parallel else copy_to_tp
     if shared.output_of:
         module.get_submodule(shared.output_of).register_forward_hook(
-            lambda mod, args, out: copy_to_tp(out, mesh))
+            lambda mod, args, out: enter(out, mesh))
         return
     index = list(inspect.signature(module.forward).parameters).index(shared.arg)
 
     def hook(mod, args, kwargs):
         if shared.arg in kwargs:
-            kwargs[shared.arg] = copy_to_tp(kwargs[shared.arg], mesh)
+            kwargs[shared.arg] = enter(kwargs[shared.arg], mesh)
         elif index < len(args):
-            args = (*args[:index], copy_to_tp(args[index], mesh), *args[index + 1:])
+            args = (*args[:index], enter(args[index], mesh), *args[index + 1:])
         return args, kwargs
     module.register_forward_pre_hook(hook, with_kwargs=True)

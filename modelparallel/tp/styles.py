@@ -25,6 +25,7 @@ from transformers.pytorch_utils import Conv1D
 
 from .embedding import VocabParallelEmbedding
 from .local import LocalColwise, LocalRowwise, column_input
+from .sequence import keep_shards
 from .plan import Packed
 
 STYLE_NAMES = ("colwise", "rowwise", "packed_colwise", "vocab_embedding", "vocab_colwise", "colwise_gather")
@@ -49,7 +50,8 @@ class _PackedConv1D(Conv1D):
         x = column_input(self, x)
         weight = self.weight.to_local().flatten(1)  # [in, chunks * out_per_chunk / tp]
         bias = self.bias.to_local().flatten()
-        y = torch.addmm(bias, x.reshape(-1, x.size(-1)), weight)
+        with keep_shards(self):
+            y = torch.addmm(bias, x.reshape(-1, x.size(-1)), weight)
         return y.view(*x.shape[:-1], -1)
 
 
@@ -60,7 +62,8 @@ class _PackedLinear(nn.Linear):
         x = column_input(self, x)
         weight = self.weight.to_local().flatten(0, 1)  # [chunks * out_per_chunk / tp, in]
         bias = None if self.bias is None else self.bias.to_local().flatten()
-        return nn.functional.linear(x, weight, bias)
+        with keep_shards(self):
+            return nn.functional.linear(x, weight, bias)
 
 
 def output_dims(module: nn.Module) -> dict[str, int]:

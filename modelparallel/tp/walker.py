@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 from transformers.pytorch_utils import Conv1D
 
-from . import marks
+from . import marks, sequence
 from .layout import base_prefix, shard_range, tied_parameters
 from .loss import install_vocab_parallel_loss
 from .local import install_shared_input
@@ -142,10 +142,11 @@ def _collect_shared(plan: ModulePlan, prefix: str, rel_modules: dict[str, nn.Mod
                 work.shared.append((path, module, shared))
 
 
-def _shared_input_apply(work: Work, tp_mesh: DeviceMesh) -> None:
-    """Apply ``f`` once per shared input; the column-parallel layers below skip their own."""
+def _shared_input_apply(work: Work, tp_mesh: DeviceMesh, split: list[str]) -> None:
+    """Apply ``f`` once per shared input (the sequence all-gather inside the ``split`` blocks);
+    the column-parallel layers below skip their own."""
     for path, module, shared in work.shared:
-        install_shared_input(module, shared, tp_mesh)
+        install_shared_input(module, shared, tp_mesh, sequence_parallel=sequence.inside(path, split))
         for a in work.assignments:
             if _below(path, a.path) and a.style in _READS_SHARED:
                 a.module._mp_shared_input = True
@@ -228,12 +229,15 @@ def _apply_registered(model: nn.Module, tp_mesh: DeviceMesh, path: str, module: 
     marks.install_hooks(module, reg)
 
 
-def apply(model: nn.Module, tp_mesh: DeviceMesh, work: Work) -> None:
-    """Carry out checked ``work``: shard, rewrite per-rank sizes, restore ties, install the loss."""
+def apply(model: nn.Module, tp_mesh: DeviceMesh, work: Work, split: list[tuple[str, nn.Module]] = ()) -> None:
+    """Carry out checked ``work``: shard, rewrite per-rank sizes, restore ties, install the loss;
+    with ``split`` blocks, sequence parallelism inside them."""
     groups = tied_parameters(model)
     for a in work.assignments:
         parallelize_module(a.module, tp_mesh, build_style(a.style, a.module, a.packed or a.chunks))
-    _shared_input_apply(work, tp_mesh)
+    if split:
+        sequence.apply(list(split), tp_mesh, [(a.path, a.module, a.style) for a in work.assignments])
+    _shared_input_apply(work, tp_mesh, [p for p, _ in split])
     for _, module, attr, value in work.rewrites:
         setattr(module, attr, value)
     for path, module, reg in work.registered:
@@ -255,11 +259,14 @@ def replicated_paths(model: nn.Module, work: Work) -> list[str]:
     return sorted(set(out))
 
 
-def parallelize(model: nn.Module, tp_mesh: DeviceMesh, spec: ArchSpec | None) -> list[str]:
+def parallelize(model: nn.Module, tp_mesh: DeviceMesh, spec: ArchSpec | None,
+                sequence_parallel: bool = False) -> list[str]:
     """Check, then shard ``model`` in place over ``tp_mesh``; return the replicated module globs.
+    ``sequence_parallel`` (at a degree > 1): Megatron's sequence parallelism in the plan's blocks.
 
     Raises:
         ValueError: naming every problem, before any tensor is touched.
+        NotImplementedError: sequence parallelism of a model without a built-in plan.
     """
     tp = tp_mesh.size()
     if spec is not None and marks.option(model, "distribute_embedding") is False:
@@ -273,7 +280,14 @@ def parallelize(model: nn.Module, tp_mesh: DeviceMesh, spec: ArchSpec | None) ->
         if marks.is_strict(model):
             raise ValueError(msg + "; tensor_parallelism(strict=True) refuses to keep it replicated")
         logger.warning("%s: it stays replicated on every rank", msg)
+    split = []
+    if sequence_parallel and tp > 1:
+        if spec is None:
+            raise NotImplementedError(f"sequence_parallel for {type(model).__name__}, which has no built-in "
+                                      "tensor-parallel plan, is not implemented")
+        split = sequence.blocks(model, spec)
+        work.problems += sequence.problems(split)
     if work.problems:
         raise ValueError("cannot apply the tensor-parallel plan:\n  - " + "\n  - ".join(work.problems))
-    apply(model, tp_mesh, work)
+    apply(model, tp_mesh, work, split)
     return replicated_paths(model, work)

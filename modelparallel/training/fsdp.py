@@ -49,17 +49,17 @@ def mixed_precision(compute_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
 
 
-def shard_data_parallel(module: nn.Module, mesh, spec: ArchSpec | None, shard_degree: int,
+def shard_data_parallel(module: nn.Module, dp_mesh, spec: ArchSpec | None, shard_degree: int,
                         mp_policy: MixedPrecisionPolicy | None = None, keep_gathered: bool = False) -> bool:
-    """Apply FSDP2 over ``mesh["dp"]`` to each block of ``module`` and to the root, when
+    """Apply FSDP2 over the 1-D ``dp_mesh`` (the data-parallel ranks, times the context-parallel
+    ones when context parallelism is on) to each block of ``module`` and to the root, when
     ``shard_degree`` > 1, with ``mp_policy`` (default: compute in the parameters' dtype);
     with ``keep_gathered`` each block's parameters stay gathered between its forward and its
     backward (optimizer state and gradients sharded, parameters gathered once per step).
     Return whether it did."""
     if shard_degree <= 1:
         return False
-    check_degree(shard_degree, mesh["dp"].size())
-    dp_mesh = mesh["dp"]
+    check_degree(shard_degree, dp_mesh.size())
     policy = mp_policy or MixedPrecisionPolicy()
     for block in block_modules(module, spec):
         fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=not keep_gathered)

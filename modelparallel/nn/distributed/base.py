@@ -83,9 +83,21 @@ class InitEmbedding(nn.Embedding):
         nn.init.normal_(self.weight, 0.0, self.std)
 
 
-class FusedLayerNorm(nn.LayerNorm):
+class _AnyLayerNorm(type):
+    """``isinstance(m, FusedLayerNorm)`` holds for every ``nn.LayerNorm``: SageMaker v1 scripts
+    find the layer norms of its distributed transformer that way (to exclude them from weight
+    decay), and here that transformer is the HF model, whose norms are ``nn.LayerNorm``."""
+
+    def __instancecheck__(cls, obj) -> bool:
+        if cls.__name__ == "FusedLayerNorm" and cls.__module__ == __name__:
+            return isinstance(obj, nn.LayerNorm)
+        return super().__instancecheck__(obj)
+
+
+class FusedLayerNorm(nn.LayerNorm, metaclass=_AnyLayerNorm):
     """``smp.nn.FusedLayerNorm(normalized_shape, eps=1e-5, elementwise_affine=True)``: layer
-    normalization; PyTorch picks its fused kernel itself, so this is ``nn.LayerNorm``."""
+    normalization; PyTorch picks its fused kernel itself, so this is ``nn.LayerNorm`` (and every
+    ``nn.LayerNorm`` counts as one for ``isinstance``, see ``_AnyLayerNorm``)."""
 
     def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True):
         super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine)

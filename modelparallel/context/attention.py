@@ -1,0 +1,191 @@
+"""Causal attention over a sequence split across the context-parallel ranks.
+
+Each rank holds the queries, keys and values of its two chunks (``layout``). Its output needs the
+keys and values of every earlier chunk, so they travel:
+
+- ``p2p`` (ring attention, Liu et al. 2023): keys and values go round the ring of ranks, one
+  rank's block per step; the transfer of the next block is started before the current block is
+  computed, so communication overlaps compute. Backward sends the blocks round again, with their
+  gradients accumulating as they travel until they reach their owner.
+- ``all_gather``: every rank's keys and values are gathered once per layer (started before the
+  local block is computed, waited for after it); backward gathers them again and returns each
+  rank's key/value gradients by one reduce-scatter (Llama 3's context parallelism).
+
+Either way each rank computes only its own queries' blocks, merged in fp32 by their log-sum-exp
+(``blocks``), and keeps for backward only its queries, keys, values, output and log-sum-exp: no
+block of scores is stored, and gathered keys and values are freed after each use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .blocks import Kind, Merger, block_backward, block_forward, pair_kind, window_mask
+from .layout import chunks_of
+
+COMM_TYPES = ("p2p", "all_gather")
+
+
+@dataclass(frozen=True)
+class Ring:
+    """The context-parallel group as attention sees it."""
+
+    group: dist.ProcessGroup
+    rank: int
+    size: int
+    comm: str
+
+    def peer(self, offset: int) -> int:
+        """Global rank of the group member ``offset`` places after this one."""
+        return dist.get_global_rank(self.group, (self.rank + offset) % self.size)
+
+
+def _pairs(ring: Ring, source: int, length: int, window: int | None, device):
+    """(query rows, key rows, kind, mask) of every block this rank computes against ``source``'s
+    keys (``length`` tokens per chunk, rows local to each side)."""
+    for xi, x in enumerate(chunks_of(ring.rank, ring.size)):
+        for yi, y in enumerate(chunks_of(source, ring.size)):
+            kind = pair_kind(x, y, length, window)
+            if kind is Kind.NONE:
+                continue
+            mask = window_mask(x, y, length, window, device) if kind is Kind.MASKED else None
+            yield slice(xi * length, (xi + 1) * length), slice(yi * length, (yi + 1) * length), kind, mask
+
+
+def _forward_source(merger: Merger, q, kv, split: int, ring: Ring, source: int, window, scale) -> None:
+    k, v = kv[..., :split], kv[..., split:]
+    length = q.shape[2] // 2
+    for rows, cols, kind, mask in _pairs(ring, source, length, window, q.device):
+        out, lse = block_forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], kind, mask, scale)
+        merger.add(rows, out, lse)
+
+
+def _backward_source(dq, dkv, dout, q, kv, split, out, lse, ring: Ring, source: int, window, scale) -> None:
+    """Add the gradients of this rank's blocks against ``source``'s keys and values: into ``dq``
+    (this rank's queries) and ``dkv`` (``source``'s keys | values, fp32)."""
+    k, v = kv[..., :split], kv[..., split:]
+    length = q.shape[2] // 2
+    for rows, cols, kind, mask in _pairs(ring, source, length, window, q.device):
+        gq, gk, gv = block_backward(dout[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols],
+                                    out[:, :, rows], lse[:, :, rows], kind, mask, scale)
+        dq[:, :, rows] += gq
+        dkv[:, :, cols, :split] += gk
+        dkv[:, :, cols, split:] += gv
+
+
+def _exchange(ring: Ring, tensor: torch.Tensor) -> tuple[list, torch.Tensor, torch.Tensor]:
+    """Start sending ``tensor`` to the next rank and receiving the previous rank's into a new one;
+    (works, received, sent): the sent tensor is kept referenced until the works are waited for."""
+    incoming = torch.empty_like(tensor)
+    ops = [dist.P2POp(dist.isend, tensor, ring.peer(1), ring.group),
+           dist.P2POp(dist.irecv, incoming, ring.peer(-1), ring.group)]
+    return dist.batch_isend_irecv(ops), incoming, tensor
+
+
+def _wait(transfer) -> torch.Tensor:
+    """Wait for a transfer started by ``_exchange``; the received tensor."""
+    for work in transfer[0]:
+        work.wait()
+    return transfer[1]
+
+
+def _ring_forward(ring: Ring, q, kv, split, window, scale):
+    merger = Merger(q.shape[:-1] + (kv.shape[-1] - split,), q.device)
+    current = kv
+    for step in range(ring.size):
+        pending = _exchange(ring, current) if step < ring.size - 1 else None
+        _forward_source(merger, q, current, split, ring, (ring.rank - step) % ring.size, window, scale)
+        if pending is not None:
+            current = _wait(pending)
+    return merger
+
+
+def _ring_backward(ring: Ring, dout, q, kv, split, out, lse, window, scale):
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    current, travelling = kv, None  # travelling: the key/value gradient sum of the block held now
+    for step in range(ring.size):
+        pending = _exchange(ring, current) if step < ring.size - 1 else None
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        _backward_source(dq, dkv, dout, q, current, split, out, lse, ring, (ring.rank - step) % ring.size,
+                         window, scale)
+        if travelling is not None:
+            dkv += _wait(travelling)
+        travelling = _exchange(ring, dkv)  # on to the next rank; the last hop reaches the owner
+        if pending is not None:
+            current = _wait(pending)
+    return dq, _wait(travelling)
+
+
+def _gather(ring: Ring, kv):
+    """Start gathering every rank's keys | values: (work, [C, B, H_kv, L, D] once waited for)."""
+    everyone = kv.new_empty((ring.size * kv.shape[0],) + kv.shape[1:])
+    work = dist.all_gather_single(everyone, kv.contiguous(), group=ring.group, async_op=True)
+    return work, everyone.view((ring.size,) + kv.shape)
+
+
+def _gather_forward(ring: Ring, q, kv, split, window, scale):
+    merger = Merger(q.shape[:-1] + (kv.shape[-1] - split,), q.device)
+    work, everyone = _gather(ring, kv)
+    _forward_source(merger, q, kv, split, ring, ring.rank, window, scale)
+    work.wait()
+    for source in range(ring.size):
+        if source != ring.rank:
+            _forward_source(merger, q, everyone[source], split, ring, source, window, scale)
+    return merger
+
+
+def _gather_backward(ring: Ring, dout, q, kv, split, out, lse, window, scale):
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dkv = torch.zeros((ring.size,) + kv.shape, dtype=torch.float32, device=kv.device)
+    work, everyone = _gather(ring, kv)
+    _backward_source(dq, dkv[ring.rank], dout, q, kv, split, out, lse, ring, ring.rank, window, scale)
+    work.wait()
+    for source in range(ring.size):
+        if source != ring.rank:
+            _backward_source(dq, dkv[source], dout, q, everyone[source], split, out, lse, ring, source, window, scale)
+    mine = torch.empty(kv.shape, dtype=torch.float32, device=kv.device)
+    dist.reduce_scatter_single(mine, dkv.view((-1,) + kv.shape[1:]), group=ring.group)  # my keys' shares, summed
+    return dq, mine
+
+
+class _ContextAttention(torch.autograd.Function):
+    """Attention of this rank's queries over every rank's keys and values (see the module doc)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ring: Ring, window, scale):
+        kv = torch.cat([k, v], dim=-1)  # one message per block: [B, H_kv, L, Dk + Dv]
+        split = k.shape[-1]
+        run = _ring_forward if ring.comm == "p2p" else _gather_forward
+        merger = run(ring, q, kv, split, window, scale)
+        out = merger.out.to(q.dtype)
+        ctx.save_for_backward(q, kv, out, merger.lse)
+        ctx.ring, ctx.split, ctx.window, ctx.scale = ring, split, window, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, kv, out, lse = ctx.saved_tensors
+        run = _ring_backward if ctx.ring.comm == "p2p" else _gather_backward
+        dq, dkv = run(ctx.ring, dout.contiguous(), q, kv, ctx.split, out, lse, ctx.window, ctx.scale)
+        dk, dv = dkv[..., :ctx.split], dkv[..., ctx.split:]
+        return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), None, None, None
+
+
+def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scale: float,
+                      window: int | None = None) -> torch.Tensor:
+    """Causal attention of this rank's queries over the whole sequence.
+
+    Args:
+        q: [B, H, L, D] this rank's queries (its two chunks, ``layout``'s order).
+        k, v: [B, H_kv, L, D] its keys and values (H a multiple of H_kv: grouped-query attention).
+        ring: the context-parallel group and the communication (``COMM_TYPES``).
+        scale: the factor on ``q . k``.
+        window: a sliding window (query position p sees keys p - window + 1 .. p), or None.
+
+    Returns:
+        [B, H, L, D] in ``q``'s dtype.
+    """
+    return _ContextAttention.apply(q, k, v, ring, window, scale)

@@ -1,0 +1,153 @@
+"""What a context-parallel model does with its inputs before Hugging Face's forward runs.
+
+Each rank passes its part of the batch (``layout.split``: input_ids and labels [B, S/C]). Before
+the forward:
+
+1. Every rank checks its inputs, then the ranks of the context-parallel group compare what they
+   found in one small all-gather, so a problem on one rank (padding in its chunks only) stops
+   every rank with the same error instead of leaving the others waiting in attention.
+2. ``position_ids``, when the caller gives none, become the tokens' global positions, so rotary
+   and learned position embeddings see the whole-sequence positions.
+3. ``labels`` become ``shift_labels``: the label of each local token's successor in the whole
+   sequence, found by gathering the labels (small integers) once. The successor of a chunk's
+   last token sits in another chunk, maybe on another rank; this way no target is dropped or
+   counted twice. ``num_items_in_batch`` becomes the whole sequences' target count over C, so
+   each rank returns its share of the loss: the mean over the group of the ranks' losses is one
+   process's loss on the whole sequences, and so are the averaged gradients.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import Ring
+from .layout import merge, positions
+
+IGNORE_INDEX = -100
+
+# One small int64 header per rank: (problem code, detail, batch, local length).
+OK, NO_TOKENS, ODD_LENGTH, PADDING, CACHE, LABEL_SHAPE = range(6)
+_PROBLEMS = {
+    NO_TOKENS: (ValueError, "neither input_ids nor inputs_embeds was given"),
+    ODD_LENGTH: (ValueError, "its sequence part has {L} tokens, an odd number: each context-parallel rank holds "
+                             "two equal chunks, so the whole sequence must divide by 2 x context_parallel_degree"),
+    PADDING: (NotImplementedError, "its attention_mask holds {detail} padding zeros; padded batches under "
+                                   "context parallelism are not implemented (pack sequences, or pad at the "
+                                   "end without a mask and set the padding labels to -100)"),
+    CACHE: (NotImplementedError, "past_key_values was given; a key/value cache (incremental decoding) under "
+                                 "context parallelism is not implemented"),
+    LABEL_SHAPE: (ValueError, "its labels have {detail} tokens per row where its inputs have {L}"),
+}
+
+
+def as_kwargs(module: nn.Module, args: tuple, kwargs: dict) -> dict:
+    """The call's arguments by name (positional ones bound to ``module.forward``'s parameters)."""
+    if not args:
+        return dict(kwargs)
+    bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+    var = next((p.name for p in inspect.signature(module.forward).parameters.values()
+                if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+    out = {k: v for k, v in bound.items() if k != var}
+    out.update(bound.get(var, {}))
+    return out
+
+
+def _tokens(kw: dict) -> torch.Tensor | None:
+    ids = kw.get("input_ids")
+    return ids if ids is not None else kw.get("inputs_embeds")
+
+
+def _local_problem(kw: dict) -> tuple[int, int]:
+    """(problem code, detail) of this rank's inputs."""
+    tokens = _tokens(kw)
+    if tokens is None:
+        return NO_TOKENS, 0
+    if tokens.shape[1] % 2:
+        return ODD_LENGTH, 0
+    mask = kw.get("attention_mask")
+    if mask is not None and mask.dim() == 2 and not bool(mask.all()):
+        return PADDING, int((mask == 0).sum())
+    if kw.get("past_key_values") is not None:
+        return CACHE, 0
+    labels = kw.get("labels")
+    if labels is not None and labels.shape[-1] != tokens.shape[1]:
+        return LABEL_SHAPE, labels.shape[-1]
+    return OK, 0
+
+
+def agree(ring: Ring, kw: dict) -> None:
+    """Check this rank's inputs and learn every other rank's verdict (one all-gather).
+
+    Raises:
+        ValueError or NotImplementedError: on every rank of the group alike, naming each rank's
+            problem, or the ranks' disagreeing shapes.
+    """
+    code, detail = _local_problem(kw)
+    tokens = _tokens(kw)
+    shape = tuple(tokens.shape[:2]) if tokens is not None else (0, 0)
+    header = torch.tensor([code, detail, *shape], dtype=torch.int64, device=_device(kw))
+    everyone = header.new_empty(ring.size * 4)
+    dist.all_gather_single(everyone, header, group=ring.group)
+    rows = everyone.view(ring.size, 4).tolist()
+    lines, kinds = [], set()
+    for rank, (code, detail, batch, length) in enumerate(rows):
+        if code != OK:
+            kind, text = _PROBLEMS[code]
+            kinds.add(kind)
+            lines.append(f"context-parallel rank {rank}: " + text.format(L=length, detail=detail))
+    if not lines and len({(b, n) for _, _, b, n in rows}) > 1:
+        kinds.add(ValueError)
+        lines = [f"the context-parallel ranks were given different shapes (batch x tokens): "
+                 + ", ".join(f"rank {r} {b} x {n}" for r, (_, _, b, n) in enumerate(rows))
+                 + "; each must pass its part of the same sequences (smp.get_batch_for_cp_rank)"]
+    if lines:
+        error = NotImplementedError if kinds == {NotImplementedError} else ValueError
+        raise error("context parallelism cannot run this batch:\n  - " + "\n  - ".join(lines))
+
+
+def _device(kw: dict) -> torch.device:
+    tokens = _tokens(kw)
+    return tokens.device if tokens is not None else torch.device("cpu")
+
+
+def _gather_tokens(ring: Ring, local: torch.Tensor) -> torch.Tensor:
+    """The whole sequences of a [B, L] tensor every rank holds its part of: [B, C x L]."""
+    local = local.contiguous()
+    everyone = local.new_empty((ring.size * local.shape[0],) + local.shape[1:])
+    dist.all_gather_single(everyone, local, group=ring.group)
+    return merge(list(everyone.chunk(ring.size)), seq_dim=1)
+
+
+def _shift(ring: Ring, kw: dict, where: torch.Tensor) -> None:
+    """``labels`` -> ``shift_labels`` of the local tokens, and this rank's ``num_items_in_batch``."""
+    ignore = kw.get("ignore_index", IGNORE_INDEX)
+    if kw.get("shift_labels") is not None:  # already shifted by the caller: only the count is global
+        whole = _gather_tokens(ring, kw["shift_labels"])
+        count = (whole != ignore).sum()
+    else:
+        whole = _gather_tokens(ring, kw["labels"])
+        shifted = F.pad(whole[..., 1:], (0, 1), value=ignore)
+        kw["shift_labels"] = shifted[..., where]
+        count = (shifted != ignore).sum()
+    given = kw.get("num_items_in_batch")
+    kw["num_items_in_batch"] = (given if given is not None else count) / ring.size
+
+
+def prepare(ring: Ring, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The forward pre-hook of a context-parallel model (see the module doc): check, then global
+    positions, shifted labels and the loss share; no key/value cache."""
+    kw = as_kwargs(module, args, kwargs)
+    agree(ring, kw)
+    length = _tokens(kw).shape[1]
+    where = positions(length, ring.size, ring.rank, device=_device(kw))
+    if kw.get("position_ids") is None:
+        kw["position_ids"] = where.unsqueeze(0)
+    if kw.get("labels") is not None:
+        _shift(ring, kw, where)
+    kw["use_cache"] = False
+    return (), kw

@@ -1,0 +1,156 @@
+"""``modelparallel run [torchrun options] script.py [args]`` (also ``python -m modelparallel.run``):
+a SageMaker script, unchanged, on ``torchrun``'s ranks.
+
+The launching process parses torchrun's own options (``torch.distributed.run``'s parser, plus
+``--sagemaker-dir`` and ``--channel``) and runs torchrun's agent in-process (``cli.launch``);
+every rank then starts here again, sees the launcher's ``RANK`` / ``WORLD_SIZE``, and before
+running the script as ``__main__``: sets SageMaker's environment variables it lacks
+(``sagemaker.env``), lets ``torch.cuda.set_device(local_rank)`` pass on a CPU-only machine, and
+installs the import hook (``sagemaker.hook``) for this process only. Started by another
+launcher (``torchrun -m modelparallel.run script.py``) it does the rank part alone.
+
+A rank whose script raises records its error and exits; the launcher stops the other ranks and
+prints the first failing rank's error, with every rank's traceback in
+``<sagemaker-dir>/output/failure.log``. Exit status: the script's, 1 on failure, 130 on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import shutil
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+from ..cli import launch, outcome
+from . import env, hook
+
+HELP = "run a SageMaker (v1 or v2) training script unchanged, on torchrun's ranks"
+
+
+def _add_sagemaker_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("SageMaker environment")
+    group.add_argument("--sagemaker-dir", default=None, metavar="DIR",
+                       help=f"local stand-in for /opt/ml: SM_MODEL_DIR, SM_OUTPUT_DATA_DIR and the channels default "
+                            f"under it (default ./{env.DEFAULT_DIR})")
+    group.add_argument("--channel", action="append", default=[], type=env.parse_channel, metavar="NAME=DIR",
+                       help="a data channel: sets SM_CHANNEL_NAME=DIR (repeatable)")
+
+
+def launcher_parser() -> argparse.ArgumentParser:
+    """torchrun's parser with our options added (its ``training_script`` is the script)."""
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = "modelparallel run"
+    parser.description = HELP
+    _add_sagemaker_options(parser)
+    return parser
+
+
+def rank_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="modelparallel.run", description=HELP)
+    _add_sagemaker_options(parser)
+    parser.add_argument("-m", "--module", action="store_true", help="the script is a module name")
+    parser.add_argument("training_script")
+    parser.add_argument("training_script_args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def _our_env(args: argparse.Namespace) -> dict[str, str]:
+    out = env.channel_env(args.channel)
+    if args.sagemaker_dir is not None:
+        out[env.DIR_ENV] = str(Path(args.sagemaker_dir).absolute())
+    return out
+
+
+def _exit_code(exc: SystemExit) -> int:
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def run_script(args: argparse.Namespace) -> int:
+    """The rank part: environment, import hook, then the script as ``__main__``."""
+    os.environ.update(_our_env(args))
+    env.apply()
+    env.cpu_set_device()
+    hook.install()
+    script = args.training_script
+    sys.argv = [script, *args.training_script_args]
+    outcome.PROGRESS.stage = script  # what the launcher's report names as the failing stage
+
+    def job() -> int:
+        try:
+            if args.module:
+                runpy.run_module(script, run_name="__main__", alter_sys=True)
+            else:
+                sys.path.insert(0, str(Path(script).absolute().parent))
+                runpy.run_path(script, run_name="__main__")
+        except SystemExit as exc:
+            return _exit_code(exc)
+        return 0
+
+    return outcome.run_rank(job)
+
+
+def launch_ranks(args: argparse.Namespace) -> int:
+    """The launcher part: torchrun's agent over ``modelparallel.run`` on every rank."""
+    from torch.distributed.run import determine_local_world_size
+
+    if args.no_python:
+        raise SystemExit("modelparallel run: --no-python cannot be used: the ranks run Python (the script)")
+    rank_args = (["-m"] if args.module else []) + [args.training_script, *args.training_script_args]
+    args.module, args.run_path = True, False
+    args.training_script, args.training_script_args = "modelparallel.run", rank_args
+    nproc = determine_local_world_size(args.nproc_per_node)
+    root = Path(args.sagemaker_dir or env.DEFAULT_DIR).absolute()
+    status = Path(tempfile.mkdtemp(prefix="modelparallel-run-"))
+    extra = {**_our_env(args), env.DIR_ENV: str(root), outcome.STATUS_ENV: str(status)}
+    try:
+        exc = launch.run_agent(args, nproc, extra)
+        return 0 if exc is None else _report(exc, status, root / "output" / "failure.log")
+    finally:
+        shutil.rmtree(status, ignore_errors=True)
+
+
+def _report(exc: BaseException, status: Path, log_path: Path) -> int:
+    interrupted = isinstance(exc, KeyboardInterrupt) or getattr(exc, "sigval", None) == signal.SIGINT
+    ending = outcome.Ending.read(status, interrupted=interrupted)
+    if ending.interrupted:
+        print("\nmodelparallel run: interrupted", file=sys.stderr, flush=True)
+        return outcome.INTERRUPTED_EXIT
+    errors = ending.errors()
+    if not errors:
+        print(f"\nmodelparallel run failed: {type(exc).__name__}: {str(exc).strip()}", file=sys.stderr, flush=True)
+        return 1
+    log = outcome.write_log(log_path, errors)
+    print("\n" + errors[0]["traceback"].rstrip(), file=sys.stderr)
+    print(outcome.failure_block(errors[0], log, len(errors), command="run"), file=sys.stderr, flush=True)
+    return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``modelparallel run`` / ``python -m modelparallel.run``: launch, or (under a launcher)
+    run this rank."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if launch.under_launcher():
+        return run_script(rank_parser().parse_args(argv))
+    return launch_ranks(launcher_parser().parse_args(argv))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """For ``modelparallel --help``: the command parses its own arguments (torchrun's)."""
+    parser.add_argument("arguments", nargs=argparse.REMAINDER,
+                        help="[torchrun options] [--sagemaker-dir DIR] [--channel NAME=DIR] script.py [args]")
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    return main(args.arguments)

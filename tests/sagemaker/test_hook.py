@@ -1,0 +1,98 @@
+"""The SageMaker import hook (modelparallel/sagemaker/hook.py) and its environment (env.py).
+
+A failure in the alias tests means ``smdistributed.modelparallel.torch[.x]`` or
+``torch.sagemaker[.x]`` no longer give this package's own module objects (look at
+``SageMakerFinder.find_spec`` and ``_Loader.exec_module``); in the not-provided test, that a
+missing SageMaker module no longer raises ``ModuleNotFoundError`` naming it; in the
+``sagemaker_imports`` test, that leaving the block leaves aliases behind. The env tests check the
+SM_* defaults a script's argparse reads and the CPU ``torch.cuda.set_device`` stand-in.
+"""
+
+import json
+import sys
+
+import pytest
+import torch
+
+import modelparallel
+from modelparallel.compat import sagemaker_imports
+from modelparallel.sagemaker import env, hook
+
+
+def test_aliases_are_this_package():
+    with sagemaker_imports():
+        import smdistributed.modelparallel
+        import smdistributed.modelparallel.torch as smp
+        import torch.sagemaker as tsm
+        from smdistributed.modelparallel.torch.nn import FusedLayerNorm
+        from smdistributed.modelparallel.torch.nn.huggingface.gptj import translate_state_dict_to_hf_gptj
+        from torch.sagemaker.delayed_param import DelayedParamIniter
+
+        import modelparallel.delayed_param
+        import modelparallel.nn.huggingface.gptj
+
+        assert smp is modelparallel and tsm is modelparallel and torch.sagemaker is modelparallel
+        assert smdistributed.modelparallel.__version__ == modelparallel.__version__
+        assert FusedLayerNorm is modelparallel.nn.FusedLayerNorm
+        assert translate_state_dict_to_hf_gptj is modelparallel.nn.huggingface.gptj.translate_state_dict_to_hf_gptj
+        assert DelayedParamIniter is modelparallel.delayed_param.DelayedParamIniter
+        assert sys.modules["smdistributed.modelparallel.torch.nn"] is modelparallel.nn
+        assert modelparallel.nn.__spec__.name == "modelparallel.nn", "the real module's spec must stay its own"
+        import torch.fx as fx  # torch's own submodules import as before
+
+        assert fx.__name__ == "torch.fx"
+        assert sys.modules["torch"]._export.__name__ == "torch._export"  # torch's lazy submodules too
+
+
+@pytest.mark.parametrize("name", ["torch.sagemaker.tensor_parallel.no_such_module", "smdistributed.dataparallel",
+                                  "smdistributed.modelparallel.torch.no_such_module"])
+def test_not_provided_named(name):
+    with sagemaker_imports():
+        with pytest.raises(ModuleNotFoundError, match="not provided|provides") as info:
+            __import__(name)
+        assert name.startswith(info.value.name)
+
+
+def test_block_end_removes_every_alias():
+    with sagemaker_imports():
+        import torch.sagemaker  # noqa: F401
+        import smdistributed.modelparallel.torch.nn  # noqa: F401
+    assert not [n for n in sys.modules if n.startswith(("smdistributed", "torch.sagemaker"))]
+    assert not hasattr(torch, "sagemaker")
+    assert not any(isinstance(f, hook.SageMakerFinder) for f in sys.meta_path)
+    with pytest.raises(ModuleNotFoundError):
+        import torch.sagemaker  # noqa: F401,F811
+
+
+def test_sm_defaults(tmp_path):
+    environ = {env.DIR_ENV: str(tmp_path / "job"), "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "4", "GROUP_RANK": "1",
+               "SM_CHANNEL_TRAIN": "/data/train", "SM_CHANNEL_EVAL": "/data/eval"}
+    added = env.apply(environ)
+    assert "SM_CHANNEL_TRAIN" not in added and environ["SM_CHANNEL_TRAIN"] == "/data/train"
+    assert environ["SM_CHANNEL_TEST"] == str(tmp_path / "job" / "input" / "data" / "test")
+    assert json.loads(environ["SM_CHANNELS"]) == ["eval", "test", "train"]
+    assert environ["SM_MODEL_DIR"] == str(tmp_path / "job" / "model") and (tmp_path / "job" / "model").is_dir()
+    assert (tmp_path / "job" / "output" / "data").is_dir()
+    assert json.loads(environ["SM_HOSTS"]) == ["algo-1", "algo-2"] and environ["SM_CURRENT_HOST"] == "algo-2"
+    if not torch.cuda.is_available():
+        assert environ["SM_NUM_GPUS"] == "2"
+
+
+def test_channel_flag():
+    assert env.parse_channel("train=data/x") == ("SM_CHANNEL_TRAIN", str((__import__("pathlib").Path("data/x")).absolute()))
+    with pytest.raises(ValueError, match="NAME=DIR"):
+        env.parse_channel("train")
+
+
+def test_cpu_set_device(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    real = torch.cuda.set_device
+    monkeypatch.setattr(torch.cuda, "set_device", real)
+    env.cpu_set_device()
+    if torch.cuda.is_available():
+        assert torch.cuda.set_device is real, "with CUDA nothing is replaced"
+        return
+    torch.cuda.set_device(1)
+    torch.cuda.set_device(torch.device("cuda", 0))
+    with pytest.raises(Exception):
+        torch.cuda.set_device(2)  # not a rank of this machine: torch's own error

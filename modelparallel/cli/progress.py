@@ -4,7 +4,8 @@ A progress bar redraws itself with carriage returns several times a second; writ
 (a job's redirected log, a CI console) every redraw stays, so an hour of training leaves tens of
 thousands of bar fragments on one line. When the output is not a terminal, ``LineProgress``
 writes one ordinary line (step, percentage, the bar's figures) at most every ``every_s`` seconds,
-and always the last step; ``write`` lines (checkpoint saves) go through unchanged.
+and always the last step; ``write`` lines (checkpoint saves) go through unchanged, to standard
+output as tqdm's ``write`` sends them.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ class LineProgress:
     """The part of tqdm's interface the training loop uses, as rate-limited lines."""
 
     def __init__(self, total: int, initial: int = 0, desc: str = "", disable: bool = False,
-                 stream: TextIO | None = None, every_s: float = EVERY_S, clock: Callable[[], float] = time.monotonic):
+                 stream: TextIO | None = None, every_s: float = EVERY_S, clock: Callable[[], float] = time.monotonic,
+                 out: TextIO | None = None):
         self.total, self.n, self.desc, self.disable = total, initial, desc, disable
         self.stream, self.every_s, self.clock = stream or sys.stderr, every_s, clock
+        self.out = out  # None: sys.stdout at each write (as tqdm.write), so redirections apply
         self.postfix: dict[str, str] = {}
         self._last = clock()
         self._printed = initial
@@ -50,8 +53,9 @@ class LineProgress:
 
     def write(self, text: str) -> None:
         if not self.disable:
-            self.stream.write(text + "\n")
-            self.stream.flush()
+            out = self.out or sys.stdout
+            out.write(text + "\n")
+            out.flush()
 
     def close(self) -> None:
         self._line()

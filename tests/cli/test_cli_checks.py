@@ -48,7 +48,7 @@ class Clock:
 
 def test_progress_in_a_log_is_a_line_every_few_seconds():
     clock, log = Clock(), io.StringIO()
-    bar = LineProgress(total=1000, initial=0, desc="train", stream=log, every_s=10.0, clock=clock)
+    bar = LineProgress(total=1000, initial=0, desc="train", stream=log, every_s=10.0, clock=clock, out=log)
     for step in range(1000):  # 1000 steps over 100 s: a line every 10 s at most, and the last step
         clock.now = step * 0.1
         bar.set_postfix(loss=f"{step:.3f}", refresh=False)

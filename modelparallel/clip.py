@@ -1,15 +1,17 @@
 """``smp.clip_grad_norm_``: gradient clipping by the norm of the whole (unsharded) model.
 
 A rank holds a mix of gradients: tensor-parallel shards (DTensors on the "tp" mesh), FSDP2
-shards (DTensors on "dp", or on ("dp", "tp") over a TP shard) and replicated tensors (plain, the
-same on every rank after the data-parallel average). Each distinct block of a gradient must
-count once in the norm. A DTensor whose placements shard it over mesh dims of total size
-``pieces`` is cut into ``pieces`` distinct blocks, each held by ``world / pieces`` ranks (every
-rank holds the same model); a plain tensor is one block held by all ``world`` ranks. So each
-rank adds ``|g|^p * pieces / world`` for its local block and one all-reduce over the world gives
-the single-process ``sum |g|^p`` (for the infinity norm: the max, which needs no weighting).
-That arithmetic lives in ``grad_clip`` (shared with ``DistributedOptimizer.clip_master_grads``);
-this module adds the user-facing checks.
+shards (DTensors on "dp", or on ("dp", "tp") over a TP shard), FSDP1 flat shards (a unit's
+TP-local parameters flattened and split over its process group) and replicated tensors (plain,
+the same on every rank after the data-parallel average). Each distinct block of a gradient must
+count once in the norm. A block cut into ``pieces`` distinct blocks across the job is held by
+``world / pieces`` ranks (every rank holds the same model), so each rank adds
+``|g|^p * pieces / world`` for its local block and one all-reduce over the world gives the
+single-process ``sum |g|^p`` (for the infinity norm: the max, which needs no weighting). That
+arithmetic lives in ``training/grad_clip.py`` (shared with ``DistributedOptimizer.
+clip_master_grads``), FSDP1's pieces in ``training/fsdp1_grads.py``; this module adds the
+user-facing forms: SageMaker v2 scripts call ``clip_grad_norm_(model, max_norm)`` with the FSDP
+model itself, v1-style code passes parameters.
 """
 
 from __future__ import annotations
@@ -17,24 +19,32 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .training.grad_clip import clip_by_global_norm
+from .training.fsdp1_grads import flattened_by_fsdp1, fsdp1_units, unit_pieces
+from .training.grad_clip import clip_pieces, grad_pieces
 
 
-def _flattened_by_fsdp1(p: torch.Tensor) -> bool:
-    return bool(getattr(p, "_fsdp_flattened", False)) and not isinstance(p, DTensor)
+def _pieces_of_module(model: nn.Module) -> list[tuple[torch.Tensor, int]]:
+    """Every gradient block of ``model``: its FSDP1 units' flat shards, then the parameters no
+    FSDP1 unit manages."""
+    pieces = [piece for unit in fsdp1_units(model) for piece in unit_pieces(unit)]
+    unmanaged = [p for p in model.parameters() if not flattened_by_fsdp1(p)]
+    return pieces + grad_pieces(unmanaged)
 
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
+def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
                     norm_type: float = 2.0) -> torch.Tensor:
-    """Scale the gradients of ``parameters`` in place so their total norm, over the whole model
-    as one process would compute it, is at most ``max_norm``. A collective: call it on every
-    rank, with the parameters of the same model.
+    """Scale the gradients in place so their total norm, over the whole model as one process
+    would compute it, is at most ``max_norm``. A collective: call it on every rank, with the
+    same model.
 
     Args:
-        parameters: the model's parameters (``model.parameters()``), a mix of TP-sharded,
-            FSDP2-sharded and replicated ones; those without a gradient are skipped.
+        parameters: the model itself (any mix of tensor parallelism, FSDP1 ``FullyShardedDataParallel``
+            units, ``fully_shard`` and plain replicated parameters, as SageMaker v2's
+            ``clip_grad_norm_(model, max_norm)``), or its parameters (``model.parameters()``:
+            TP-sharded, FSDP2-sharded and replicated ones); those without a gradient are skipped.
         max_norm: the largest norm allowed.
         norm_type: the p of the p-norm; ``float("inf")`` for the largest absolute value.
 
@@ -42,16 +52,17 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
         The total norm before clipping (a plain scalar tensor, the same on every rank).
 
     Raises:
-        NotImplementedError: for parameters flattened by FSDP1 (``FullyShardedDataParallel``),
-            whose flat shards no longer say which of them are tensor-parallel; use
-            ``fully_shard`` (FSDP2), or FSDP1's own ``model.clip_grad_norm_`` at TP degree 1.
+        NotImplementedError: for parameters (not the module) flattened by FSDP1, whose flat
+            shards no longer say which of them are tensor-parallel: pass the FSDP module itself.
         ValueError: for a gradient that is still a pending sum.
     """
+    if isinstance(parameters, nn.Module):
+        return clip_pieces(_pieces_of_module(parameters), max_norm, norm_type)
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    flat = [p for p in params if _flattened_by_fsdp1(p)]
+    flat = [p for p in params if flattened_by_fsdp1(p) and not isinstance(p, DTensor)]
     if flat:
         raise NotImplementedError(
             f"clip_grad_norm_ over {len(flat)} parameters flattened by FSDP1 (FullyShardedDataParallel): "
-            "their flat shards do not record which are tensor-parallel; wrap with fully_shard (FSDP2), "
-            "or at tensor_parallel_degree 1 use the FSDP module's own clip_grad_norm_")
-    return clip_by_global_norm(params, max_norm, norm_type)
+            "their flat shards do not record which are tensor-parallel; pass the FSDP module itself, "
+            "clip_grad_norm_(model, max_norm)")
+    return clip_pieces(grad_pieces(params), max_norm, norm_type)

@@ -34,8 +34,43 @@ from torch.distributed.fsdp._optim_utils import _gather_state_dict  # noqa: F401
 # FSDP1 flattens each unit's parameters in ``FlatParamHandle`` and then keeps this rank's chunk
 # (``shard``); between the two the unit's original tensors are dead on ranks other than 0. The
 # v2 recipe frees them there so a rank never holds its shards plus a whole unit twice; PyTorch
-# exposes no hook at that point.
-from torch.distributed.fsdp._flat_param import FlatParamHandle
+# exposes no hook at that point. FSDP1 also misses ties between DTensor parameters (it records
+# shared parameters by their local tensor, then looks them up by the DTensor): the FSDP1 x TP
+# helpers record such ties themselves as ``SharedParamInfo`` entries.
+from torch.distributed.fsdp._flat_param import FlatParamHandle, SharedParamInfo
+
+# FSDP1 marks each tensor it has flattened with this flag so an enclosing unit does not flatten it
+# again; a parameter object FSDP1 re-creates for a DTensor view (no sharding) lacks it, and the
+# FSDP1 x TP helpers set it on the object they keep.
+from torch.distributed.fsdp._common_utils import _set_fsdp_flattened as set_fsdp_flattened
+
+# FSDP1 materializes each unit's meta modules with one of these two functions; SageMaker's FSDP
+# runs a ``post_param_init_fn`` right after (ties restored before flattening), which PyTorch has
+# no argument for, so the v2 contract wraps them on the module (imported only so a rename fails here).
+from torch.distributed.fsdp import _init_utils as fsdp_init_utils
+from torch.distributed.fsdp._init_utils import _materialize_meta_module, _materialize_with_param_init_fn  # noqa: F401
+
+# PyTorch's activation checkpoint and offload wrappers (``checkpoint_wrapper``, ``offload_wrapper``),
+# the ones SageMaker v2 scripts use; with ``sm_activation_offloading`` their forwards run on this
+# library's offloader, as SageMaker replaces them. PyTorch ships them only under this private path.
+from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as torch_checkpoint_wrappers
+
+# DCP's save and load both end in these module functions (``save``, ``load`` and the deprecated
+# ``save_state_dict`` / ``load_state_dict`` alike); a DTensor saved over a process group holding
+# part of its mesh is turned into the block that group holds around them (DCP has no hook for a
+# state dict's layout relative to the group). The modules are patched; the names are imported
+# only so that a rename fails here.
+from torch.distributed.checkpoint import state_dict_loader as dcp_loader_module
+from torch.distributed.checkpoint import state_dict_saver as dcp_saver_module
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict  # noqa: F401
+from torch.distributed.checkpoint.state_dict_saver import _save_state_dict  # noqa: F401
+
+# The expert mesh is the world mesh with its data-parallel dimension split in two; only the private
+# ``_unflatten`` makes such a mesh share the world mesh's root (FSDP and DTensor then accept
+# meshes sliced from both), where a second ``DeviceMesh`` would be an unrelated one.
+def unflatten_mesh(mesh: DeviceMesh, dim: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """``mesh`` with dimension ``dim`` split into ``names`` of ``sizes`` (``DeviceMesh._unflatten``)."""
+    return mesh._unflatten(dim, sizes, names)
 
 # The job's key-value store (torchrun's, or the one init_process_group was given): when a peer dies
 # mid-collective the process group is broken, and the store is the one channel left through which
@@ -61,6 +96,7 @@ flash_attention_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attentio
 # installs the same hook for a whole script); re-exported here as ``modelparallel.compat``'s.
 from .sagemaker.hook import sagemaker_imports  # noqa: E402 - after the private names it sits beside
 
-__all__ = ["FlatParamHandle", "compute_local_shape_and_global_offset", "default_store", "flash_attention_cpu",
-           "flash_attention_cpu_backward", "flatten_mesh", "flatten_state_dict", "fsdp_optim_utils",
-           "sagemaker_imports", "set_element"]
+__all__ = ["FlatParamHandle", "SharedParamInfo", "compute_local_shape_and_global_offset", "dcp_loader_module",
+           "dcp_saver_module", "default_store", "flash_attention_cpu", "flash_attention_cpu_backward", "flatten_mesh",
+           "flatten_state_dict", "fsdp_init_utils", "fsdp_optim_utils", "sagemaker_imports", "set_element",
+           "set_fsdp_flattened", "torch_checkpoint_wrappers", "unflatten_mesh"]

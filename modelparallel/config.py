@@ -169,6 +169,12 @@ def _check_degrees(cfg: Config, problems: list[str]) -> None:
     if valid and world % cfg.model_ranks != 0:
         shown = " x ".join(f"{k} {v}" for k, v in factors.items() if v > 1 or k == "tensor_parallel_degree")
         problems.append(f"world size {world} is not divisible by {shown} = {cfg.model_ranks}")
+    ep = cfg.expert_parallel_degree
+    if valid and ep > 1 and world % cfg.model_ranks == 0 and cfg.dp_degree % ep:
+        shown = " x ".join(f"{k} {v}" for k, v in factors.items() if v > 1 or k == "tensor_parallel_degree")
+        problems.append(
+            f"world size {world} is not divisible by expert_parallel_degree {ep} x {shown} = {ep * cfg.model_ranks} "
+            f"(the expert-parallel ranks are data-parallel ranks: {ep} must divide {cfg.dp_degree})")
     sdp, hsd = cfg.sharded_data_parallel_degree, cfg.hybrid_shard_degree
     if sdp > 1 and hsd > 1 and sdp != hsd:
         problems.append(

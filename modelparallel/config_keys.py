@@ -80,7 +80,9 @@ KEYS: tuple[Key, ...] = (
     Key("context_parallel_degree", int, 1, IMPLEMENTED,
         "v2: ranks splitting every sequence (ring or all-gather attention); each rank gets "
         "chunks r and 2C-1-r of 2C (``smp.get_batch_for_cp_rank``).", "v2", minimum=1),
-    Key("expert_parallel_degree", int, 1, DEFAULT_ONLY, "v2: expert parallelism is not built.", "v2", minimum=1),
+    Key("expert_parallel_degree", int, 1, IMPLEMENTED,
+        "v2: ranks sharing one copy of each MoE layer's experts, each holding 1/degree of them; "
+        "carved out of the data-parallel ranks, so it must divide world / (tp x pp x cp).", "v2", minimum=1),
     Key("sequence_parallel", bool, False, IMPLEMENTED,
         "Ours: inside tensor parallelism, norms, dropout and residual adds run on sequence shards "
         "(Megatron's sequence parallelism); the sequence must divide by the degree.", "ours"),

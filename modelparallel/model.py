@@ -13,6 +13,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import runtime
 from .materialize import wrapping
+from .expert import is_expert_parameter
 from .training import batch
 from .training.dp import OverlappedAverage, allreduce_gradients
 from .model_tp import TensorParallelMethods
@@ -130,10 +131,24 @@ class DistributedModel(TensorParallelMethods, nn.Module):
             return
         if not self._averages(rt):
             return
-        if self._v1.overlap is not None and self._v1.overlap.armed:
-            self._v1.overlap.finish()
+        if self._v1.overlap and self._v1.overlap[0].armed:
+            for average in self._v1.overlap:
+                average.finish()
         else:
-            allreduce_gradients(self.module.parameters(), rt.group(runtime.DP_CP_GROUP), rt.config.replica_degree)
+            for params, group, size in self._replica_groups(rt):
+                allreduce_gradients(params, group, size)
+
+    def _replica_groups(self, rt) -> list[tuple[list[nn.Parameter], object, int]]:
+        """(parameters, process group, its size) for each kind of replica: the experts of an
+        expert-parallel model are replicated over the ranks holding the same experts, every
+        other parameter over the data x context parallel ranks. Groups of one rank are left out."""
+        params = list(self.module.parameters())
+        experts = [p for p in params if is_expert_parameter(p)]
+        groups = [([p for p in params if not is_expert_parameter(p)], rt.group(runtime.DP_CP_GROUP),
+                   rt.config.replica_degree)]
+        if experts:
+            groups.append((experts, rt.group(runtime.EDP_GROUP), rt.config.dp_degree // rt.config.expert_parallel_degree))
+        return [g for g in groups if g[2] > 1]
 
     def _averages(self, rt) -> bool:
         """Whether this model's gradients are averaged over data-parallel replicas (and context
@@ -148,16 +163,18 @@ class DistributedModel(TensorParallelMethods, nn.Module):
         v1 = self._v1
         if not (v1.overlapping_allreduce and self._averages(rt)):
             return
-        if v1.overlap is not None and v1.overlap.armed:
-            v1.overlap.finish(apply=False)
+        if v1.overlap and v1.overlap[0].armed:
+            for average in v1.overlap:
+                average.finish(apply=False)
             return
         last = rt.step is None or rt.step.microbatch == rt.step.num_microbatches - 1
         if not last or (v1.passes + 1) % v1.backward_passes_per_step:
             return
         if v1.overlap is None:
-            v1.overlap = OverlappedAverage(self.module.parameters(), rt.group(runtime.DP_CP_GROUP),
-                                           rt.config.replica_degree, v1.bucket_cap_mb)
-        v1.overlap.arm()
+            v1.overlap = [OverlappedAverage(params, group, size, v1.bucket_cap_mb)
+                          for params, group, size in self._replica_groups(rt)]
+        for average in v1.overlap:
+            average.arm()
 
     @property
     def partitioned(self) -> bool:
@@ -264,7 +281,7 @@ class V1Options:
     average_grads_across_microbatches: bool = True
     overlapping_allreduce: bool = True
     bucket_cap_mb: float = 25
-    overlap: OverlappedAverage | None = None  # made at the first pass it serves
+    overlap: list[OverlappedAverage] | None = None  # one per replica group, made at the first pass they serve
     passes: int = 0
     steps: int = 0
     post_step_hooks: OrderedDict = field(default_factory=OrderedDict)  # weakly referenced by handles

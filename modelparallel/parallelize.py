@@ -7,7 +7,9 @@ of the others; this module only orders them:
 
 1. tensor parallelism (``tp.walker``): shards each layer over the ``tp`` mesh dimension (with the
    ``sequence_parallel`` key, the hidden states between its regions split over it too);
-2. context parallelism (``context``): splits every sequence over the ``cp`` mesh dimension
+2. expert parallelism (``expert``): shards each MoE layer's experts over the ``ep`` dimension
+   (data-parallel ranks sharing the experts) and applies a ``MoEConfig``'s routing options;
+3. context parallelism (``context``): splits every sequence over the ``cp`` mesh dimension
    (attention reaches the other ranks' keys and values; the weights are not split).
 
 Data parallelism (replica gradient averaging, FSDP) is applied after this by the caller, over
@@ -21,26 +23,38 @@ from __future__ import annotations
 from torch import nn
 
 from . import context
-from .models import context_spec_for
+from .expert import apply_experts, check_experts
+from .models import EXPERT_LAYOUTS, context_spec_for, experts_for
+from .moe.moe_config import MoEConfig
 from .runtime import Runtime
 from .tp import walker
 from .tp.plan import ArchSpec
 
 
-def check(module: nn.Module, rt: Runtime, cp_comm_type: str = "p2p") -> None:
+def check(module: nn.Module, rt: Runtime, cp_comm_type: str = "p2p", moe: MoEConfig | None = None) -> None:
     """Refuse, before any collective, a model a dimension cannot run whatever its weights (an
-    encoder under context parallelism, an unknown ``cp_comm_type``).
+    encoder under context parallelism, an unknown ``cp_comm_type``, a MoE model whose experts the
+    expert-parallel degree cannot split or whose layout is unknown).
 
     Raises:
         ValueError, NotImplementedError: naming the model type or the value at fault.
     """
     context.check_comm_type(cp_comm_type)
+    _expert_work(module, rt, moe)
     if rt.config.context_parallel_degree > 1:
         context.check_model(module, context_spec_for(module))
 
 
+def _expert_work(module: nn.Module, rt: Runtime, moe: MoEConfig | None):
+    ep, cp = rt.config.expert_parallel_degree, rt.config.context_parallel_degree
+    if ep > 1 and cp > 1:
+        raise NotImplementedError(f"expert_parallel_degree {ep} with context_parallel_degree {cp} (experts "
+                                  "replicated over context-parallel ranks) is not implemented; use one of them")
+    return check_experts(module, ep, experts_for(module), moe, tuple(EXPERT_LAYOUTS))
+
+
 def parallelize(module: nn.Module, rt: Runtime, spec: ArchSpec | None, cp_comm_type: str = "p2p",
-                tensor_parallel: bool = True) -> list[str]:
+                moe: MoEConfig | None = None, tensor_parallel: bool = True) -> list[str]:
     """Apply every model-parallel dimension the runtime asks for to ``module``, in place.
 
     Args:
@@ -48,6 +62,7 @@ def parallelize(module: nn.Module, rt: Runtime, spec: ArchSpec | None, cp_comm_t
         rt: the running job (its config and meshes).
         spec: the architecture's plan, or None for a model the walker handles from its marks.
         cp_comm_type: context parallelism's communication, "p2p" or "all_gather".
+        moe: SageMaker's ``MoEConfig`` (``transform(model, config=MoEConfig(...))``), or None.
         tensor_parallel: run the TP walker (``transform`` leaves a plain model at TP degree 1).
 
     Returns:
@@ -57,9 +72,11 @@ def parallelize(module: nn.Module, rt: Runtime, spec: ArchSpec | None, cp_comm_t
         ValueError, NotImplementedError: when a dimension's plan does not fit the model (or the
             context-parallel communication is unknown), before any tensor is touched.
     """
-    check(module, rt, cp_comm_type)  # a model context parallelism refuses is refused unsharded
+    check(module, rt, cp_comm_type, moe)  # every dimension is checked before TP touches anything
+    experts = _expert_work(module, rt, moe)
     cp = rt.config.context_parallel_degree > 1
     replicated = walker.parallelize(module, rt.tp_mesh, spec, rt.config.sequence_parallel) if tensor_parallel else []
+    apply_experts(experts, rt.ep_mesh)
     if cp:
         context.parallelize(module, rt.cp_mesh, context_spec_for(module), cp_comm_type)
     return replicated

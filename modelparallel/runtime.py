@@ -19,6 +19,12 @@ with the same tp, rdp and pp rank. ``DP_CP_GROUP`` (ours): ranks holding the sam
 with the same tp and pp rank (rdp x cp): gradients are averaged, and FSDP shards, over it, as
 torchtitan's ``dp_shard_cp`` does. Every group is "the ranks that differ from this one only along
 these dimensions" (``GROUP_DIMS``), numbered in global-rank order as torch numbers a group.
+
+Expert parallelism is carved out of the data-parallel ranks, as torchtitan and Megatron-Core do:
+``Runtime.expert_mesh`` is the world mesh with "dp" split into ``("edp", "ep")``. ``EP_GROUP``:
+consecutive data-parallel ranks (same tp, cp and pp rank) that together hold one copy of every
+MoE layer's experts, each 1/ep of them; ``EDP_GROUP``: the ranks holding the same experts (same
+ep rank), over which expert gradients are averaged.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .compat import flatten_mesh
+from .compat import flatten_mesh, unflatten_mesh
 from .config import Config, build_config, without_effect
 from .config_keys import PLACEMENTS
 
@@ -51,16 +57,23 @@ class CommGroup(str, Enum):
     RDP_GROUP = "rdp"
     MP_GROUP = "mp"
     PP_GROUP = "pp"
+    EP_GROUP = "ep"
+    EDP_GROUP = "edp"
     CP_GROUP = "cp"
     DP_CP_GROUP = "dp_cp"
 
 
 WORLD, DP_GROUP, TP_GROUP = CommGroup.WORLD, CommGroup.DP_GROUP, CommGroup.TP_GROUP
 RDP_GROUP, MP_GROUP, PP_GROUP = CommGroup.RDP_GROUP, CommGroup.MP_GROUP, CommGroup.PP_GROUP
+EP_GROUP, EDP_GROUP = CommGroup.EP_GROUP, CommGroup.EDP_GROUP
 CP_GROUP, DP_CP_GROUP = CommGroup.CP_GROUP, CommGroup.DP_CP_GROUP
 
 DIMS = ("pp", "dp", "cp", "tp")
 """The world mesh's dimensions, in the order of its axes."""
+
+EXPERT_DIMS = ("pp", "edp", "ep", "cp", "tp")
+"""The expert mesh's dimensions: ``DIMS`` with "dp" split into replicas of one expert ("edp")
+and the ranks sharing the experts between them ("ep", the inner part: consecutive dp ranks)."""
 
 GROUP_DIMS: dict[CommGroup, tuple[str, ...]] = {
     WORLD: DIMS,
@@ -69,10 +82,13 @@ GROUP_DIMS: dict[CommGroup, tuple[str, ...]] = {
     RDP_GROUP: ("dp",),
     DP_GROUP: ("dp", "cp", "tp"),
     MP_GROUP: ("pp", "tp"),
+    EP_GROUP: ("ep",),
+    EDP_GROUP: ("edp",),
     CP_GROUP: ("cp",),
     DP_CP_GROUP: ("dp", "cp"),
 }
-"""The mesh dimensions along which a group's members differ from each other."""
+"""The mesh dimensions along which a group's members differ from each other (of ``DIMS``, or of
+``EXPERT_DIMS`` for the expert groups)."""
 
 _RUNTIME: Runtime | None = None
 
@@ -94,6 +110,8 @@ class Runtime:
     """This rank's ``("dp", "tp")`` slice of ``world_mesh``: the ranks of its pipeline stage and
     context slice, the mesh TP and FSDP work on."""
     device: torch.device
+    expert_mesh: DeviceMesh | None = None
+    """Every rank, with the dimensions ``EXPERT_DIMS`` (``world_mesh`` with "dp" unflattened)."""
     models: list = field(default_factory=list)
     optimizers: list = field(default_factory=list)
     resume: Any = None
@@ -133,18 +151,34 @@ class Runtime:
             return self.mesh["dp"]
         return flatten_mesh(self.world_mesh["dp", "cp"], "dp_cp")
 
+    @property
+    def ep_mesh(self) -> DeviceMesh:
+        """This rank's expert-parallel group as a 1-D mesh (experts are sharded over it)."""
+        return self.expert_mesh["ep"]
+
+    @property
+    def edp_mesh(self) -> DeviceMesh:
+        """The ranks holding this rank's experts (expert replicas), as a 1-D mesh."""
+        return self.expert_mesh["edp"]
+
+    def _mesh_of(self, dims: tuple[str, ...]) -> DeviceMesh:
+        return self.world_mesh if set(dims) <= set(DIMS) else self.expert_mesh
+
     def group(self, name: str | CommGroup) -> dist.ProcessGroup:
         """The process group for one of ``CommGroup``'s members (or its string value)."""
-        dims = _spanned(GROUP_DIMS[_group_name(name)], self.world_mesh)
+        mesh = self._mesh_of(GROUP_DIMS[_group_name(name)])
+        dims = _spanned(GROUP_DIMS[_group_name(name)], mesh)
         if len(dims) == 1:
-            return self.world_mesh.get_group(dims[0])
+            return mesh.get_group(dims[0])
         if set(dims) == set(_spanned(DIMS, self.world_mesh)):
             return dist.group.WORLD
         return self._groups[dims]
 
     def ranks(self, name: str | CommGroup) -> list[int]:
         """Global ranks of this rank's group ``name``, in group-rank order (ascending)."""
-        return members(self.world_mesh.mesh, GROUP_DIMS[_group_name(name)], dist.get_rank())
+        dims = GROUP_DIMS[_group_name(name)]
+        mesh = self._mesh_of(dims)
+        return members(mesh.mesh, dims, dist.get_rank(), mesh.mesh_dim_names)
 
     def object_group(self) -> dist.ProcessGroup | None:
         """The group for object collectives (``all_gather_object``): the world on gloo (None), a
@@ -167,15 +201,15 @@ def _group_name(name: str | CommGroup) -> CommGroup:
 def _spanned(dims: tuple[str, ...], mesh: DeviceMesh) -> tuple[str, ...]:
     """The dimensions of ``dims`` with more than one rank (those a group actually spans); the
     first one if none has, so a trivial group is a one-rank mesh dimension's group."""
-    wide = tuple(d for d in dims if mesh.size(DIMS.index(d)) > 1)
+    wide = tuple(d for d in dims if mesh.size(mesh.mesh_dim_names.index(d)) > 1)
     return wide or dims[:1]
 
 
-def members(grid: torch.Tensor, dims: tuple[str, ...], rank: int) -> list[int]:
-    """Global ranks of the ``[pp, dp, cp, tp]`` grid that differ from ``rank`` only along
-    ``dims``, ascending."""
+def members(grid: torch.Tensor, dims: tuple[str, ...], rank: int, names: tuple[str, ...] = DIMS) -> list[int]:
+    """Global ranks of ``grid`` (axes named ``names``: the ``[pp, dp, cp, tp]`` grid by default)
+    that differ from ``rank`` only along ``dims``, ascending."""
     where = (grid == rank).nonzero()[0].tolist()
-    index = tuple(slice(None) if d in dims else where[i] for i, d in enumerate(DIMS))
+    index = tuple(slice(None) if d in dims else where[i] for i, d in enumerate(names))
     return sorted(grid[index].flatten().tolist())
 
 
@@ -194,7 +228,7 @@ def _multi_dim_groups(mesh: DeviceMesh) -> dict[tuple[str, ...], dist.ProcessGro
     """Process groups for the groups spanning several (non-trivial) mesh dimensions short of the
     whole world; every rank creates every one of them, in the same order."""
     groups = {}
-    for dims in dict.fromkeys(_spanned(d, mesh) for d in GROUP_DIMS.values()):
+    for dims in dict.fromkeys(_spanned(d, mesh) for d in GROUP_DIMS.values() if set(d) <= set(DIMS)):
         if len(dims) > 1 and set(dims) != set(_spanned(DIMS, mesh)):
             mine, _ = dist.new_subgroups_by_enumeration(_partition(mesh, dims))
             groups[dims] = mine
@@ -235,7 +269,15 @@ def mesh_layout(config: Config) -> torch.Tensor:
     return grid.permute([order.index(c) for c in "PDCT"]).contiguous()
 
 
-def _setup_logging(global_rank: int) -> None:
+def expert_layout(config: Config) -> torch.Tensor:
+    """The ``[pp, edp, ep, cp, tp]`` grid: ``mesh_layout`` with the data-parallel axis split into
+    replicas (outer) and expert-parallel ranks (inner), so an expert group is consecutive
+    data-parallel ranks."""
+    ep = config.expert_parallel_degree
+    return mesh_layout(config).unflatten(1, (config.dp_degree // ep, ep))
+
+
+def configure_logging(global_rank: int) -> None:
     """Show the library's INFO lines (what stays replicated, the layout) unless the user has
     configured the ``modelparallel`` logger already."""
     if not logger.handlers:
@@ -273,12 +315,14 @@ def init(config: dict | str | None = None, *, timeout_s: float = 300.0) -> Runti
     _ensure_process_group(timedelta(seconds=timeout_s))
     device = _device()
     world_mesh = DeviceMesh(device.type, mesh_layout(cfg), mesh_dim_names=DIMS)
+    ep = cfg.expert_parallel_degree
+    expert_mesh = unflatten_mesh(world_mesh, "dp", (cfg.dp_degree // ep, ep), EXPERT_DIMS[1:3])
     torch.manual_seed(cfg.random_seed)
     random.seed(cfg.random_seed)
     _RUNTIME = Runtime(config=cfg, world_mesh=world_mesh, mesh=world_mesh["dp", "tp"], device=device,
-                       _groups=_multi_dim_groups(world_mesh))
-    _fsdp1_layout(cfg, _RUNTIME)
-    _setup_logging(dist.get_rank())
+                       expert_mesh=expert_mesh, _groups=_multi_dim_groups(world_mesh))
+    _v2_contract(cfg, _RUNTIME)
+    configure_logging(dist.get_rank())
     if dist.get_rank() == 0:
         logger.info("world %d = %s on %s", cfg.world_size,
                     " x ".join(f"{d} {n}" for d, n in zip(DIMS, world_mesh.mesh.shape) if n > 1 or d in ("dp", "tp")),
@@ -287,13 +331,17 @@ def init(config: dict | str | None = None, *, timeout_s: float = 300.0) -> Runti
     return _RUNTIME
 
 
-def _fsdp1_layout(cfg: Config, rt: Runtime) -> None:
-    """The data-parallel layout a user's own FSDP1 call gets (SageMaker v2 scripts wrap the
-    model themselves after ``init``): the data x context ranks."""
+def _v2_contract(cfg: Config, rt: Runtime) -> None:
+    """What SageMaker v2 scripts get from ``init`` in PyTorch calls they make themselves: the
+    data-parallel layout of their own FSDP1 call (the data x context ranks), and
+    ``sm_activation_offloading`` through PyTorch's ``offload_wrapper`` (a no-op unless the key is set)."""
+    from .activations import offload_wrapper
     from .training import fsdp1_v2
 
+    offload_wrapper.install()
     fsdp1_v2.install()
-    fsdp1_v2.configure(fsdp1_v2.Layout(rt.dp_mesh, cfg.tensor_parallel_degree, cfg.hybrid_shard_degree))
+    fsdp1_v2.configure(fsdp1_v2.Layout(rt.dp_mesh, cfg.tensor_parallel_degree, cfg.hybrid_shard_degree,
+                                       rt.edp_mesh))
 
 
 _LOGGED_KEYS: set[str] = set()
@@ -332,6 +380,8 @@ _GROUP_DOCS = {
               "degree 1); shard data with dp_rank/dp_size when prescaled_batch is false",
     MP_GROUP: "the ranks that together hold one model copy",
     PP_GROUP: "the pipeline group: ranks with this rank's tp and rdp rank, one per stage",
+    EP_GROUP: "the expert-parallel group: data-parallel ranks that hold one copy of the experts between them",
+    EDP_GROUP: "the expert-data-parallel group: ranks holding this rank's experts (same ep rank)",
     CP_GROUP: "the context-parallel group: ranks splitting the same sequences",
     DP_CP_GROUP: "the data x context parallel ranks: ranks holding the same parameters (same tp and pp rank)",
 }
@@ -363,6 +413,7 @@ rdp_rank, rdp_size, get_rdp_process_group = _group_api(RDP_GROUP, "rdp_rank", "r
 dp_rank, dp_size, get_dp_process_group = _group_api(DP_GROUP, "dp_rank", "dp_size", "get_dp_process_group")
 mp_rank, mp_size, get_mp_process_group = _group_api(MP_GROUP, "mp_rank", "mp_size", "get_mp_process_group")
 pp_rank, pp_size, get_pp_process_group = _group_api(PP_GROUP, "pp_rank", "pp_size", "get_pp_process_group")
+ep_rank, ep_size, get_ep_process_group = _group_api(EP_GROUP, "ep_rank", "ep_size", "get_ep_process_group")
 cp_rank, cp_size, get_cp_process_group = _group_api(CP_GROUP, "cp_rank", "cp_size", "get_cp_process_group")
 
 

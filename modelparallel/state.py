@@ -1,7 +1,7 @@
 """``smp.state``: one object answering SageMaker v1's and v2's questions about the running job.
 
 v1 scripts read ``smp.state.cfg``, ``smp.state.model``, ``smp.state.optimizer``; v2 scripts read
-``state.tp_rank``, ``state.dp_rank``, ``state.tensor_parallel_degree``... Every attribute is read
+``state.tp_rank``, ``state.dp_rank``, ``state.tensor_parallel_degree``, ``state.ranker``... Every attribute is read
 from the runtime started by ``init`` at the moment it is asked for: most are the rank API's
 answer or a config field under another name, listed below as such.
 
@@ -13,6 +13,7 @@ and ``smp.dp_size()`` keep v1's meaning (the TP group inside the data-parallel g
 from __future__ import annotations
 
 from . import runtime
+from .training.replication import Ranker
 
 
 def _asks(function: str, doc: str | None = None) -> property:
@@ -59,7 +60,8 @@ class _State:
     pp_size = _asks("pp_size")
     cp_rank = _asks("cp_rank", "This rank's place among the ranks splitting its sequences (``smp.cp_rank()``).")
     cp_size = _asks("cp_size", "Ranks splitting one sequence (``smp.cp_size()``).")
-    ep_rank = property(_zero, doc="0: expert parallelism is not built.")
+    ep_rank = _asks("ep_rank", "This rank's place in its expert-parallel group.")
+    ep_process_group = _asks("get_ep_process_group", "The expert-parallel group: ranks sharing the experts.")
 
     world_process_group = _asks("get_world_process_group")
     tp_process_group = _asks("get_tp_process_group")
@@ -67,7 +69,9 @@ class _State:
     cp_process_group = _asks("get_cp_process_group")
 
     context_parallel_degree = _config("context_parallel_degree")
-    ep_size = _config("expert_parallel_degree")
+    ep_size = expert_parallel_degree = _config("expert_parallel_degree")
+    ranker = property(lambda self: Ranker.of(runtime.current()),
+                      doc="Replication groups under FSDP (``get_rep_groups()``, ``get_rep_rank(rank)``).")
     tensor_parallel_degree = _config("tensor_parallel_degree")
     hybrid_shard_degree = _config("hybrid_shard_degree")
     sm_activation_offloading = _config("activation_offloading", "activation offloading asked for (v1 or v2 name)")

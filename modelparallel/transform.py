@@ -24,8 +24,11 @@ from .materialize import meta
 from .materialize.rank0_sync import (  # noqa: F401 - SYNCED_FROM_RANK0, meta_states, move: re-exported
     SYNCED_FROM_RANK0, check_rank0_source, meta_states, move, sync_from_rank0)
 from .models import spec_for
+from .moe.moe_config import MoEConfig
 from .parallelize import check, parallelize
+from .tensor_parallel.transformer import mark_transformer_layers
 from .tp import marks
+from .distributed.checkpoint import group_blocks
 from .training import fsdp1_tp_state
 
 logger = logging.getLogger("modelparallel")
@@ -52,9 +55,11 @@ def _registered_or_marked(model: nn.Module) -> bool:
     return any(marks.registration_of(m) is not None or "_mp_tp" in m.__dict__ for m in model.modules())
 
 
-def transform(model: nn.Module, device=None, dtype: torch.dtype | None = None, config: dict | None = None,
-              load_state_dict_from_rank0: bool = False, cp_comm_type: str = "p2p") -> nn.Module:
-    """Shard a supported HF model over the tensor-parallel mesh in place and return it.
+def transform(model: nn.Module, device=None, dtype: torch.dtype | None = None,
+              config: dict | MoEConfig | None = None, load_state_dict_from_rank0: bool = False,
+              cp_comm_type: str = "p2p") -> nn.Module:
+    """Shard a supported HF model over the tensor-parallel mesh (and a mixture-of-experts model's
+    experts over the expert-parallel ranks) in place and return it.
 
     At tensor-parallel degree 1 a plain HF model is not sharded: parameters stay plain tensors (a
     DTensor on a mesh of one rank would only get in the way of FSDP's flattening), and only the
@@ -66,8 +71,10 @@ def transform(model: nn.Module, device=None, dtype: torch.dtype | None = None, c
             model on the meta device (expected, to save memory) or real elsewhere.
         device: where real tensors go (default: the runtime's device).
         dtype: cast floating parameters and buffers to it.
-        config: the modelparallel config, used to ``init`` if not yet initialized (else it must
-            agree with the running one).
+        config: SageMaker's ``MoEConfig`` (``modelparallel.moe.moe_config``) for a
+            mixture-of-experts model: its routing options and dispatcher; or the modelparallel
+            config dict, used to ``init`` if not yet initialized (else it must agree with the
+            running one).
         load_state_dict_from_rank0: afterwards every rank holds exactly its shard of rank 0's
             weights (so FSDP's ``sync_module_states`` and a ``DelayedParamIniter`` of the result
             have nothing left to do). A collective: call on every rank.
@@ -86,11 +93,13 @@ def transform(model: nn.Module, device=None, dtype: torch.dtype | None = None, c
         MetaTensorError: with ``load_state_dict_from_rank0`` when rank 0's model is on meta.
         ValueError: when the plan does not fit the model (before any tensor is touched), or for
             an unknown ``cp_comm_type``.
-        NotImplementedError: context parallelism of an architecture it cannot run (an encoder).
+        NotImplementedError: context parallelism of an architecture it cannot run (an encoder),
+            or together with expert parallelism.
     """
     context.check_comm_type(cp_comm_type)
-    rt = _runtime(config)
-    check(model, rt, cp_comm_type)  # before the rank-0 sync's first collective
+    moe = config if isinstance(config, MoEConfig) else None
+    rt = _runtime(None if moe is not None else config)
+    check(model, rt, cp_comm_type, moe)  # before the rank-0 sync's first collective
     device = torch.device(device) if device is not None else rt.device
     full = {}
     if load_state_dict_from_rank0:
@@ -99,14 +108,18 @@ def transform(model: nn.Module, device=None, dtype: torch.dtype | None = None, c
         if dist.get_rank() != 0:
             full = {}
     move(model, device, dtype)
+    mark_transformer_layers(model)  # isinstance(block, TransformerLayer) for FSDP's wrap policy
+    # v2 scripts save through DCP over the FSDP (or replication) group, naming its coordinator by
+    # global rank, and each TP rank's block over that group
+    group_blocks.install()
+    fsdp1_tp_state.install()  # users wrap the result in FSDP1 and resume through DCP
     sharded = rt.tp_mesh.size() > 1 or _registered_or_marked(model)
-    if sharded or rt.config.context_parallel_degree > 1:
-        parallelize(model, rt, spec_for(model), cp_comm_type, tensor_parallel=sharded)
-    if sharded:
-        fsdp1_tp_state.install()  # users wrap the result in FSDP1 and resume through DCP
+    experts = moe is not None or rt.config.expert_parallel_degree > 1
+    if sharded or experts or rt.config.context_parallel_degree > 1:
+        parallelize(model, rt, spec_for(model), cp_comm_type, moe=moe, tensor_parallel=sharded)
     if load_state_dict_from_rank0:
         meta.materialize(model, device)
-        sync_from_rank0(model, full, rt.world_mesh)
+        sync_from_rank0(model, full, rt.expert_mesh)  # names every mesh dim a DTensor here can have
         full.clear()
         model.__dict__[SYNCED_FROM_RANK0] = True
     return model

@@ -54,3 +54,12 @@ def test_only_compat_imports_private_names():
                  for path in sorted(PACKAGE.rglob("*.py")) if path != COMPAT
                  for module, name in _private_imports(path)]
     assert not offenders, "private PyTorch imports outside compat.py:\n" + "\n".join(offenders)
+
+
+def test_device_mesh_unflatten_exists():
+    """``compat.unflatten_mesh`` calls the private ``DeviceMesh._unflatten`` (an attribute, not an
+    import, so the import check above cannot see it)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    assert callable(getattr(DeviceMesh, "_unflatten", None)), \
+        f"torch {torch.__version__} has no DeviceMesh._unflatten; replace it in modelparallel/compat.py"

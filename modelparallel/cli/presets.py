@@ -1,4 +1,5 @@
-"""What ``--model`` names: a small GPT-2 preset trained from scratch, or a local HF model directory.
+"""What ``--model`` names: a small GPT-2 (or Mixtral, for ``--ep``) preset trained from scratch, or a
+local HF model directory.
 
 Presets exist so the CLI runs offline on any machine: they need no weights and no vocabulary
 file (they use the byte tokenizer). Dropout is off in all of them: short runs on a corpus much
@@ -18,19 +19,28 @@ PRESETS: dict[str, dict] = {
     "gpt2-medium-cpu": dict(n_embd=512, n_layer=8, n_head=8),
     "gpt2-bench": dict(n_embd=1024, n_layer=4, n_head=16),  # bench/bench_gpt2_tp.py's shape
 }
+MOE_PRESETS: dict[str, dict] = {  # Mixtral: attention as Mistral's, 4 experts per layer, 2 per token
+    "mixtral-micro": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+    "mixtral-tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+}
+PRESETS.update(MOE_PRESETS)
 DEFAULT_PRESET = "gpt2-tiny"
 _DEFAULT_POSITIONS = 1024
 
 
 def preset_config(name: str, seq_len: int):
-    """The ``GPT2Config`` of a preset, sized for the byte tokenizer and at least ``seq_len``."""
-    from transformers import GPT2Config
+    """The config of a preset (``GPT2Config``, or ``MixtralConfig`` for a mixture-of-experts one),
+    sized for the byte tokenizer and at least ``seq_len``."""
+    from transformers import GPT2Config, MixtralConfig
 
     tok = ByteTokenizer
-    return GPT2Config(vocab_size=tok.vocab_size, n_positions=max(_DEFAULT_POSITIONS, seq_len),
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      resid_pdrop=0.0, embd_pdrop=0.0,
-                      attn_pdrop=0.0, **PRESETS[name])
+    ids = dict(vocab_size=tok.vocab_size, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    if name in MOE_PRESETS:
+        return MixtralConfig(max_position_embeddings=max(_DEFAULT_POSITIONS, seq_len), **ids, **MOE_PRESETS[name])
+    return GPT2Config(n_positions=max(_DEFAULT_POSITIONS, seq_len), resid_pdrop=0.0, embd_pdrop=0.0,
+                      attn_pdrop=0.0, **ids, **PRESETS[name])
 
 
 def is_model_dir(model: str) -> bool:
@@ -88,10 +98,10 @@ def max_positions(config) -> int | None:
     return None
 
 
-def size_problems(config, seq_len: int, tp: int) -> list[str]:
+def size_problems(config, seq_len: int, tp: int, ep: int = 1) -> list[str]:
     """Mismatches between the model and the run that would otherwise fail on every rank after
-    launch (the walker checks too, but by then N tracebacks bury the message)."""
-    problems = []
+    launch (the walker and the expert checks too, but by then N tracebacks bury the message)."""
+    problems = expert_problems(config, ep)
     limit = max_positions(config)
     if limit is not None and seq_len > limit:
         problems.append(f"--seq-len {seq_len} exceeds the model's {limit} positions")
@@ -99,6 +109,21 @@ def size_problems(config, seq_len: int, tp: int) -> list[str]:
     if isinstance(heads, int) and heads % tp:
         problems.append(f"the model has {heads} attention heads, not divisible by --tp {tp}")
     return problems
+
+
+def expert_problems(config, ep: int) -> list[str]:
+    """``--ep`` against the model: a mixture-of-experts architecture with a built-in expert
+    layout whose number of experts the degree divides."""
+    if ep <= 1:  # 1: nothing to check; below 1 the range check reports it
+        return []
+    from ..models import EXPERT_LAYOUTS
+
+    layout = EXPERT_LAYOUTS.get(config.model_type)
+    if layout is None:
+        return [f"--ep {ep} needs a mixture-of-experts model ({', '.join(EXPERT_LAYOUTS)}; presets "
+                f"{', '.join(MOE_PRESETS)}), the model's model_type is {config.model_type!r}"]
+    experts = getattr(config, layout.num_experts)
+    return [f"the model has {experts} experts per layer, not divisible by --ep {ep}"] if experts % ep else []
 
 
 def load_tokenizer(model: str):
@@ -137,6 +162,8 @@ def build_model(model: str, seq_len: int, seed: int):
     from transformers import AutoModelForCausalLM, GPT2LMHeadModel
 
     torch.manual_seed(seed)
+    if model in MOE_PRESETS:
+        return AutoModelForCausalLM.from_config(preset_config(model, seq_len))
     if model in PRESETS:
         return GPT2LMHeadModel(preset_config(model, seq_len))
     return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)

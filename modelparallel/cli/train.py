@@ -44,9 +44,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="context-parallel degree: every sequence split over this many ranks, which hold "
                         "chunks r and 2cp-1-r of it (--seq-len must divide by 2 x --cp; no sample is "
                         "generated at --cp > 1) (default: %(default)s)")
+    g.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel degree, for mixture-of-experts models (mixtral-* presets, Mixtral, "
+                        "Qwen2-MoE): data-parallel ranks sharing each layer's experts (default: %(default)s)")
     g.add_argument("--nproc", type=int, default=None,
                    help="ranks to launch on this machine; --nproc x --nnodes must be a multiple of --tp x "
-                        "--cp, the rest is data parallel (default: --tp x --cp / --nnodes)")
+                        "--cp x --ep, the rest is data parallel (default: --tp x --cp x --ep / --nnodes)")
     g = p.add_argument_group("several machines (passed to torchrun; run the same command on each)")
     g.add_argument("--nnodes", type=int, default=1, help="number of machines (default: %(default)s)")
     g.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nnodes-1")
@@ -87,8 +90,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _range_problems(args: argparse.Namespace) -> list[str]:
-    checks = [("--tp", args.tp, 1), ("--cp", args.cp, 1), ("--nproc", args.nproc, 1), ("--steps", args.steps, 1),
-              ("--batch-size", args.batch_size, 1), ("--seq-len", args.seq_len, 2),
+    checks = [("--tp", args.tp, 1), ("--cp", args.cp, 1), ("--ep", args.ep, 1), ("--nproc", args.nproc, 1),
+              ("--steps", args.steps, 1), ("--batch-size", args.batch_size, 1), ("--seq-len", args.seq_len, 2),
               ("--eval-windows", args.eval_windows, 1), ("--sample-tokens", args.sample_tokens, 0),
               ("--max-files", _given(args.max_files, 1), 1), ("--eval-every", _given(args.eval_every, 0), 0),
               ("--max-bytes", args.max_bytes, 0), ("--warmup", _given(args.warmup, 0), 0),
@@ -136,13 +139,20 @@ def _corpus_problems(args: argparse.Namespace) -> list[str]:
 
 
 def _world_problems(args: argparse.Namespace) -> list[str]:
-    """The launch shape: ``--tp`` x ``--cp`` must divide the number of ranks, whoever launches them."""
+    """The launch shape: ``--tp`` x ``--cp`` (x ``--ep``) must divide the number of ranks, whoever
+    launches them."""
     world = int(os.environ["WORLD_SIZE"]) if launch.under_launcher() else args.nproc * args.nnodes
     where = "the launcher's WORLD_SIZE" if launch.under_launcher() else \
         "--nproc" if args.nnodes == 1 else f"--nproc x --nnodes = {args.nproc} x {args.nnodes} ="
     model = f"--tp {args.tp}" if args.cp == 1 else f"--tp {args.tp} x --cp {args.cp} = {args.tp * args.cp}"
     if args.tp >= 1 and args.cp >= 1 and world >= 1 and world % (args.tp * args.cp):
         return [f"{model} does not divide {where} {world}"]
+    if args.tp >= 1 and args.cp >= 1 and args.ep > 1 and world >= 1 and world % (args.tp * args.cp * args.ep):
+        return [f"{model} x --ep {args.ep} does not divide {where} {world} (expert-parallel ranks are "
+                "data-parallel ranks)"]
+    if args.ep > 1 and args.cp > 1:
+        return [f"--ep {args.ep} with --cp {args.cp}: expert parallelism with context parallelism is not "
+                "implemented; use one of them"]
     return []
 
 
@@ -154,7 +164,7 @@ def _model_problems(args: argparse.Namespace) -> list[str]:
         if problems:
             return problems
         load_tokenizer(args.model)
-        return size_problems(config, args.seq_len, args.tp)
+        return size_problems(config, args.seq_len, args.tp, args.ep)
     except (OSError, ValueError) as exc:
         return [str(exc)]
 
@@ -164,7 +174,7 @@ def check_args(args: argparse.Namespace) -> list[str]:
     not as one traceback per rank). Fills in defaults that depend on other arguments, and
     ``args.resume_tag``: the checkpoint to continue from (None: from step 0)."""
     if args.nproc is None:
-        args.nproc = max(1, args.tp * max(args.cp, 1) // max(args.nnodes, 1))
+        args.nproc = max(1, args.tp * max(args.cp, 1) * max(args.ep, 1) // max(args.nnodes, 1))
     problems = _range_problems(args) + _world_problems(args)
     try:
         args.data_files = find_text_files(args.data) if args.data else \

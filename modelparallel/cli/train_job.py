@@ -79,7 +79,10 @@ def evaluate(model, val_tokens: torch.Tensor, args) -> float:
     """Mean loss per token over the first ``--eval-windows`` held-out sequences."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64)
-    for x, y in eval_batches(val_tokens, args.seq_len, args.batch_size, args.eval_windows,
+    windows = min((len(val_tokens) - 1) // args.seq_len, args.eval_windows)
+    if smp.state.ep_size > 1:  # every rank of an expert-parallel group runs the same number of forwards
+        windows -= windows % smp.rdp_size()
+    for x, y in eval_batches(val_tokens, args.seq_len, args.batch_size, windows,
                              smp.rdp_rank(), smp.rdp_size()):
         x, y = _cp_part(x, y)  # under --cp a rank's loss is its share: share x its tokens = its sum
         total += torch.tensor([model(x, labels=x, shift_labels=y).loss.item() * y.numel(), y.numel()])
@@ -183,6 +186,8 @@ def generate_sample(model, tokenizer, args) -> str:
     sampling = {"do_sample": True, "temperature": args.temperature, "top_k": 40} if args.temperature > 0 \
         else {"do_sample": False}
     eos = getattr(tokenizer, "eos_token_id", None)
+    if smp.state.ep_size > 1:  # no rank may stop early: its expert-parallel group would wait for it
+        sampling["min_new_tokens"] = args.sample_tokens
     torch.manual_seed(args.seed)
     model.eval()
     with torch.no_grad():
@@ -199,6 +204,7 @@ def _summary(args, hist, info, val_loss, sample, times: dict, session: dict, n_p
         "config": {k: (str(v) if k in ("out",) else v) for k, v in vars(args).items()
                    if not k.startswith("_") and k not in ("argv", "data_files")},
         "world_size": smp.size(), "tp": smp.tp_size(), "cp": smp.cp_size(), "dp": smp.rdp_size(),
+        "ep": smp.state.ep_size,
         "threads_per_rank": torch.get_num_threads(), "optimizer": type(opt).__name__,
         "parameters": n_params, "corpus": info, **hist,
         # the history starts later than step 0 only if resumed from a checkpoint that did not keep it
@@ -233,8 +239,8 @@ def run_job(args: argparse.Namespace) -> int:
     """Train on this rank; rank 0 writes the artifacts and prints the summary."""
     dtype = getattr(args, "dtype", "fp32")
     # the TP ranks of a replica draw the same windows: SageMaker's prescaled-batch layout
-    smp.init({"tensor_parallel_degree": args.tp, "context_parallel_degree": args.cp, "random_seed": args.seed,
-              "prescaled_batch": True,
+    smp.init({"tensor_parallel_degree": args.tp, "context_parallel_degree": args.cp,
+              "expert_parallel_degree": getattr(args, "ep", 1), "random_seed": args.seed, "prescaled_batch": True,
               "fp16": dtype == "fp16", "bf16": dtype == "bf16"})
     tokenizer = load_tokenizer(args.model)
     train_tokens, val_tokens, info = load_data(args, tokenizer)

@@ -30,7 +30,8 @@ def launch_ranks(args: argparse.Namespace) -> int:
     where = "" if args.nnodes == 1 else f" on this machine (node {args.node_rank} of {args.nnodes}, {world} in all)"
     start = "step 0" if args.resume_tag is None else f"checkpoint {args.resume_tag}"
     cp = f"cp {args.cp}, " if args.cp > 1 else ""
-    print(f"modelparallel train: launching {args.nproc} ranks{where} (tp {args.tp}, {cp}dp "
+    ep = f"ep {args.ep}, " if getattr(args, "ep", 1) > 1 else ""
+    print(f"modelparallel train: launching {args.nproc} ranks{where} (tp {args.tp}, {cp}{ep}dp "
           f"{world // (args.tp * args.cp)}, "
           f"{launch.rank_env(args.nproc)['OMP_NUM_THREADS']} thread(s) each), from {start}",
           file=sys.stderr, flush=True)

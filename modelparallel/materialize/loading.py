@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from . import hf_init, meta, safetensors_io
+from . import hf_init, meta, safetensors_io, stacked
 from .init_engine import InitEngine
 from ..nn.huggingface import table_for
 from ..tp.layout import base_prefix, block_of, block_slices, local_part, tie_groups
@@ -41,6 +41,7 @@ class Entry:
     key: str  # checkpoint key
     file: str
     packed: tuple[int, int] | None  # (dim, chunks) when the model stores a fused dim split
+    parts: list[list[str]] | None = None  # a hub checkpoint's per-expert keys of a stacked experts tensor
 
 
 def checkpoint_files(path: str | Path) -> dict[str, str]:
@@ -168,6 +169,17 @@ def plan(module: nn.Module, files: dict[str, str], strict: bool) -> tuple[list[E
     for names in tie_groups(state.items()):
         t = state[names[0]]
         key = next((c for n in names for c in _candidates(module, n) if c in shapes), None)
+        if key is None and table is not None:
+            parts = stacked.expert_parts(table, names[0], t, shapes, files, problems)
+            if parts is not None:  # a hub checkpoint's experts, one tensor per expert
+                first = parts[0][0]
+                if first in metadata and _kind(metadata[first][1]) != _kind(t.dtype):
+                    problems.append(f"{files[first]}: {first}: the checkpoint holds dtype {metadata[first][1]}, "
+                                    f"the model {t.dtype}")
+                used.update(k for part in parts for k in part)
+                entries.append(Entry(names, t, first, files.get(first, ""), None, parts))
+                continue
+            key = next((k for n in names for k in table.hub_names(n) if k in shapes), None)
         if key is None:
             missing.extend(names)
             continue
@@ -251,13 +263,17 @@ def load_hf_checkpoint(model: nn.Module, path: str | Path, strict: bool = True) 
 
     module = getattr(model, "module", model)
     device = runtime.current().device if runtime.is_initialized() else torch.device("cpu")
-    entries, result = plan(module, checkpoint_files(path), strict)
+    files = checkpoint_files(path)
+    entries, result = plan(module, files, strict)
     loaded = []
     with torch.no_grad():
         for e in entries:
             target = _give_storage(module, e.target, device)
             loaded.append(target)
             dst = local_part(target)
+            if e.parts is not None:
+                dst.copy_(stacked.read_stacked(files, e.parts, target))
+                continue
             if e.packed is None and safetensors_io.read_into(e.file, e.key, dst, *block_of(target)):
                 continue  # one byte range read straight into the shard
             with safetensors_io.open_file(e.file) as h:

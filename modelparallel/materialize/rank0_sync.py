@@ -45,8 +45,9 @@ def move(module: nn.Module, device: torch.device | None, dtype: torch.dtype | No
 
 
 def _coordinate(t: DTensor, rank: int, root) -> list[int]:
-    """Mesh coordinate of global ``rank`` in ``t``'s mesh, found through the runtime's root mesh
-    (a TP mesh of another data-parallel group does not contain rank 0)."""
+    """Mesh coordinate of global ``rank`` in ``t``'s mesh, found through a mesh of every rank
+    naming ``t``'s dimensions (the runtime's expert mesh: a TP or expert-parallel mesh of another
+    group does not contain rank 0)."""
     coord = rank_coordinate(root, rank)
     return [coord[root.mesh_dim_names.index(n)] for n in t.device_mesh.mesh_dim_names]
 

@@ -25,18 +25,26 @@ BUCKET_BYTES = 32 * 2**20
 
 def replicated_tensors(module: nn.Module) -> list[torch.Tensor]:
     """The local tensors of every parameter ``module`` holds whole on each TP rank (plain
-    tensors, and DTensors replicated on every mesh dimension), each once, in a fixed order."""
+    tensors, and DTensors replicated along "tp" or on a mesh without it: expert-parallel experts
+    are the same experts on every TP rank of a group), each once, in a fixed order."""
     out, seen = [], set()
     for p in module.parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
         if isinstance(p, DTensor):
-            if all(isinstance(pl, Replicate) for pl in p.placements):
+            if _whole_on_tp_ranks(p):
                 out.append(p.to_local())
         elif not p.is_meta:
             out.append(p)
     return out
+
+
+def _whole_on_tp_ranks(p: DTensor) -> bool:
+    names = p.device_mesh.mesh_dim_names or ()
+    if "tp" in names:
+        return isinstance(p.placements[names.index("tp")], Replicate)
+    return all(isinstance(pl, Replicate) for pl in p.placements) or "ep" in names
 
 
 def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:

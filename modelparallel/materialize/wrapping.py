@@ -90,7 +90,7 @@ def after_shard(module: nn.Module, rt, state: WrapState) -> None:
     """Give the shards storage and values (from rank 0, or by delayed init), then FSDP."""
     if state.from_rank0:
         meta.materialize(module, rt.device)
-        sync_from_rank0(module, state.full_on_rank0, rt.world_mesh)
+        sync_from_rank0(module, state.full_on_rank0, rt.expert_mesh)
         state.full_on_rank0.clear()
     elif state.pending_meta and state.options is not None and state.options.delayed:
         initer = InitEngine(module, device=rt.device)
@@ -101,7 +101,7 @@ def after_shard(module: nn.Module, rt, state: WrapState) -> None:
         broadcast_replicated(module, rt.tp_mesh)
     state.fsdp = fsdp.shard_data_parallel(module, rt.dp_mesh, state.spec, rt.config.shard_degree,
                                           fsdp.mixed_precision(state.compute_dtype),
-                                          keep_gathered=rt.config.keep_params_gathered)
+                                          keep_gathered=rt.config.keep_params_gathered, expert_replicas=rt.edp_mesh)
     layout = sagemaker_layout_for(module)
     if layout is not None:  # SageMaker's names (seq_layers, .attention, .output) as aliases
         offer_tree(module, layout)

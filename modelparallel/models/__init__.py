@@ -2,9 +2,10 @@
 
 A module here (any whose name does not start with ``_``) describes one HF architecture and
 exports ``SPEC`` (its ``ArchSpec``: plan, packed weights, loss kind) and ``TABLE`` (its
-``KeyTable`` for state-dict translation), and optionally ``SAGEMAKER`` (a ``SageMakerLayout``:
-where SageMaker's module names fall in it) and, for a causal decoder that context parallelism can
-run, ``CONTEXT`` (its ``ContextSpec``). Adding the file is all it takes to register it.
+``KeyTable`` for state-dict translation), and optionally ``EXPERTS`` (a mixture-of-experts
+architecture's ``ExpertLayout``), ``SAGEMAKER`` (a ``SageMakerLayout``: where SageMaker's module
+names fall in it) and, for a causal decoder that context parallelism can run, ``CONTEXT`` (its
+``ContextSpec``). Adding the file is all it takes to register it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from types import ModuleType
 from torch import nn
 
 from ..context.spec import ContextSpec
+from ..expert.layout import ExpertLayout
 from ..nn.huggingface.translate import KeyTable
 from ..tp.plan import ArchSpec
 from ._sagemaker import SageMakerLayout
@@ -32,6 +34,8 @@ def _check(module: ModuleType) -> ModuleType:
     if not isinstance(spec, ArchSpec) or not isinstance(table, KeyTable) or table.arch != spec.model_type:
         raise TypeError(f"{module.__name__} must export SPEC (an ArchSpec) and TABLE (a KeyTable) for the same "
                         f"model_type, got {type(spec).__name__} and {type(table).__name__}")
+    if not isinstance(getattr(module, "EXPERTS", ExpertLayout("", "")), ExpertLayout):
+        raise TypeError(f"{module.__name__}.EXPERTS must be an ExpertLayout")
     if not isinstance(getattr(module, "CONTEXT", None), (ContextSpec, type(None))):
         raise TypeError(f"{module.__name__}.CONTEXT must be a ContextSpec")
     return module
@@ -40,6 +44,7 @@ def _check(module: ModuleType) -> ModuleType:
 _ALL = [_check(m) for m in _modules()]
 ARCHITECTURES: dict[str, ArchSpec] = {m.SPEC.model_type: m.SPEC for m in _ALL}
 TABLES: dict[str, KeyTable] = {m.SPEC.model_type: m.TABLE for m in _ALL}
+EXPERT_LAYOUTS: dict[str, ExpertLayout] = {m.SPEC.model_type: m.EXPERTS for m in _ALL if hasattr(m, "EXPERTS")}
 CONTEXTS: dict[str, ContextSpec] = {m.SPEC.model_type: m.CONTEXT for m in _ALL if getattr(m, "CONTEXT", None)}
 LAYOUTS: dict[str, SageMakerLayout] = {m.SPEC.model_type: m.SAGEMAKER for m in _ALL if hasattr(m, "SAGEMAKER")}
 
@@ -47,6 +52,11 @@ LAYOUTS: dict[str, SageMakerLayout] = {m.SPEC.model_type: m.SAGEMAKER for m in _
 def spec_for(model: nn.Module) -> ArchSpec | None:
     """The built-in spec for an HF model, or None if its architecture has none."""
     return ARCHITECTURES.get(getattr(getattr(model, "config", None), "model_type", None))
+
+
+def experts_for(model: nn.Module) -> ExpertLayout | None:
+    """The built-in expert layout of an HF mixture-of-experts model, or None."""
+    return EXPERT_LAYOUTS.get(getattr(getattr(model, "config", None), "model_type", None))
 
 
 def context_spec_for(model: nn.Module) -> ContextSpec | None:

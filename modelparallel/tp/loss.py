@@ -115,6 +115,9 @@ def _loss_or_full_logits(kind, module, args, kwargs, output):
     loss_fn = LOSSES[kind or _kind_by_name(module)]
     loss = loss_fn(logits, taken["labels"], num_items_in_batch=taken.get("num_items_in_batch"),
                    shift_labels=taken.get("shift_labels"))
+    aux = getattr(output, "aux_loss", None)
+    if aux is not None and getattr(module, "router_aux_loss_coef", None) is not None:
+        loss = loss + module.router_aux_loss_coef * aux  # a mixture-of-experts head adds it, as HF's forward does
     return type(output)(loss=loss, **{k: v for k, v in output.items() if k != "loss"})
 
 

@@ -68,6 +68,9 @@ class ModulePlan:
             of being refused as a tie split between sharded and replicated modules.
         shared_inputs: glob of a module -> the ``SharedInput`` all column-parallel layers under
             it read; those layers then skip their own ``f``.
+        replicated: globs of linear layers inside a planned block that stay whole on every rank
+            on purpose (an output too narrow to split, such as a scalar gate), exempt from the
+            walker's "no rule covers it" refusal.
     """
 
     rules: dict[str, str]
@@ -76,6 +79,7 @@ class ModulePlan:
     optional_rules: tuple[str, ...] = ()
     tied_holders: tuple[str, ...] = ()
     shared_inputs: dict[str, SharedInput] = field(default_factory=dict)
+    replicated: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -108,7 +108,8 @@ def _collect_plan(model, plan: ModulePlan, prefix: str, tp: int, work: Work, ski
     blocks = {b for b in map(block_prefix, plan.rules) if b}
     for rel, module in rel_modules.items():
         in_block = any(glob_match(b, ".".join(rel.split(".")[: len(b.split("."))])) for b in blocks)
-        if in_block and isinstance(module, _SHARDABLE) and live(rel) and not first_match(plan.rules, rel):
+        covered = first_match(plan.rules, rel) or first_match(plan.replicated, rel)
+        if in_block and isinstance(module, _SHARDABLE) and live(rel) and not covered:
             work.problems.append(f"{join(prefix, rel)} ({type(module).__name__}) is inside a planned block "
                                  "but no rule covers it")
 

@@ -8,6 +8,10 @@ FSDP group (all-gathered just before use, freed after), then the root takes the 
 averages gradients over "dp" by reduce-scatter, so ``DistributedModel.backward`` skips its own
 all-reduce.
 
+Experts sharded by expert parallelism (DTensors on the "ep" dimension) are replicated only over
+the ranks holding the same experts: each experts module is its own FSDP group over that
+expert-data-parallel mesh, applied before the blocks, which then leave its parameters alone.
+
 Only full sharding over the data-parallel dim is built here: a shard degree below the
 data-parallel degree (HSDP: replicate over groups, shard inside) would need a 3-D mesh the TP
 shards are not defined on, and is refused.
@@ -19,6 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from ..expert import is_expert_parallel
 from ..tp.layout import base_prefix
 from ..tp.plan import ArchSpec, block_prefix, glob_match, join
 
@@ -50,17 +55,21 @@ def mixed_precision(compute_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
 
 
 def shard_data_parallel(module: nn.Module, dp_mesh, spec: ArchSpec | None, shard_degree: int,
-                        mp_policy: MixedPrecisionPolicy | None = None, keep_gathered: bool = False) -> bool:
+                        mp_policy: MixedPrecisionPolicy | None = None, keep_gathered: bool = False,
+                        expert_replicas=None) -> bool:
     """Apply FSDP2 over the 1-D ``dp_mesh`` (the data-parallel ranks, times the context-parallel
     ones when context parallelism is on) to each block of ``module`` and to the root, when
     ``shard_degree`` > 1, with ``mp_policy`` (default: compute in the parameters' dtype);
     with ``keep_gathered`` each block's parameters stay gathered between its forward and its
     backward (optimizer state and gradients sharded, parameters gathered once per step).
-    Return whether it did."""
+    Expert-parallel experts modules are sharded over ``expert_replicas`` (the 1-D mesh of the
+    ranks holding the same experts) first. Return whether it did."""
     if shard_degree <= 1:
         return False
     check_degree(shard_degree, dp_mesh.size())
     policy = mp_policy or MixedPrecisionPolicy()
+    for experts in [m for m in module.modules() if is_expert_parallel(m)]:
+        fully_shard(experts, mesh=expert_replicas, mp_policy=policy, reshard_after_forward=not keep_gathered)
     for block in block_modules(module, spec):
         fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=not keep_gathered)
     fully_shard(module, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=not keep_gathered)

@@ -13,6 +13,12 @@ moments, and the first steps after a resume drift from the uninterrupted run.
 dimensions is gathered over every dimension but the last (the tensor-parallel one, where FSDP1
 puts it) and comes back as this rank's TP-local tensor, which is what the flat-parameter ranges
 index. State saved without tensor parallelism (a 1-D mesh, or plain tensors) is passed through.
+
+Without sharding (``NO_SHARD``: TP at data-parallel size 1) FSDP1's parameters stay DTensors, but
+the loaded state is the TP-local tensor FSDP1 keeps whole, a plain tensor, and the next
+``optimizer.step()`` fails mixing it with the DTensor gradient. ``install`` also wraps the
+per-parameter step that hands the state to the optimizer so that, there, each state tensor of
+a DTensor parameter becomes a DTensor with the parameter's layout (the same memory).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.distributed.fsdp import ShardingStrategy
 from torch.distributed.tensor import DTensor, Replicate
 
 from ..compat import fsdp_optim_utils as _optim_utils
@@ -28,9 +35,14 @@ _MARK = "_mp_tp_local"
 
 
 def tp_local(value):
-    """``value`` gathered over all mesh dimensions but the last, as a local tensor; anything
-    that is not a DTensor on a mesh of 2+ dimensions is returned unchanged."""
-    if not isinstance(value, DTensor) or value.device_mesh.ndim < 2:
+    """``value`` gathered over all mesh dimensions but the last, as a local tensor, for a DTensor
+    whose last mesh dimension is the tensor-parallel one ("tp": the world mesh FSDP1 lays TP state
+    on, or the "tp" mesh alone, which is how the state of a DTensor parameter comes when FSDP1 does
+    not shard); anything else (a hybrid-sharding ("replicate", "shard") mesh) is returned unchanged."""
+    if not isinstance(value, DTensor):
+        return value
+    names = value.device_mesh.mesh_dim_names or ()
+    if tuple(names[-1:]) != ("tp",):
         return value
     placements = [Replicate()] * (value.device_mesh.ndim - 1) + [value.placements[-1]]
     return value.redistribute(value.device_mesh, placements).to_local()
@@ -42,8 +54,33 @@ def _tp_local_state(state):
     return tp_local(state)
 
 
+def _as_param_layout(state: dict, spec) -> dict:
+    """Each tensor of ``state`` with the layout ``spec`` of the DTensor parameter it belongs to."""
+    return {k: DTensor.from_local(v, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
+                                  stride=spec.stride)
+            if torch.is_tensor(v) and not isinstance(v, DTensor) and v.dim() > 0 else v for k, v in state.items()}
+
+
+def _install_no_shard_layout() -> None:
+    shard = _optim_utils._shard_orig_param_state
+    if getattr(shard, _MARK, False):
+        return
+
+    @functools.wraps(shard)
+    def with_param_layout(fsdp_param_info, fqn, optim_state):
+        state = shard(fsdp_param_info, fqn, optim_state)
+        if fsdp_param_info.state.sharding_strategy != ShardingStrategy.NO_SHARD or not state:
+            return state
+        spec = fsdp_param_info.handle.flat_param._param_extensions[fsdp_param_info.param_indices[fqn]]
+        return state if spec is None else _as_param_layout(state, spec)
+
+    setattr(with_param_layout, _MARK, True)
+    _optim_utils._shard_orig_param_state = with_param_layout
+
+
 def install() -> None:
     """Make FSDP1's optimizer-state loading keep TP-local blocks (idempotent)."""
+    _install_no_shard_layout()
     gather = _optim_utils._gather_state_dict
     if getattr(gather, _MARK, False):
         return

@@ -5,10 +5,16 @@ to the library: FSDP must shard over the ranks holding the same tensor-parallel 
 across TP ranks), and ``hybrid_shard_degree`` decides how: 0 (the default) or the data-parallel
 degree shards over all of them, 1 replicates (``NO_SHARD``), and N in between shards inside
 groups of N consecutive data-parallel ranks and replicates across the groups (``HYBRID_SHARD``),
-whatever ``sharding_strategy`` the call names (``_HYBRID_SHARD_ZERO2`` is kept).
+whatever ``sharding_strategy`` the call names (``_HYBRID_SHARD_ZERO2`` is kept). A call naming
+``HYBRID_SHARD`` (or ``_HYBRID_SHARD_ZERO2``) under degree 0 or D, as v2 scripts do by default,
+gets one shard group over all D ranks: ``FULL_SHARD`` (``SHARD_GRAD_OP``) over the data-parallel
+mesh (PyTorch's own reading, groups of one node's ranks, would need a 2-D mesh the TP shards are
+not defined on, and on CPU shards over one rank).
 
 ``install`` wraps FSDP1's constructor once; ``configure`` gives it the running layout (``init``
-calls it). The outermost FSDP call is checked and completed before FSDP runs any collective: a
+calls it). The constructor also takes SageMaker's ``post_param_init_fn=`` (``DelayedParamIniter.
+get_post_param_init_fn()``): it runs on each unit right after FSDP materialized the unit's meta
+modules with ``param_init_fn``, before flattening. The outermost FSDP call is checked and completed before FSDP runs any collective: a
 ``device_mesh`` or ``process_group`` that is not the data-parallel one raises naming the
 expected mesh; none at all means the data-parallel mesh. The FSDP calls auto-wrapping makes for
 submodules inherit the outermost call's arguments and pass through unchanged.
@@ -33,10 +39,14 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
-from ..compat import FlatParamHandle
+from ..compat import FlatParamHandle, fsdp_init_utils
+from ..expert import fsdp1 as expert_fsdp1
+from . import fsdp1_dtensor_views
 
 _MARK = "_mp_v2_layout"
 _inside = contextvars.ContextVar("modelparallel_fsdp1_inside", default=False)
+_post_init = contextvars.ContextVar("modelparallel_fsdp1_post_param_init", default=None)
+_MATERIALIZERS = ("_materialize_with_param_init_fn", "_materialize_meta_module")
 
 
 @dataclass(frozen=True)
@@ -46,6 +56,9 @@ class Layout:
     dp_mesh: DeviceMesh
     tp_size: int
     hybrid_shard_degree: int
+    expert_replicas: DeviceMesh | None = None
+    """The ranks holding this rank's experts, over which expert-parallel experts are sharded
+    (``expert.fsdp1``)."""
 
 
 _layout: list[Layout] = []
@@ -99,9 +112,18 @@ def _hsdp_mesh(lay: Layout) -> DeviceMesh:
     return _hsdp_meshes[key]
 
 
+_ONE_SHARD_GROUP = {ShardingStrategy.HYBRID_SHARD: ShardingStrategy.FULL_SHARD,
+                    ShardingStrategy._HYBRID_SHARD_ZERO2: ShardingStrategy.SHARD_GRAD_OP}
+"""A hybrid strategy whose one shard group spans every data-parallel rank (no replicas)."""
+
+
 def _apply_hybrid(args: dict, lay: Layout) -> None:
     n, d = lay.hybrid_shard_degree, lay.dp_mesh.size()
     if n in (0, d):
+        full = _ONE_SHARD_GROUP.get(args.get("sharding_strategy"))
+        if full is not None:
+            args["sharding_strategy"] = full
+            args["device_mesh"], args["process_group"] = lay.dp_mesh, None
         return
     if n == 1:
         args["sharding_strategy"] = ShardingStrategy.NO_SHARD
@@ -191,25 +213,62 @@ def _install_release() -> None:
     FlatParamHandle.shard = releasing_shard
 
 
+def _install_post_init() -> None:
+    """Run the call's ``post_param_init_fn`` on each FSDP unit right after its meta modules are
+    materialized (before it is flattened, so restored ties are flattened as ties)."""
+    for name in _MATERIALIZERS:
+        materialize = getattr(fsdp_init_utils, name)
+        if getattr(materialize, _MARK, False):
+            continue
+
+        @functools.wraps(materialize)
+        def then_post_init(module, *args, _materialize=materialize, **kwargs):
+            _materialize(module, *args, **kwargs)
+            post = _post_init.get()
+            if post is not None:
+                post(module)
+
+        setattr(then_post_init, _MARK, True)
+        setattr(fsdp_init_utils, name, then_post_init)
+
+
+def _outermost(init, signature, module, args, kwargs) -> None:
+    """The outermost FSDP1 call: checked and laid out, experts set apart and sharded on their own."""
+    bound = signature.bind(module, *args, **kwargs)
+    lay = _layout[0]
+    complete(bound.arguments, lay)
+    dp, replicas = lay.dp_mesh.size(), lay.expert_replicas
+    experts = expert_fsdp1.set_apart(bound.arguments, lay.hybrid_shard_degree, dp, dp // replicas.size())
+    token = _inside.set(True)
+    try:
+        init(*bound.args, **bound.kwargs)
+    finally:
+        _inside.reset(token)
+    if experts:
+        expert_fsdp1.shard(experts, expert_fsdp1.replica_mesh(replicas, lay.hybrid_shard_degree, dp),
+                           bound.arguments.get("mixed_precision"))
+
+
 def install() -> None:
     """Wrap ``FullyShardedDataParallel.__init__`` (idempotent)."""
     _install_release()
+    _install_post_init()
+    fsdp1_dtensor_views.install()
     init = FullyShardedDataParallel.__init__
     if getattr(init, _MARK, False):
         return
     signature = inspect.signature(init)
 
     @functools.wraps(init)
-    def checked_init(self, *args, **kwargs):
-        if _inside.get() or not _layout:
-            return init(self, *args, **kwargs)
-        bound = signature.bind(self, *args, **kwargs)
-        complete(bound.arguments, _layout[0])
-        token = _inside.set(True)
+    def checked_init(self, *args, post_param_init_fn=None, **kwargs):
+        post = _post_init.set(post_param_init_fn) if post_param_init_fn is not None else None
         try:
-            return init(*bound.args, **bound.kwargs)
+            if _inside.get() or not _layout:
+                return init(self, *args, **kwargs)
+            _outermost(init, signature, self, args, kwargs)
         finally:
-            _inside.reset(token)
+            if post is not None:
+                _post_init.reset(post)
 
     setattr(checked_init, _MARK, True)
     FullyShardedDataParallel.__init__ = checked_init

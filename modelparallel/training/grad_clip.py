@@ -34,29 +34,36 @@ def _distinct_pieces(g: torch.Tensor) -> int:
     return math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if not pl.is_replicate())
 
 
-def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0,
-                     group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """The norm of all gradients of ``params`` over the whole job, each element counted once.
+def grad_pieces(params: Iterable[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
+    """(this rank's block of the gradient, distinct blocks it is cut into) for every parameter
+    of ``params`` holding a gradient."""
+    return [(local_part(p.grad), _distinct_pieces(p.grad)) for p in params if p.grad is not None]
 
-    A collective over ``group`` (default: the world), which must contain every rank that
-    holds a piece of the parameters. Returns an fp32 scalar tensor, the same on every rank.
+
+def norm_of_pieces(pieces: Iterable[tuple[torch.Tensor, int]], norm_type: float = 2.0,
+                   group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The norm of all ``pieces`` over the whole job, each element counted once.
+
+    Each piece is (a local tensor, how many distinct blocks its global tensor is cut into across
+    ``group``'s ranks): the local ``sum |g|^p`` is weighted by ``distinct / world``. A collective
+    over ``group`` (default: the world), which must contain every rank that holds a piece.
+    Returns an fp32 scalar tensor, the same on every rank.
     """
     norm_type = float(norm_type)
-    grads = [p.grad for p in params if p.grad is not None]
+    pieces = list(pieces)
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     inf = math.isinf(norm_type)
     total = torch.zeros((), dtype=torch.float64)
-    for g in grads:
-        shard = local_part(g).detach().double()
+    for block, distinct in pieces:
+        shard = block.detach().double()
         if shard.numel() == 0:
             continue
         if inf:
             total = torch.maximum(total, shard.abs().max().cpu())
         else:
-            weight = _distinct_pieces(g) / world
-            total += shard.abs().pow(norm_type).sum().cpu() * weight
+            total += shard.abs().pow(norm_type).sum().cpu() * (distinct / world)
     if world > 1:
-        device = grads[0].device if grads else torch.device("cpu")
+        device = pieces[0][0].device if pieces else torch.device("cpu")
         if dist.get_backend(group) == "nccl" and device.type != "cuda":
             device = torch.device("cuda", torch.cuda.current_device())
         flat = total.to(device)
@@ -66,20 +73,32 @@ def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0,
     return norm.float()
 
 
+def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0,
+                     group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The norm of all gradients of ``params`` over the whole job, each element counted once
+    (``norm_of_pieces`` of ``grad_pieces``)."""
+    return norm_of_pieces(grad_pieces(params), norm_type, group)
+
+
 @torch.no_grad()
+def clip_pieces(pieces: list[tuple[torch.Tensor, int]], max_norm: float, norm_type: float = 2.0,
+                group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Scale the local tensors of ``pieces`` in place so their global norm is at most
+    ``max_norm``, with the coefficient of ``torch.nn.utils.clip_grad_norm_`` (``max_norm /
+    (norm + 1e-6)``, capped at 1). Returns the global norm before clipping."""
+    norm = norm_of_pieces(pieces, norm_type, group)
+    coef = float(max_norm) / (norm.item() + 1e-6)
+    if coef < 1.0:
+        for block, _ in pieces:
+            block.mul_(coef)
+    return norm
+
+
 def clip_by_global_norm(params: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
                         group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Scale the gradients of ``params`` so their global norm is at most ``max_norm``, with the
-    coefficient of ``torch.nn.utils.clip_grad_norm_`` (``max_norm / (norm + 1e-6)``, capped at 1).
+    """``clip_pieces`` over the gradients of ``params``.
 
     Returns:
         The global norm before clipping.
     """
-    params = [p for p in params if p.grad is not None]
-    norm = global_grad_norm(params, norm_type, group)
-    coef = float(max_norm) / (norm.item() + 1e-6)
-    if coef < 1.0:
-        for p in params:
-            g = p.grad
-            local_part(g).mul_(coef)
-    return norm
+    return clip_pieces(grad_pieces(params), max_norm, norm_type, group)

@@ -21,7 +21,7 @@ def test_failing_script_reported_once(tmp_path):
                       "if smp.rank() == 1:\n    raise ValueError('bad shard 7')\nsmp.barrier()\n")
     cli = Path(sys.executable).parent / "modelparallel"
     done = subprocess.run([str(cli), "run", "--nproc-per-node", "2", "--sagemaker-dir", str(tmp_path / "sm"),
-                           str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                           str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert done.returncode == 1
     assert f"modelparallel run failed: rank 1 during {script}" in done.stderr
     assert "ValueError: bad shard 7" in done.stderr
@@ -38,7 +38,7 @@ def test_rank_part_under_torchrun(tmp_path):
     torchrun = Path(sys.executable).parent / "torchrun"
     done = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--standalone", "-m", "modelparallel.run",
                            "--sagemaker-dir", str(tmp_path / "sm"), str(script), "--lr", "1"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 2  # CPU: ranks per machine
     for rank in (0, 1):

@@ -95,3 +95,63 @@ def no_mesh_means_dp(tp, world):
 
 def test_fsdp1_without_mesh_shards_over_dp_at_tp2():
     harness.run(4, no_mesh_means_dp, 2, 4)
+
+
+def hybrid_strategy_at_default_degree(tp):
+    ref, model = built({"tensor_parallel_degree": tp})
+    model = FSDP(model, auto_wrap_policy=POLICY, device_id=torch.device("cpu"), use_orig_params=True,
+                 sharding_strategy=ShardingStrategy.HYBRID_SHARD)
+    assert model.sharding_strategy == ShardingStrategy.FULL_SHARD
+    assert dist.get_process_group_ranks(model.process_group) == smp.dp_mesh().mesh.tolist()
+    for local, total in flat_shards(model):
+        assert local.numel() == -(-total // smp.rdp_size())
+    train_and_compare(ref, model, steps=3)
+
+
+@pytest.mark.parametrize("tp,world", [(2, 4), (1, 2)])
+def test_hybrid_strategy_at_degree_0_shards_over_all_dp_ranks(tp, world):
+    """v2 scripts' default: sharding_strategy=HYBRID_SHARD, hybrid_shard_degree 0 (= DP). Failed
+    at TP=2 ("Expected device_mesh to have ndim=2") and sharded over one rank at TP=1."""
+    harness.run(world, hybrid_strategy_at_default_degree, tp)
+
+
+def delayed_init_with_post_param_init_fn(tp):
+    """The v2 scripts' delayed-init wrap: meta model, transform, DelayedParamIniter, FSDP with
+    param_init_fn and post_param_init_fn (a TypeError before), TransformerLayer as the unit."""
+    from modelparallel.delayed_param import DelayedParamIniter
+    from modelparallel.tensor_parallel.transformer import TransformerLayer
+
+    smp.init({"tensor_parallel_degree": tp})
+    config = llama_cfg()
+    config.tie_word_embeddings = True
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = smp.transform(model)
+    initer = DelayedParamIniter(model)
+    post, calls = initer.get_post_param_init_fn(), []
+
+    def counting_post(module):
+        calls.append(type(module).__name__)
+        post(module)
+
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={TransformerLayer})
+    with initer.validate_params_and_buffers_inited():
+        model = FSDP(model, auto_wrap_policy=policy, device_id=torch.device("cpu"), use_orig_params=True,
+                     param_init_fn=initer.get_param_init_fn(), post_param_init_fn=counting_post)
+    assert calls == ["LlamaDecoderLayer", "LlamaDecoderLayer", "LlamaForCausalLM"], calls
+    assert model.lm_head.weight is model.model.embed_tokens.weight, "tie lost"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(1, 101, (2, 10), generator=torch.Generator().manual_seed(3))
+    losses = []
+    for _ in range(6):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+@pytest.mark.parametrize("tp", [2, 1])
+def test_post_param_init_fn_runs_per_unit_and_keeps_ties(tp):
+    harness.run(2, delayed_init_with_post_param_init_fn, tp)

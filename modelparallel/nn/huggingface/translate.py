@@ -32,6 +32,13 @@ class KeyTable:
         legacy_buffers: template (relative to the base model) -> ``fn(max_seq_len, layer_index,
             config)`` building a buffer older HF checkpoints stored (``config``: the model's, or
             None); dropped on import, added on export only when asked for.
+        stacked: template of a mixture-of-experts tensor stacked over experts (expert index
+            first, as transformers 5 holds it in memory and both formats store it) -> the
+            templates (``{}`` = layer, then expert) of the per-expert tensors checkpoints on the
+            Hugging Face hub hold instead, concatenated in this order along each expert's first
+            dimension (Mixtral's ``w1 | w3`` = gate | up). Read on import, never written.
+        renamed: hub template -> template, for keys hub checkpoints name differently (Mixtral's
+            ``block_sparse_moe`` is transformers 5's ``mlp``). Read on import, never written.
     """
 
     arch: str
@@ -41,6 +48,25 @@ class KeyTable:
     packed: dict[str, tuple[int, int]] = field(default_factory=dict)
     tied: dict[str, str] = field(default_factory=dict)
     legacy_buffers: dict[str, Callable[[int, int, object], torch.Tensor]] = field(default_factory=dict)
+    stacked: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    renamed: dict[str, str] = field(default_factory=dict)
+
+    def expert_keys(self, key: str, experts: int) -> list[list[str]]:
+        """Where a hub checkpoint keeps stacked experts tensor ``key``: one list of keys (experts
+        0..experts-1) per concatenated part; [] for any other key."""
+        try:
+            prefix, template, layer = self.match(key)
+        except KeyError:
+            return []
+        return [[prefix + t.format(layer, e) for e in range(experts)] for t in self.stacked.get(template, ())]
+
+    def hub_names(self, key: str) -> list[str]:
+        """The names a hub checkpoint may give ``key`` (``renamed``); [] when it keeps ours."""
+        try:
+            prefix, template, layer = self.match(key)
+        except KeyError:
+            return []
+        return [prefix + hub.format(layer) for hub, ours in self.renamed.items() if ours == template]
 
     def match(self, key: str) -> tuple[str, str, str | None]:
         """(prefix, template, layer index) of ``key``; raises ``KeyError`` for unknown keys."""
@@ -138,14 +164,42 @@ def to_hf(table: KeyTable, state_dict: dict, max_seq_len: int | None = None,
     return out
 
 
+def _hub_pattern(template: str) -> re.Pattern:
+    return re.compile("^(.*?)" + re.escape(template).replace(r"\{\}", r"(\d+)") + "$")
+
+
+def from_hub(table: KeyTable, state_dict: dict) -> dict:
+    """``state_dict`` with a hub checkpoint's per-expert tensors stacked and its renamed keys
+    renamed (``KeyTable.stacked`` / ``renamed``); other entries as they are."""
+    out, parts = {}, {}
+    for key, tensor in state_dict.items():
+        for template, hubs in table.stacked.items():
+            found = next(((i, m) for i, h in enumerate(hubs) if (m := _hub_pattern(h).match(key))), None)
+            if found:
+                i, m = found
+                parts.setdefault(m.group(1) + template.format(m.group(2)), {})[(i, int(m.group(3)))] = tensor
+                break
+        else:
+            renamed = next((m.group(1) + ours.format(*m.groups()[1:]) for hub, ours in table.renamed.items()
+                            if (m := _hub_pattern(hub).match(key))), None)
+            out[renamed or key] = tensor
+    for key, pieces in parts.items():
+        n_parts, experts = 1 + max(i for i, _ in pieces), 1 + max(e for _, e in pieces)
+        if len(pieces) != n_parts * experts:
+            raise KeyError(f"{key}: the checkpoint holds {len(pieces)} of its {n_parts} x {experts} per-expert tensors")
+        out[key] = torch.stack([torch.cat([pieces[(i, e)] for i in range(n_parts)]) for e in range(experts)])
+    return out
+
+
 def from_hf(table: KeyTable, state_dict: dict) -> dict[str, torch.Tensor]:
-    """An HF state dict in distributed format (loadable by ``DistributedModel`` at any degree).
+    """An HF state dict in distributed format (loadable by ``DistributedModel`` at any degree);
+    a hub checkpoint's per-expert tensors are stacked first.
 
     Raises:
         KeyError: naming every key that is not of this architecture.
     """
     unknown, out = [], {}
-    for key, tensor in state_dict.items():
+    for key, tensor in from_hub(table, state_dict).items():
         try:
             out.update(from_hf_items(table, key, tensor))
         except KeyError:

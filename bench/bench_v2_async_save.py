@@ -1,0 +1,172 @@
+"""SageMaker v2's checkpoint calls: training time blocked by ``async_save`` against ``save``.
+
+A Llama (``--hidden``, ``--layers``; vocabulary 1024) from ``transform`` at TP=2 on two ranks,
+wrapped in FSDP1 as SageMaker v2 scripts wrap it (``TransformerLayer`` units, ``use_orig_params``),
+AdamW state present. Per repeat, for a sharded (``SHARDED_STATE_DICT``, FSDP process group) and a
+local (``SM_LOCAL_STATE_DICT``, replication group) state dict:
+
+* ``sync``: ``save`` (plan, stage, write, finalize) - the training time one save blocks;
+* ``async blocked``: ``async_save`` until it returns (plan + copy to host buffers), the part of an
+  asynchronous save training waits for;
+* ``step while writing`` against ``step``: one training step while the background write runs,
+  against one without (the slowdown the writer thread causes), then ``finalize``.
+
+Times are the slowest rank's, medians over the repeats after a warm-up round; bytes are the
+checkpoint's size on disk. The headline is ``async blocked / sync`` (issue 30's goal: <= 5%).
+
+Usage: ``python bench/bench_v2_async_save.py [--hidden 512] [--layers 4] [--repeats 3]``
+(about 1-2 minutes at the defaults on a quiet machine); writes ``bench/results/v2_async_save.json``
+with the load averages: run it on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+
+def _build(hidden: int, layers: int):
+    import torch
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import modelparallel as tsm
+    from modelparallel.tensor_parallel.transformer import TransformerLayer
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=8, num_key_value_heads=4, vocab_size=1024, use_cache=False)
+    model = tsm.transform(LlamaForCausalLM(config))
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={TransformerLayer})
+    model = FSDP(model, auto_wrap_policy=policy, device_id=torch.device("cpu"), use_orig_params=True)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def _step(model, optimizer) -> float:
+    import torch
+
+    start = time.perf_counter()
+    ids = torch.randint(0, 1024, (2, 128), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids)["loss"].backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
+def _state_dict(kind: str, model, optimizer) -> dict:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+
+    from modelparallel.distributed.checkpoint.state_dict_utils import SMStateDictType, sm_state_dict_type
+
+    if kind == "sharded":
+        with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            return {"model": model.state_dict(), "optimizer": FSDP.optim_state_dict(model, optimizer)}
+    with sm_state_dict_type(model, SMStateDictType.SM_LOCAL_STATE_DICT):
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+
+def _group(kind: str, model):
+    import torch.distributed as dist
+
+    from modelparallel import state
+
+    if kind == "sharded":
+        return model.process_group
+    mine = None
+    for ranks in state.ranker.get_rep_groups():
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine
+
+
+def _one_round(kind, model, optimizer, root, queue) -> dict:
+    import torch.distributed as dist
+
+    from modelparallel.distributed.checkpoint.state_dict_saver import async_save, save
+    from modelparallel.utils.process_group_utils import get_global_ranks
+
+    group = _group(kind, model)
+    from modelparallel import state
+
+    where = os.path.join(root, kind, f"tp{state.tp_rank}" + (f"_r{dist.get_rank()}" if kind == "local" else ""))
+    kwargs = dict(checkpoint_id=where, process_group=group, coordinator_rank=min(get_global_ranks(group)))
+    shutil.rmtree(where, ignore_errors=True)
+    t0 = time.perf_counter()
+    save(_state_dict(kind, model, optimizer), **kwargs)
+    sync = time.perf_counter() - t0
+    size = sum(f.stat().st_size for f in Path(where).rglob("*") if f.is_file())
+    plain = _step(model, optimizer)
+    t0 = time.perf_counter()
+    async_save(_state_dict(kind, model, optimizer), queue=queue, **kwargs)
+    blocked = time.perf_counter() - t0
+    during = _step(model, optimizer)
+    t0 = time.perf_counter()
+    queue.maybe_finalize_async_calls(blocking=True, process_group=group)
+    finalize = time.perf_counter() - t0
+    slow = common.slowest([sync, blocked, plain, during, finalize])
+    return dict(zip(("sync_s", "async_blocked_s", "step_s", "step_while_writing_s", "finalize_s"), slow),
+                bytes_on_this_rank=size)
+
+
+def rank_main(hidden: int, layers: int, repeats: int) -> dict:
+    import modelparallel as tsm
+    from modelparallel.distributed.checkpoint.async_utils import AsyncCallsQueue
+
+    tsm.init({"tensor_parallel_degree": 2})
+    model, optimizer = _build(hidden, layers)
+    _step(model, optimizer)
+    queue = AsyncCallsQueue()
+    root = tempfile.mkdtemp(prefix="bench-v2-save-") if int(os.environ["RANK"]) == 0 else None
+    import torch.distributed as dist
+
+    box = [root]
+    dist.broadcast_object_list(box, src=0)
+    out = {}
+    try:
+        for kind in ("sharded", "local"):
+            rounds = [_one_round(kind, model, optimizer, box[0], queue) for _ in range(repeats + 1)][1:]
+            med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+            med["async_blocked_over_sync"] = med["async_blocked_s"] / med["sync_s"]
+            out[kind] = {"median": med, "rounds": rounds}
+    finally:
+        queue.close()
+        dist.barrier()
+        if box[0] and int(os.environ["RANK"]) == 0:
+            shutil.rmtree(box[0], ignore_errors=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    load_before = common.load_average()
+    records = common.spawn(rank_main, 2, args.hidden, args.layers, args.repeats)
+    result = {"bench": "v2_async_save", "hidden": args.hidden, "layers": args.layers, "repeats": args.repeats,
+              "tp": 2, "ranks": 2, "load_average_before": load_before, "result": records[0]}
+    for kind, rec in records[0].items():
+        m = rec["median"]
+        print(f"{kind}: sync {m['sync_s']:.3f}s, async blocked {m['async_blocked_s']:.3f}s "
+              f"({m['async_blocked_over_sync']:.1%}), step {m['step_s']:.3f}s / while writing "
+              f"{m['step_while_writing_s']:.3f}s, finalize {m['finalize_s']:.3f}s")
+    common.write_result("v2_async_save", result, args.out)
+
+
+if __name__ == "__main__":
+    main()

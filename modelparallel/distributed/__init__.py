@@ -1,0 +1,1 @@
+"""SageMaker v2's ``torch.sagemaker.distributed`` module paths (``checkpoint``)."""

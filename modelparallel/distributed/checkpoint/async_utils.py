@@ -1,0 +1,104 @@
+"""``AsyncCallsQueue``: the asynchronous checkpoint saves of a job, finalized in order
+(SageMaker v2's ``torch.sagemaker.distributed.checkpoint.async_utils``).
+
+``async_save(..., queue=q)`` returns once the save is planned and its tensors are copied to host
+memory; one background thread per queue writes the files, one save after another. A save is
+*finalized* by ``q.maybe_finalize_async_calls(...)``, a collective over the group that saved it:
+every rank's files are written, then the coordinator writes the checkpoint's ``.metadata`` (until
+then the directory does not load). ``blocking=True`` waits for every pending save;
+``blocking=False`` finalizes, oldest first, only the saves every rank of their group has finished
+writing (the ranks agree, so they all finalize the same ones). A write that failed on any rank
+raises on every rank at that call. A queue whose saves are never finalized logs a warning at
+exit naming the directories that will not load.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import weakref
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+from . import saving
+
+logger = logging.getLogger("modelparallel")
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+class AsyncCallsQueue:
+    """Pending asynchronous checkpoint saves, oldest first, and their host staging buffers."""
+
+    def __init__(self):
+        self._pending: deque[tuple[int, saving.PendingSave]] = deque()
+        self._next_index = 0
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="modelparallel-ckpt-writer")
+        self.buffers: dict = {}
+        """Host buffers of the last save, by DCP write item, reused when the next one matches."""
+        _LIVE.add(self)
+
+    def schedule(self, state_dict, writer, planner, group: saving.Group, extra_files=None) -> int:
+        """Plan and stage a save (collectives over ``group``) and queue its writing; returns its
+        index. A save still writing from an earlier call is waited for first (its buffers are
+        about to be reused)."""
+        for _, pending in self._pending:
+            pending.future.exception()  # wait; its errors are raised when it is finalized
+        pending = saving.start(state_dict, writer, planner, group, self.buffers, self._executor)
+        pending.extra_files.update(extra_files or {})
+        index = self._next_index
+        self._next_index += 1
+        self._pending.append((index, pending))
+        return index
+
+    def _all_done(self, pending: saving.PendingSave) -> bool:
+        """Whether every rank of the save's group finished writing (a collective)."""
+        done = torch.tensor([1 if pending.future.done() else 0], dtype=torch.int32)
+        dist.all_reduce(done, op=dist.ReduceOp.MIN, group=pending.group.pg)
+        return bool(done.item())
+
+    def maybe_finalize_async_calls(self, blocking: bool = True, process_group: dist.ProcessGroup | None = None,
+                                   skip_sync: bool = False) -> list[int]:
+        """Finalize pending saves, oldest first; returns the indices finalized.
+
+        Args:
+            blocking: wait for every pending save; else finalize only those every rank of their
+                group has finished writing, stopping at the first that is not.
+            process_group: the group the saves were made with (each save is finalized over
+                its own group; accepted for SageMaker's call form).
+            skip_sync: accepted for SageMaker's call form; the ranks always agree, since the
+                metadata must list every rank's files.
+
+        Raises:
+            CheckpointSaveError: on every rank, when a save's writing failed on any rank.
+        """
+        del process_group, skip_sync
+        finalized = []
+        while self._pending:
+            index, pending = self._pending[0]
+            if not blocking and not self._all_done(pending):
+                break
+            self._pending.popleft()
+            saving.finish(pending)
+            finalized.append(index)
+        return finalized
+
+    @property
+    def pending_paths(self) -> list[str]:
+        return [p.path for _, p in self._pending]
+
+    def close(self) -> None:
+        """Stop the writer thread (after the queued writes)."""
+        self._executor.shutdown(wait=True)
+
+
+@atexit.register
+def _warn_unfinalized() -> None:
+    for queue in list(_LIVE):
+        if queue.pending_paths:
+            logger.warning("modelparallel: asynchronous checkpoint saves never finalized (call "
+                           "maybe_finalize_async_calls(blocking=True) before exiting); these directories have "
+                           "no .metadata and will not load: %s", ", ".join(queue.pending_paths))

@@ -1,0 +1,232 @@
+"""A DCP save cut in two: the collective planning and staging now, the writing later.
+
+DCP's ``save`` runs four steps: every rank plans its writes, the coordinator merges the plans
+(and the metadata), every rank writes its files, the coordinator writes ``.metadata`` once all
+ranks are done. DCP's own ``async_save`` runs the whole of it in a background thread, collectives
+included, on the caller's process group; SageMaker v2 scripts pass the process group training
+uses too (the FSDP or replication group), and two threads issuing collectives on one group can
+interleave differently on different ranks. So ``start`` runs the planning collectives in the
+caller's thread, snapshots every tensor the plan writes into host buffers (later training steps
+cannot change what is saved), and hands only the file writing to a background thread;
+``finish`` (a collective over the same group, again in the caller's thread) waits for it and lets
+the coordinator write the metadata. A failure on any rank, in any step, is raised on every rank.
+
+Built from DCP's own pieces (``DefaultSavePlanner``, ``FileSystemWriter``...): the files are the
+ones ``torch.distributed.checkpoint.save`` writes, loadable with ``load``. A save into a directory
+that holds a checkpoint removes its ``.metadata`` first, so a save that never finishes leaves a
+directory that refuses to load rather than one that loads half-new files.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter, SavePlanner, StorageWriter
+from torch.distributed.checkpoint.planner import WriteItemType
+
+from .group_blocks import for_group
+
+METADATA = ".metadata"
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save failed on some rank; raised on every rank of the saving group."""
+
+
+@dataclass
+class Group:
+    """The ranks saving one checkpoint together, and which of them coordinates."""
+
+    pg: dist.ProcessGroup | None
+    coordinator: int
+    """The coordinator's global rank."""
+
+    @property
+    def members(self) -> list[int]:
+        return dist.get_process_group_ranks(self.pg) if self.pg is not None else list(range(dist.get_world_size()))
+
+    @property
+    def is_coordinator(self) -> bool:
+        return dist.get_rank() == self.coordinator
+
+
+def group_of(process_group: dist.ProcessGroup | None, coordinator_rank: int) -> Group:
+    """``process_group`` with its coordinator, given as a global rank of the group (SageMaker's
+    scripts pass ``min(get_global_ranks(group))``).
+
+    Raises:
+        ValueError: when ``coordinator_rank`` is not a member, or this rank is not one.
+    """
+    group = Group(process_group, coordinator_rank)
+    members = group.members
+    if dist.get_rank() not in members:
+        raise ValueError(f"rank {dist.get_rank()} is not in the process group it saves or loads with {members}")
+    if coordinator_rank not in members:
+        raise ValueError(f"coordinator_rank={coordinator_rank} is not a member of the process group {members} "
+                         "(give one of its global ranks, e.g. min(get_global_ranks(group)))")
+    return group
+
+
+def collective_outcome(group: Group, error: BaseException | None, what: str) -> None:
+    """Raise on every rank of ``group`` if ``error`` happened on any (a collective)."""
+    errors: list = [None] * len(group.members)
+    dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}", group=group.pg)
+    failed = [(rank, e) for rank, e in zip(group.members, errors) if e is not None]
+    if failed:
+        lines = "; ".join(f"rank {rank}: {e}" for rank, e in failed)
+        raise CheckpointSaveError(f"{what} failed on {len(failed)} of {len(errors)} ranks: {lines}") from error
+
+
+class _StagedPlanner(SavePlanner):
+    """The planner the background writer sees: hands out the staged snapshot of each item."""
+
+    def __init__(self, staged: dict):
+        self.staged = staged
+
+    def resolve_data(self, write_item):
+        data = self.staged[write_item.index]
+        return io.BytesIO(data) if isinstance(data, bytes) else data
+
+    def set_up_planner(self, *args, **kwargs):
+        raise RuntimeError("a staged planner only resolves data")
+
+    def create_local_plan(self):
+        raise RuntimeError("a staged planner only resolves data")
+
+    def create_global_plan(self, all_plans):
+        raise RuntimeError("a staged planner only resolves data")
+
+    def finish_plan(self, new_plan):
+        raise RuntimeError("a staged planner only resolves data")
+
+
+def stage(planner: SavePlanner, plan, buffers: dict) -> dict:
+    """A host copy of every item ``plan`` writes, reusing ``buffers`` (same index, shape, dtype)
+    from an earlier save: bytes for objects, tensors copied out of the model's memory."""
+    staged = {}
+    for item in plan.items:
+        data = planner.resolve_data(item)
+        if item.type == WriteItemType.BYTE_IO:
+            staged[item.index] = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+            continue
+        data = data.detach()
+        buf = buffers.get(item.index)
+        if buf is None or buf.shape != data.shape or buf.dtype != data.dtype:
+            buf = buffers[item.index] = torch.empty(data.shape, dtype=data.dtype, device="cpu")
+        staged[item.index] = buf.copy_(data)
+    return staged
+
+
+@dataclass
+class PendingSave:
+    """A save whose files are being written in the background."""
+
+    path: str
+    group: Group
+    writer: StorageWriter
+    metadata: object
+    future: Future
+    extra_files: dict = field(default_factory=dict)
+    """name -> bytes the coordinator writes next to the metadata (before it)."""
+
+
+def _plan(state_dict, writer: StorageWriter, planner: SavePlanner, group: Group):
+    """DCP's planning steps as collectives over ``group``: (this rank's final plan, metadata on
+    the coordinator)."""
+    rank_in_group = group.members.index(dist.get_rank())
+    error, local, metadata = None, None, None
+    try:
+        planner.set_up_planner(state_dict=state_dict, storage_meta=writer.storage_meta(),
+                               is_coordinator=group.is_coordinator)
+        writer.set_up_storage_writer(group.is_coordinator, rank=rank_in_group, use_collectives=True)
+        local = writer.prepare_local_plan(planner.create_local_plan())
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it
+        error = e
+    collective_outcome(group, error, "checkpoint save (planning)")
+    plans: list = [None] * len(group.members) if group.is_coordinator else None
+    dist.gather_object(local, plans, dst=group.coordinator, group=group.pg)
+    scatter: list = [None] * len(group.members)
+    if group.is_coordinator:
+        try:
+            plans, metadata = planner.create_global_plan(plans)
+            scatter = writer.prepare_global_plan(plans)
+            _forget_old_metadata(writer)
+        except Exception as e:  # noqa: BLE001 - sent to every rank below
+            scatter = [e] * len(group.members)
+    mine: list = [None]
+    dist.scatter_object_list(mine, scatter if group.is_coordinator else None, src=group.coordinator, group=group.pg)
+    if isinstance(mine[0], Exception):
+        raise CheckpointSaveError(f"checkpoint save (global plan) failed on the coordinator: {mine[0]}")
+    return planner.finish_plan(mine[0]), metadata
+
+
+def _forget_old_metadata(writer: StorageWriter) -> None:
+    path = getattr(writer, "path", None)
+    if path is not None and os.path.exists(os.path.join(path, METADATA)):
+        os.remove(os.path.join(path, METADATA))
+
+
+def start(state_dict, writer: StorageWriter, planner: SavePlanner | None, group: Group, buffers: dict,
+          executor: ThreadPoolExecutor) -> PendingSave:
+    """Plan (collectively), stage, and start writing ``state_dict`` in ``executor``."""
+    planner = planner or DefaultSavePlanner()
+    with for_group(state_dict, group.pg):
+        plan, metadata = _plan(state_dict, writer, planner, group)
+        error, staged = None, None
+        try:
+            staged = stage(planner, plan, buffers)
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it
+            error = e
+    collective_outcome(group, error, "checkpoint save (staging)")
+    staged_planner = _StagedPlanner(staged)
+
+    def write():
+        result = writer.write_data(plan, staged_planner)
+        result.wait()
+        return result.value()
+
+    return PendingSave(str(getattr(writer, "path", "")), group, writer, metadata, executor.submit(write))
+
+
+def finish(pending: PendingSave) -> None:
+    """Wait for this rank's files, then (collectively) let the coordinator write the metadata."""
+    error, results = None, None
+    try:
+        results = pending.future.result()
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it
+        error = e
+    collective_outcome(pending.group, error, f"checkpoint save to {pending.path} (writing)")
+    group = pending.group
+    gathered: list = [None] * len(group.members) if group.is_coordinator else None
+    dist.gather_object(results, gathered, dst=group.coordinator, group=group.pg)
+    error = None
+    if group.is_coordinator:
+        try:
+            for name, data in pending.extra_files.items():
+                with open(os.path.join(pending.path, name), "wb") as f:
+                    f.write(data)
+            pending.writer.finish(metadata=pending.metadata, results=gathered)
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it
+            error = e
+    collective_outcome(group, error, f"checkpoint save to {pending.path} (metadata)")
+
+
+def writer_for(checkpoint_id, storage_writer: StorageWriter | None) -> StorageWriter:
+    """The storage writer a call names: the one given, else a ``FileSystemWriter`` at
+    ``checkpoint_id`` (a local or shared file system path)."""
+    if storage_writer is not None:
+        if checkpoint_id is not None:
+            storage_writer.reset(checkpoint_id)
+        return storage_writer
+    if checkpoint_id is None:
+        raise ValueError("a checkpoint save needs checkpoint_id (a directory) or storage_writer")
+    path = os.fspath(checkpoint_id)
+    if "://" in path:
+        raise NotImplementedError(f"checkpoint_id={path!r}: only file system paths are supported here "
+                                  "(S3 checkpoints are not built; mount the bucket or copy after saving)")
+    return FileSystemWriter(path)

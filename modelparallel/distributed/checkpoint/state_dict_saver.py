@@ -1,0 +1,102 @@
+"""SageMaker v2's ``torch.sagemaker.distributed.checkpoint.state_dict_saver``: ``save``,
+``async_save`` and ``maybe_finalize_async_calls``.
+
+Both saves write what ``torch.distributed.checkpoint.save`` writes (DCP files plus
+``.metadata``), over the ``process_group`` given, by its ranks only: a sharded
+(``SHARDED_STATE_DICT``) save with the FSDP group into each tensor-parallel rank's directory, or
+a local (``SM_LOCAL_STATE_DICT``) save with a replication group into each shard's directory (its
+replicas hold the same tensors, so one of them writes). ``async_save`` returns once the tensors
+are copied to host memory; see ``async_utils`` for finalizing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch.distributed as dist
+from torch.distributed.checkpoint import SavePlanner, StorageWriter
+
+from . import saving
+from .async_utils import AsyncCallsQueue
+from .state_dict_utils import LOCAL_LAYOUT_FILE, local_layouts
+
+__all__ = ["AsyncCallsQueue", "async_save", "maybe_finalize_async_calls", "save"]
+
+_DEFAULT: list[AsyncCallsQueue] = []
+
+
+def _default_queue() -> AsyncCallsQueue:
+    """SageMaker's ``DEFAULT_ASYNC_REQUEST_QUEUE``: the queue of calls that name none."""
+    if not _DEFAULT:
+        _DEFAULT.append(AsyncCallsQueue())
+    return _DEFAULT[0]
+
+
+def _refuse_unsupported(sharded_strategy, s3_region, s3client_config) -> None:
+    if sharded_strategy is not None:
+        raise NotImplementedError("sharded_strategy: only DCP's own file layout (the default) is built")
+    if s3_region is not None or s3client_config is not None:
+        raise NotImplementedError("s3_region / s3client_config: S3 checkpoints are not built here")
+
+
+def _extra_files(state_dict) -> dict:
+    """The layout record of the local state dicts in ``state_dict`` (checked when loading)."""
+    layouts = local_layouts(state_dict)
+    return {LOCAL_LAYOUT_FILE: json.dumps(layouts, sort_keys=True).encode()} if layouts else {}
+
+
+def async_save(state_dict, *, checkpoint_id: str | os.PathLike | None = None,
+               storage_writer: StorageWriter | None = None, planner: SavePlanner | None = None,
+               process_group: dist.ProcessGroup | None = None, coordinator_rank: int = 0,
+               queue: AsyncCallsQueue | None = None, sharded_strategy=None, wait_error_handling: bool = True,
+               force_check_all_plans: bool = True, s3_region: str | None = None, s3client_config=None) -> None:
+    """Save ``state_dict`` to ``checkpoint_id`` in the background: plan (a collective over
+    ``process_group``), copy every tensor to host memory, return; the files are written by the
+    queue's writer thread and the checkpoint is complete once ``queue.maybe_finalize_async_calls``
+    (or this module's ``maybe_finalize_async_calls`` for the default queue) has finalized it.
+
+    Args:
+        state_dict: the (nested) state dict; tensors, DTensors, ShardedTensors and plain data.
+        checkpoint_id: the checkpoint directory (or give ``storage_writer``).
+        storage_writer: a DCP ``StorageWriter`` (e.g. ``DistributedFileSystemWriter``).
+        planner: a DCP ``SavePlanner`` (default: ``DefaultSavePlanner``).
+        process_group: the ranks saving this checkpoint together (default: the world); only they
+            call this.
+        coordinator_rank: the global rank (a member of ``process_group``) that writes the metadata.
+        queue: where the save waits to be finalized (default: the module's queue).
+        wait_error_handling, force_check_all_plans: accepted; every failure is raised on every
+            rank and every plan is checked.
+
+    Raises:
+        ValueError: a coordinator outside the group, a rank not in it, no destination.
+        NotImplementedError: ``sharded_strategy``, S3 options.
+        CheckpointSaveError: planning or staging failed on some rank (raised on all).
+    """
+    del wait_error_handling, force_check_all_plans
+    _refuse_unsupported(sharded_strategy, s3_region, s3client_config)
+    group = saving.group_of(process_group, coordinator_rank)
+    writer = saving.writer_for(checkpoint_id, storage_writer)
+    (queue or _default_queue()).schedule(state_dict, writer, planner, group, _extra_files(state_dict))
+
+
+def save(state_dict, *, checkpoint_id: str | os.PathLike | None = None, storage_writer: StorageWriter | None = None,
+         planner: SavePlanner | None = None, process_group: dist.ProcessGroup | None = None,
+         coordinator_rank: int = 0, wait_error_handling: bool = True, force_check_all_plans: bool = True,
+         s3_region: str | None = None, s3client_config=None) -> None:
+    """Save ``state_dict`` synchronously: ``async_save`` on a private queue, finalized before
+    returning (the same files, the same checks). Arguments as ``async_save``'s."""
+    queue = AsyncCallsQueue()
+    try:
+        async_save(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
+                   process_group=process_group, coordinator_rank=coordinator_rank, queue=queue,
+                   wait_error_handling=wait_error_handling, force_check_all_plans=force_check_all_plans,
+                   s3_region=s3_region, s3client_config=s3client_config)
+        queue.maybe_finalize_async_calls(blocking=True)
+    finally:
+        queue.close()
+
+
+def maybe_finalize_async_calls(blocking: bool = True, process_group: dist.ProcessGroup | None = None) -> list[int]:
+    """Finalize the default queue's saves (see ``AsyncCallsQueue.maybe_finalize_async_calls``)."""
+    return _default_queue().maybe_finalize_async_calls(blocking=blocking, process_group=process_group)

@@ -1,0 +1,152 @@
+"""SageMaker v2's ``torch.sagemaker.distributed.checkpoint.state_dict_utils``: local state dicts
+(``sm_state_dict_type``, ``SMStateDictType.SM_LOCAL_STATE_DICT``) and ``init_optim_state``.
+
+A *local* state dict is what this rank holds, as it holds it, with no communication: each FSDP1
+unit's flat parameter shard (the unit's path + ``_flat_param``), each other parameter's local
+tensor (a DTensor's shard), each persistent buffer. Its tensors are the model's own memory, so
+``load`` into it restores the model in place (SageMaker's example calls nothing after ``load``);
+saved with a replication group into one directory per shard, it loads back only into the same
+sharding (the same FSDP shard degree and tensor-parallel degree; the number of replicas may
+change). The layout is recorded next to the checkpoint and a different one is refused by name.
+Other state dict types given to ``sm_state_dict_type`` are FSDP1's own
+(``FSDP.state_dict_type``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+
+from ...tp.layout import local_part
+from ...training.fsdp1_grads import flattened_by_fsdp1, fsdp1_units
+from .optim_init import init_optim_state
+
+__all__ = ["LOCAL_LAYOUT_FILE", "LocalStateDict", "SMStateDictType", "init_optim_state", "local_layouts",
+           "sm_state_dict_type"]
+
+LOCAL_LAYOUT_FILE = ".sm_local_layout.json"
+_WRAPPER_SEGMENTS = {"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod", "module"}
+
+
+class SMStateDictType(enum.Enum):
+    """SageMaker's state dict types beyond FSDP's ``StateDictType``."""
+
+    SM_LOCAL_STATE_DICT = "sm_local_state_dict"
+
+
+class LocalStateDict(dict):
+    """A local state dict; ``layout`` is the sharding it only loads back into."""
+
+    layout: dict
+
+
+class LoadResult(NamedTuple):
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+def _clean(path: str) -> str:
+    """``path`` without the wrappers' segments (FSDP, activation checkpointing, compile)."""
+    return ".".join(seg for seg in path.split(".") if seg and seg not in _WRAPPER_SEGMENTS)
+
+
+def _join(path: str, name: str) -> str:
+    path = _clean(path)
+    return f"{path}.{name}" if path else name
+
+
+def _shard_degree(units) -> int | None:
+    degrees = {1 if u.sharding_strategy == ShardingStrategy.NO_SHARD else dist.get_world_size(u.process_group)
+               for u in units}
+    return degrees.pop() if len(degrees) == 1 else None
+
+
+def local_state_dict(model: nn.Module) -> LocalStateDict:
+    """This rank's tensors of ``model``, as it holds them (the model's own memory)."""
+    out = LocalStateDict()
+    units = fsdp1_units(model)
+    names = {id(m): path for path, m in model.named_modules()}
+    for unit in units:
+        out[_join(names[id(unit)], "_flat_param")] = unit._flat_param.detach()
+    for name, p in model.named_parameters():
+        if not flattened_by_fsdp1(p):
+            out[_clean(name)] = local_part(p).detach()
+    for path, mod in model.named_modules():
+        for name, b in mod._buffers.items():
+            if b is not None and name not in mod._non_persistent_buffers_set:
+                out[_join(path, name)] = local_part(b).detach()
+    from ... import runtime
+
+    tp = runtime.current().config.tensor_parallel_degree if runtime.is_initialized() else 1
+    out.layout = {"fsdp_shard_degree": _shard_degree(units), "tensor_parallel_degree": tp,
+                  "shapes": {k: list(v.shape) for k, v in out.items()}}
+    return out
+
+
+def load_local_state_dict(model: nn.Module, state_dict, strict: bool = True) -> LoadResult:
+    """Copy ``state_dict`` (a local state dict) into ``model``'s tensors.
+
+    Raises:
+        ValueError: a shape that differs (another sharding), or with ``strict`` a missing or
+            unexpected key, naming each.
+    """
+    mine = local_state_dict(model)
+    missing = sorted(set(mine) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(mine))
+    wrong = [f"{k}: saved {tuple(v.shape)}, this rank holds {tuple(mine[k].shape)}"
+             for k, v in state_dict.items() if k in mine and tuple(v.shape) != tuple(mine[k].shape)]
+    if wrong or (strict and (missing or unexpected)):
+        raise ValueError("local (SM_LOCAL_STATE_DICT) state dict does not fit this model's sharding: "
+                         + "; ".join(wrong + [f"missing {k}" for k in missing] + [f"unexpected {k}" for k in unexpected]))
+    with torch.no_grad():
+        for k, v in state_dict.items():
+            if k in mine and v is not mine[k] and v.data_ptr() != mine[k].data_ptr():
+                mine[k].copy_(v)
+    return LoadResult(missing, unexpected)
+
+
+@contextlib.contextmanager
+def _local(model: nn.Module) -> Iterator[None]:
+    model.state_dict = lambda *a, **k: local_state_dict(model)
+    model.load_state_dict = lambda state_dict, strict=True, **k: load_local_state_dict(model, state_dict, strict)
+    try:
+        yield
+    finally:
+        del model.state_dict, model.load_state_dict
+
+
+@contextlib.contextmanager
+def sm_state_dict_type(model: nn.Module, state_dict_type, state_dict_config=None,
+                       optim_state_dict_config=None) -> Iterator[None]:
+    """Within the block, ``model.state_dict()`` / ``load_state_dict`` use ``state_dict_type``:
+    ``SMStateDictType.SM_LOCAL_STATE_DICT`` (local tensors, no communication) or one of FSDP's
+    ``StateDictType`` values (as ``FSDP.state_dict_type(model, ...)``).
+
+    Raises:
+        TypeError: for another kind of state dict type.
+    """
+    if state_dict_type is SMStateDictType.SM_LOCAL_STATE_DICT:
+        with _local(model):
+            yield
+        return
+    if not isinstance(state_dict_type, enum.Enum) or type(state_dict_type).__name__ != "StateDictType":
+        raise TypeError(f"sm_state_dict_type: {state_dict_type!r} is neither SMStateDictType.SM_LOCAL_STATE_DICT "
+                        "nor an FSDP StateDictType")
+    with FullyShardedDataParallel.state_dict_type(model, state_dict_type, state_dict_config, optim_state_dict_config):
+        yield
+
+
+def local_layouts(state_dict) -> dict:
+    """Layouts of the local state dicts among ``state_dict``'s values (and itself), by key."""
+    if isinstance(state_dict, LocalStateDict):
+        return {"": state_dict.layout}
+    if not isinstance(state_dict, dict):
+        return {}
+    return {str(k): v.layout for k, v in state_dict.items() if isinstance(v, LocalStateDict)}

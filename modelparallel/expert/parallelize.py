@@ -1,0 +1,142 @@
+"""Expert parallelism applied to a model: check everything, then shard every experts module.
+
+The architecture's ``ExpertLayout`` names the experts and router modules. Every problem (an
+unknown MoE layout, experts not found, a number of experts the degree does not divide, an experts
+module of another layout) is gathered and raised as one ``ValueError`` naming the module, the
+numbers and the degree, before any tensor is touched or any collective runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
+
+from ..moe.moe_config import MoEConfig
+from ..tp.layout import base_prefix
+from ..tp.plan import glob_match, join
+from .layout import ExpertLayout
+from .routing import apply_routing
+from .style import WEIGHTS, ExpertParallel
+
+_HF_FLAGS = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
+             "has_post_expert_norm": False}
+"""HF's experts-layout flags (set by ``use_experts_implementation``) the dispatching forward
+computes: gated, fused [gate | up] on dim 1, no bias, weights stored [E, out, in]."""
+
+
+def _matches(model: nn.Module, glob: str) -> list[tuple[str, nn.Module]]:
+    prefix = base_prefix(model)
+    return [(path, m) for path, m in model.named_modules()
+            if glob_match(join(prefix, glob), path)]
+
+
+def _experts_problems(path: str, module: nn.Module, num_experts: int, ep: int) -> list[str]:
+    problems = []
+    for name in WEIGHTS:
+        p = getattr(module, name, None)
+        if not isinstance(p, nn.Parameter) or p.dim() != 3 or p.shape[0] != num_experts:
+            shape = tuple(p.shape) if isinstance(p, nn.Parameter) else None
+            problems.append(f"{path} ({type(module).__name__}).{name}: expected a [{num_experts}, ...] stacked "
+                            f"parameter, found {shape}")
+        elif isinstance(p, DTensor):
+            problems.append(f"{path}.{name} is already distributed ({p.placements}); apply parallelism once")
+    flags = {k: getattr(module, k) for k, want in _HF_FLAGS.items() if getattr(module, k, want) != want}
+    if flags:
+        problems.append(f"{path} ({type(module).__name__}): experts layout {flags} is not the gated, fused, "
+                        f"untransposed, bias-free one expert parallelism computes")
+    return problems
+
+
+def collect(model: nn.Module, layout: ExpertLayout, ep: int, moe: MoEConfig | None) -> tuple[list, list]:
+    """(experts modules, routers) of ``model`` by ``layout``, every problem raised at once.
+
+    Raises:
+        ValueError: naming each experts module, count or degree at fault.
+    """
+    config = model.config
+    name = f"{type(model).__name__} (model_type {config.model_type!r})"
+    num_experts = getattr(config, layout.num_experts, None)
+    experts, routers = _matches(model, layout.experts), _matches(model, layout.router)
+    problems = []
+    if not experts:
+        problems.append(f"{name}: no module matches the experts glob {layout.experts!r}")
+    if not isinstance(num_experts, int) or num_experts < 1:
+        problems.append(f"{name}: config.{layout.num_experts} = {num_experts!r} is not a number of experts")
+    elif num_experts % ep:
+        problems.append(f"{type(config).__name__}.{layout.num_experts} = {num_experts} is not divisible by "
+                        f"expert_parallel_degree {ep} (each rank holds num_experts / {ep} whole experts)")
+    else:
+        for path, module in experts:
+            problems += _experts_problems(path, module, num_experts, ep)
+    needs_routers = moe is not None and (moe.moe_load_balancing == "sinkhorn" or moe.moe_z_loss_coeff > 0)
+    if needs_routers and len(routers) != len(experts):
+        problems.append(f"{name}: {len(routers)} routers match {layout.router!r} for {len(experts)} experts modules")
+    if problems:
+        raise ValueError("cannot apply expert parallelism:\n  - " + "\n  - ".join(problems))
+    return [m for _, m in experts], [m for _, m in routers]
+
+
+def unknown_layout(model: nn.Module, known: tuple[str, ...], why: str) -> ValueError:
+    """The error for a model whose expert layout the library does not know."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return ValueError(f"{why}, but {type(model).__name__} (model_type {model_type!r}) has no built-in expert "
+                      f"layout; the MoE architectures built in are {', '.join(known)} (modelparallel/models/)")
+
+
+@dataclass
+class ExpertWork:
+    """What expert parallelism will do to one model, checked."""
+
+    model: nn.Module
+    experts: list[nn.Module]
+    routers: list[nn.Module]
+    moe: MoEConfig | None
+
+
+def check_experts(model: nn.Module, ep: int, layout: ExpertLayout | None, moe: MoEConfig | None,
+                  known: tuple[str, ...] = ()) -> ExpertWork | None:
+    """Check expert parallelism at degree ``ep`` and ``moe``'s options against ``model``; change
+    nothing. None when there is nothing to do (degree 1 without a ``MoEConfig``, or
+    ``smp_moe=False``).
+
+    Args:
+        model: the top-level HF model (real or on meta).
+        ep: ``expert_parallel_degree``.
+        layout: the architecture's ``ExpertLayout``, or None if it has none.
+        moe: SageMaker's ``MoEConfig`` given to ``transform``, or None (the model's own routing).
+        known: the model types that have a layout, for the error message.
+
+    Raises:
+        ValueError: expert parallelism or MoE options asked for a model they do not fit (see
+            ``collect``).
+    """
+    if moe is not None and not moe.smp_moe:
+        if ep > 1:
+            raise ValueError(f"MoEConfig(smp_moe=False) keeps Hugging Face's own MoE layers, which cannot run "
+                             f"expert_parallel_degree {ep}; use smp_moe=True or degree 1")
+        return None
+    if ep == 1 and moe is None:
+        return None
+    if layout is None:
+        raise unknown_layout(model, known, f"expert_parallel_degree {ep}" if ep > 1 else "a MoEConfig was given")
+    experts, routers = collect(model, layout, ep, moe)
+    return ExpertWork(model, experts, routers, moe)
+
+
+def apply_experts(work: ExpertWork | None, ep_mesh: DeviceMesh) -> None:
+    """Carry out checked ``work``: shard every experts module over ``ep_mesh`` (when it has more
+    than one rank) and apply the routing options."""
+    if work is None:
+        return
+    moe = work.moe
+    if ep_mesh.size() > 1:
+        style = ExpertParallel(all_to_all=moe.moe_all_to_all_dispatcher if moe is not None else True)
+        for module in work.experts:
+            parallelize_module(module, ep_mesh, style)
+    if moe is not None:
+        apply_routing(work.model, work.routers, moe.moe_load_balancing, moe.moe_aux_loss_coeff,
+                      moe.moe_z_loss_coeff)

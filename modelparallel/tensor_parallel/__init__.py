@@ -1,0 +1,1 @@
+"""SageMaker v2's ``torch.sagemaker.tensor_parallel`` module paths."""

@@ -1,0 +1,43 @@
+"""Failures of an asynchronous save reach every rank: a background write that fails on one rank
+raises ``CheckpointSaveError`` naming that rank on every rank at ``maybe_finalize_async_calls``,
+and the directory has no ``.metadata`` (it does not load). A failure means one rank's error was
+lost (the others would carry on, or hang in the next collective) or a broken save looks complete.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemWriter
+
+import harness
+from modelparallel.distributed.checkpoint.async_utils import AsyncCallsQueue
+from modelparallel.distributed.checkpoint.saving import CheckpointSaveError
+from modelparallel.distributed.checkpoint.state_dict_saver import async_save
+
+
+class FailingWriter(FileSystemWriter):
+    """Fails its background write on rank 1, as a full disk would."""
+
+    def write_data(self, plan, planner):
+        if dist.get_rank() == 1:
+            raise OSError(28, "No space left on device")
+        return super().write_data(plan, planner)
+
+
+def failing_write(root):
+    queue = AsyncCallsQueue()
+    where = os.path.join(root, "ckpt")
+    state = {f"t{dist.get_rank()}": torch.full((4,), float(dist.get_rank())), "step": 1}
+    async_save(state, storage_writer=FailingWriter(where), queue=queue)  # returns: staged
+    with pytest.raises(CheckpointSaveError, match=r"failed on 1 of 2 ranks: rank 1: OSError: .*No space left"):
+        queue.maybe_finalize_async_calls(blocking=True)
+    assert not os.path.exists(os.path.join(where, ".metadata"))
+    assert queue.maybe_finalize_async_calls(blocking=True) == []  # nothing left pending
+    queue.close()
+    return dist.get_rank()
+
+
+def test_background_write_failure_raised_on_every_rank(tmp_path):
+    harness.run(2, failing_write, str(tmp_path))

@@ -6,7 +6,9 @@ rank, TP=2: HF ``from_pretrained(path, tp_plan="auto")`` vs modelparallel (meta 
 shard-on-read ``load_hf_checkpoint``). Reported: median step time (forward + backward + AdamW)
 and peak RSS above the post-import baseline, per rank, after every parameter was touched.
 
-Part 2 (efficiency): each of the six architectures at a similar size, TP=1 (plain HF model, one
+Part 2 (efficiency): each architecture at a similar size (hidden 1024, 4 layers, 16 heads; the
+decoders added later with 16 KV heads, as Llama's; ``olmo`` has no model file and runs the
+automatic plan), TP=1 (plain HF model, one
 process, one thread) vs modelparallel TP=2: efficiency = t1 / (2 * t2). The ceiling the machine
 allows is measured in the same run: two TP=1 processes started side by side (as the two TP ranks
 are) each take ``t1_pair >= t1`` when they contend for caches and memory bandwidth, so the best
@@ -54,6 +56,18 @@ ARCHS = {  # similar sizes: hidden 1024, 4 layers, 16 heads, MLP 2816 or 4096
                                                    intermediate_size=4096)),
     "roberta": ("RobertaConfig", "RobertaForMaskedLM", dict(hidden_size=1024, num_hidden_layers=4,
                                                            num_attention_heads=16, intermediate_size=4096)),
+    **{name: (f"{cls}Config", f"{cls}ForCausalLM", dict(hidden_size=1024, num_hidden_layers=4, num_attention_heads=16,
+                                                        num_key_value_heads=16, intermediate_size=2816, **extra))
+       for name, cls, extra in (("qwen2", "Qwen2", {}), ("qwen3", "Qwen3", dict(head_dim=64)),
+                                ("phi3", "Phi3", dict(pad_token_id=0)), ("gemma", "Gemma", dict(head_dim=64)),
+                                ("gemma2", "Gemma2", dict(head_dim=64)),
+                                ("olmo", "Olmo", {}))},  # olmo: no model file, the automatic plan
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(hidden_size=1024, num_hidden_layers=4,
+                                                             num_attention_heads=16, intermediate_size=4096)),
+    "opt": ("OPTConfig", "OPTForCausalLM", dict(hidden_size=1024, num_hidden_layers=4, num_attention_heads=16,
+                                                ffn_dim=4096, word_embed_proj_dim=1024, dropout=0.0)),
+    "falcon": ("FalconConfig", "FalconForCausalLM", dict(hidden_size=1024, num_hidden_layers=4, num_attention_heads=16,
+                                                         num_kv_heads=16, new_decoder_architecture=True)),
 }
 NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, hidden_dropout_prob=0.0,
                   attention_probs_dropout_prob=0.0, resid_dropout=0.0, embed_dropout=0.0, attention_dropout=0.0)
@@ -61,8 +75,9 @@ NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, hidden_dropou
 
 QUICK = dict(batch=2, seq=128, vocab=2048)
 QUICK_SHAPE = {"hidden_size": 256, "n_embd": 256, "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2,
-               "num_attention_heads": 4, "n_head": 4, "num_heads": 4, "num_key_value_heads": 4,
-               "intermediate_size": 704, "attention_types": [[["global", "local"], 1]]}
+               "num_attention_heads": 4, "n_head": 4, "num_heads": 4, "num_key_value_heads": 4, "num_kv_heads": 4,
+               "intermediate_size": 704, "ffn_dim": 1024, "word_embed_proj_dim": 256,
+               "attention_types": [[["global", "local"], 1]]}
 """The ``--quick`` sizes (hidden 256, 2 layers, 4 heads; Llama MLP 704, BERT's 1024 = 4 x hidden):
 the same models, small enough to iterate on a busy machine."""
 

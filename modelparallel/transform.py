@@ -27,7 +27,7 @@ from .models import spec_for
 from .moe.moe_config import MoEConfig
 from .parallelize import check, parallelize
 from .tensor_parallel.transformer import mark_transformer_layers
-from .tp import marks
+from .tp import auto, marks, walker
 from .distributed.checkpoint import group_blocks
 from .training import fsdp1_tp_state
 
@@ -116,7 +116,8 @@ def transform(model: nn.Module, device=None, dtype: torch.dtype | None = None,
     sharded = rt.tp_mesh.size() > 1 or _registered_or_marked(model)
     experts = moe is not None or rt.config.expert_parallel_degree > 1
     if sharded or experts or rt.config.context_parallel_degree > 1:
-        parallelize(model, rt, spec_for(model), cp_comm_type, moe=moe, tensor_parallel=sharded)
+        spec = auto.plan_for(model, spec_for(model), rt.tp_mesh, walker.parallelize)  # built-in or automatic
+        parallelize(model, rt, spec, cp_comm_type, moe=moe, tensor_parallel=sharded)
     if load_state_dict_from_rank0:
         meta.materialize(model, device)
         sync_from_rank0(model, full, rt.expert_mesh)  # names every mesh dim a DTensor here can have

@@ -16,6 +16,7 @@ COMMANDS: dict[str, str] = {
     "train": "modelparallel.cli.train",
     "convert": "modelparallel.cli.convert",
     "inspect": "modelparallel.cli.inspect",
+    "plan": "modelparallel.cli.plan",
     "run": "modelparallel.sagemaker.launch",
 }
 

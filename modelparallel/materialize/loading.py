@@ -144,11 +144,12 @@ def _hf_shape(shape: tuple, packed) -> tuple:
     return (*shape[:d], shape[d] * shape[d + 1], *shape[d + 2:])
 
 
-def _candidates(module: nn.Module, key: str) -> list[str]:
+def _candidates(module: nn.Module, key: str, table=None) -> list[str]:
     """Checkpoint keys that may hold model key ``key`` (a head model's checkpoint read into its
-    base model, or the reverse, differ by the base-model prefix)."""
+    base model, or the reverse, differ by the base-model prefix; HF may store it renamed, as the
+    key table's ``stored_as`` says)."""
     inner, declared = base_prefix(module), getattr(module, "base_model_prefix", "")
-    out = [key]
+    out = [key] + ([table.stored_as[key]] if table is not None and key in table.stored_as else [])
     if inner:
         if key.startswith(inner + "."):
             out.append(key[len(inner) + 1:])
@@ -168,7 +169,7 @@ def plan(module: nn.Module, files: dict[str, str], strict: bool) -> tuple[list[E
     entries, problems, missing, used = [], [], [], set()
     for names in tie_groups(state.items()):
         t = state[names[0]]
-        key = next((c for n in names for c in _candidates(module, n) if c in shapes), None)
+        key = next((c for n in names for c in _candidates(module, n, table) if c in shapes), None)
         if key is None and table is not None:
             parts = stacked.expert_parts(table, names[0], t, shapes, files, problems)
             if parts is not None:  # a hub checkpoint's experts, one tensor per expert

@@ -27,6 +27,7 @@ from torch import nn
 
 from ..models import sagemaker_layout_for, spec_for
 from ..models._sagemaker import offer_tree
+from ..tp import auto, walker
 from ..tp.plan import ArchSpec
 from ..training import fsdp
 from . import creation_options as creation
@@ -68,7 +69,7 @@ def before_shard(module: nn.Module, rt, dtype: torch.dtype | None) -> WrapState:
     if hf_init.tie_as_config(module) and dist.get_rank() == 0:
         logger.info("tied the weights %s's config ties (they were separate copies: was "
                     "PreTrainedModel.init_weights replaced?)", type(module).__name__)
-    spec = spec_for(module)
+    spec = auto.plan_for(module, spec_for(module), rt.tp_mesh, walker.parallelize)  # built-in or automatic
     if options is not None and not options.distribute_embedding:
         spec = creation.without_vocab(spec)
     fsdp.check_degree(rt.config.shard_degree, rt.config.replica_degree)

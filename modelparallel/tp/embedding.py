@@ -11,6 +11,10 @@ shard's size, with no communication.
 
 Shards follow DTensor's ``Shard(0)`` rule (``torch.chunk``: the first ranks get the ceiling), so
 uneven vocabularies (50257 at TP=4) need no padding.
+
+An HF subclass of ``nn.Embedding`` that wraps the lookup (Gemma's scaled word embedding
+multiplies ``super().forward(ids)`` by ``sqrt(hidden)``) keeps its own forward: the sharded lookup
+becomes the ``super()`` it calls.
 """
 
 from __future__ import annotations
@@ -56,6 +60,23 @@ class _VocabParallelEmbedding(nn.Embedding):
         return _SumAcrossRanks.apply(partial, mesh.get_group())
 
 
+_CLASSES: dict[type, type] = {}
+
+
+def _sharded_class(cls: type) -> type:
+    """The class a sharded ``cls`` instance takes: ``_VocabParallelEmbedding`` for a plain
+    ``nn.Embedding``; for a subclass, one that keeps the subclass's methods with the sharded lookup
+    below them (MRO: subclass, then ``_VocabParallelEmbedding``), so its ``super().forward`` runs it."""
+    if cls is nn.Embedding or cls is _VocabParallelEmbedding or issubclass(cls, _VocabParallelEmbedding):
+        return _VocabParallelEmbedding if cls is nn.Embedding else cls
+    if cls not in _CLASSES:
+        name = f"VocabParallel_{cls.__name__}_{len(_CLASSES)}"
+        new = type(name, (cls, _VocabParallelEmbedding), {"__module__": __name__, "__qualname__": name})
+        globals()[name] = new  # importable by name, so pickling the module works
+        _CLASSES[cls] = new
+    return _CLASSES[cls]
+
+
 class VocabParallelEmbedding(ParallelStyle):
     """The ``vocab_embedding`` style: rows sharded, lookups masked, one forward all-reduce."""
 
@@ -75,5 +96,5 @@ class VocabParallelEmbedding(ParallelStyle):
                                   requires_grad=module.weight.requires_grad)
         module.register_parameter("weight", weight)
         if not getattr(type(module), "vocab_parallel_forward", False):  # else its own forward handles shards
-            module.__class__ = _VocabParallelEmbedding
+            module.__class__ = _sharded_class(type(module))
         return module

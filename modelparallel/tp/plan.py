@@ -52,6 +52,28 @@ class SharedInput:
 
 
 @dataclass(frozen=True)
+class KVHeads:
+    """Grouped-query attention under a module: its key/value projections hold ``kv_heads`` heads
+    for ``heads`` query heads (config attribute names). When the degree divides the KV heads the
+    rules' column parallelism gives each rank whole KV heads; otherwise each rank computes the KV
+    heads its query heads read from a replicated weight (``replicated.KVReplicated``) and the
+    module's ``groups`` attribute (query heads per KV head) becomes the rank's.
+
+    Attributes:
+        kv: the key and value projections, relative to the module.
+        heads, kv_heads: the config attributes holding the query and KV head counts.
+        groups: the module attribute HF repeats each KV head by ("" if none).
+        counts: module attributes holding the KV head count, set to the rank's.
+    """
+
+    kv: tuple[str, ...] = ("k_proj", "v_proj")
+    heads: str = "num_attention_heads"
+    kv_heads: str = "num_key_value_heads"
+    groups: str = "num_key_value_groups"
+    counts: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class ModulePlan:
     """How to shard one module tree (a base model, a head, or a user-registered block).
 
@@ -60,7 +82,9 @@ class ModulePlan:
         packed: glob -> ``Packed`` descriptor, or just the number of equal chunks fused along the
             output dimension (q|k|v = 3); such modules are sharded inside each chunk.
         per_rank_attrs: glob -> attribute names holding sizes that HF code reshapes with (head
-            counts, split sizes, embed dims); the walker divides each by the degree.
+            counts, split sizes, embed dims); the walker divides each by the degree. A dotted name
+            (``config.num_attention_heads``) is read from an object the module holds and divided
+            in the module's own view of it (``per_rank.ConfigView``).
         optional_rules: rules that may match nothing (heads present only in some model classes).
         tied_holders: globs of parameters (``module.param``) that a module only holds, never
             computes with, tied to a parameter a rule shards (BERT's ``cls.predictions.bias``, HF's
@@ -68,6 +92,8 @@ class ModulePlan:
             of being refused as a tie split between sharded and replicated modules.
         shared_inputs: glob of a module -> the ``SharedInput`` all column-parallel layers under
             it read; those layers then skip their own ``f``.
+        kv_heads: glob of an attention module -> its ``KVHeads`` (grouped-query attention whose
+            KV heads are replicated when the degree does not divide them).
         replicated: globs of linear layers inside a planned block that stay whole on every rank
             on purpose (an output too narrow to split, such as a scalar gate), exempt from the
             walker's "no rule covers it" refusal.
@@ -79,7 +105,32 @@ class ModulePlan:
     optional_rules: tuple[str, ...] = ()
     tied_holders: tuple[str, ...] = ()
     shared_inputs: dict[str, SharedInput] = field(default_factory=dict)
+    kv_heads: dict[str, KVHeads] = field(default_factory=dict)
     replicated: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """A configuration of an architecture its plan cannot shard (Falcon's ALiBi biases, built for
+    all heads at once): refused with ``NotImplementedError`` naming ``what``.
+
+    Attributes:
+        what: the feature, as the error names it.
+        when: config attribute -> value; the case applies when every one has that value...
+        differ: ...and, if given, these config attributes do not all have the same value.
+    """
+
+    what: str
+    when: dict[str, object] = field(default_factory=dict)
+    differ: tuple[str, ...] = ()
+
+    def applies(self, config) -> bool:
+        values = {getattr(config, k, None) for k in self.differ}
+        return all(getattr(config, k, None) == v for k, v in self.when.items()) and len(values) != 1
+
+    def describe(self, config) -> str:
+        """The config values that make the case apply, for the error."""
+        return ", ".join(f"{k}={getattr(config, k, None)!r}" for k in (*self.when, *self.differ))
 
 
 @dataclass(frozen=True)
@@ -95,6 +146,10 @@ class ArchSpec:
         loss: the LM loss of its heads, one of ``LOSS_KINDS``, computed on vocab-sharded logits.
         head_losses: head class name -> loss kind, for heads whose loss differs from ``loss``
             (BERT's ``BertLMHeadModel`` is causal where ``BertForMaskedLM`` is masked).
+        unsupported: configurations refused with ``NotImplementedError`` (see ``Unsupported``).
+        sequence_parallel: whether the plan is known to reproduce the model under sequence
+            parallelism (tested against one process); False: ``sequence_parallel`` is refused
+            with ``NotImplementedError`` rather than run unchecked.
     """
 
     model_type: str
@@ -103,6 +158,8 @@ class ArchSpec:
     divisible_config: tuple[str, ...] = ()
     loss: str = "causal"
     head_losses: dict[str, str] = field(default_factory=dict)
+    unsupported: tuple[Unsupported, ...] = ()
+    sequence_parallel: bool = True
 
     def __post_init__(self):
         for kind in (self.loss, *self.head_losses.values()):
@@ -116,6 +173,18 @@ class ArchSpec:
 
 
 VOCAB_STYLES = ("vocab_embedding", "vocab_colwise")
+
+KNOWN_ATTENTION = ("eager", "sdpa", "flex_attention")
+"""Attention implementations that compute each head on its own (also any ``flash_attention_*``
+and ``paged|...`` of these): on a rank's heads they give that rank's part of the result. A
+function registered under another name may read global head counts: refused."""
+
+
+def known_attention(name) -> bool:
+    """Whether HF attention implementation ``name`` (a config's ``_attn_implementation``) is one
+    of ``KNOWN_ATTENTION``."""
+    base = str(name).split("|")[-1]
+    return name is None or base in KNOWN_ATTENTION or base.startswith("flash_attention")
 
 
 def without_styles(spec: ArchSpec, styles: tuple[str, ...]) -> ArchSpec:

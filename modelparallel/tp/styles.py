@@ -27,13 +27,21 @@ from .embedding import VocabParallelEmbedding
 from .local import LocalColwise, LocalRowwise, column_input
 from .sequence import keep_shards
 from .plan import Packed
+from .replicated import ReplicatedGradSum
 
-STYLE_NAMES = ("colwise", "rowwise", "packed_colwise", "vocab_embedding", "vocab_colwise", "colwise_gather")
+STYLE_NAMES = ("colwise", "rowwise", "packed_colwise", "vocab_embedding", "vocab_colwise", "colwise_gather",
+               "replicated_grad_sum", "kv_replicated")
 """colwise / rowwise: Megatron's column- and row-parallel linear layers. packed_colwise: a fused
 projection (e.g. GPT-2's q|k|v) sharded chunk by chunk. vocab_embedding: embedding rows (the
 vocabulary) sharded. vocab_colwise: an LM head sharded over the vocabulary whose logits stay
 sharded, for the vocab-parallel loss. colwise_gather: column parallel with the output gathered,
-a drop-in ``nn.Linear`` (whole input and output on every rank)."""
+a drop-in ``nn.Linear`` (whole input and output on every rank). replicated_grad_sum: a module
+kept whole that each rank applies to its own heads, its gradients summed over the ranks.
+kv_replicated: a key/value projection with its KV heads replicated, never named by a rule (the
+walker derives it from a plan's ``KVHeads`` when the degree does not divide the KV heads)."""
+
+NOT_SPLIT = ("replicated_grad_sum", "kv_replicated")
+"""Styles that keep every parameter whole: no size for the degree to divide."""
 
 
 def _replace(module: nn.Module, name: str, tensor: torch.Tensor, placements, mesh: DeviceMesh) -> None:
@@ -138,6 +146,11 @@ def _new_style(name: str, conv: bool, chunks: int | Packed) -> ParallelStyle:
         return ColwiseParallel(use_local_output=False)
     if name == "colwise_gather":
         return ColwiseParallel(output_layouts=Replicate())
+    if name == "replicated_grad_sum":
+        return ReplicatedGradSum()
+    if name == "kv_replicated":
+        raise ValueError("kv_replicated is derived from a plan's KVHeads (the degree does not divide the KV "
+                         "heads), not named by a rule")
     raise ValueError(f"unknown parallel style {name!r}; known styles: {', '.join(STYLE_NAMES)}")
 
 
@@ -148,6 +161,7 @@ SUPPORTED_TYPES = {
     "vocab_embedding": (nn.Embedding,),
     "vocab_colwise": (nn.Linear,),
     "colwise_gather": (nn.Linear,),
+    "replicated_grad_sum": (nn.Module,),
 }
 
 

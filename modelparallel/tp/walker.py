@@ -20,13 +20,14 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 from transformers.pytorch_utils import Conv1D
 
-from . import marks, sequence
+from . import marks, model_checks, per_rank, sequence
+from .kv_heads import collect_kv
 from .layout import base_prefix, shard_range, tied_parameters
 from .loss import install_vocab_parallel_loss
 from .local import install_shared_input
 from .plan import (VOCAB_STYLES, ArchSpec, ModulePlan, Packed, SharedInput, block_prefix, first_match, glob_match,
                    join, packing, to_glob, without_styles)
-from .styles import ALLOWS_UNEVEN, SUPPORTED_TYPES, build_style, packed_problem, sharded_size
+from .styles import ALLOWS_UNEVEN, NOT_SPLIT, SUPPORTED_TYPES, build_style, packed_problem, sharded_size
 from .substitute import substitute
 
 logger = logging.getLogger("modelparallel")
@@ -42,6 +43,7 @@ class Assignment:
     chunks: int = 1
     registered: bool = False
     packed: Packed | None = None
+    prebuilt: object = None  # a style built from the plan's data (kv_replicated), used as is
 
 
 @dataclass
@@ -58,6 +60,8 @@ class Work:
 
 
 def _check_size(a: Assignment, tp: int, problems: list[str]) -> None:
+    if a.style in NOT_SPLIT:
+        return
     what, n = sharded_size(a.style, a.module, a.chunks)
     if a.style in ALLOWS_UNEVEN:
         first, last = shard_range(n, tp, 0), shard_range(n, tp, tp - 1)
@@ -98,12 +102,13 @@ def _collect_plan(model, plan: ModulePlan, prefix: str, tp: int, work: Work, ski
     for glob, attrs in plan.per_rank_attrs.items():
         for rel in filter(live, [r for r in rel_modules if glob_match(glob, r)]):
             for attr in attrs:
-                value = getattr(rel_modules[rel], attr)
+                value = per_rank.read(rel_modules[rel], attr)
                 if value % tp:
                     work.problems.append(f"{join(prefix, rel)}.{attr} = {value} is not divisible by "
                                          f"tensor_parallel_degree {tp}")
                 work.rewrites.append((join(prefix, rel), rel_modules[rel], attr, value // tp))
     _collect_holders(plan, rel_modules, work)
+    collect_kv(plan, prefix, rel_modules, getattr(model, "config", None), tp, live, work)
     _collect_shared(plan, prefix, rel_modules, live, work)
     blocks = {b for b in map(block_prefix, plan.rules) if b}
     for rel, module in rel_modules.items():
@@ -114,7 +119,7 @@ def _collect_plan(model, plan: ModulePlan, prefix: str, tp: int, work: Work, ski
                                  "but no rule covers it")
 
 
-_READS_SHARED = ("colwise", "packed_colwise")
+_READS_SHARED = ("colwise", "packed_colwise", "kv_replicated")
 
 
 def _below(path: str, other: str) -> bool:
@@ -162,11 +167,12 @@ def _collect_holders(plan: ModulePlan, rel_modules: dict[str, nn.Module], work: 
 
 
 def _check_config(model: nn.Module, spec: ArchSpec, tp: int, problems: list[str]) -> None:
-    config = model.config
+    model_checks.refuse_unsupported(model, spec, tp)
+    problems.extend(model_checks.attention_problems(model))
     for attr in spec.divisible_config:
-        value = getattr(config, attr, None)
+        value = getattr(model.config, attr, None)
         if value is not None and value % tp:
-            problems.append(f"{type(config).__name__}.{attr} = {value} is not divisible by "
+            problems.append(f"{type(model.config).__name__}.{attr} = {value} is not divisible by "
                             f"tensor_parallel_degree {tp} (each rank must hold whole heads)")
 
 
@@ -189,6 +195,7 @@ def collect(model: nn.Module, spec: ArchSpec | None, tp: int) -> Work:
         work.loss = spec.loss_for(type(model))
         _collect_plan(model, spec.base, base_prefix(model), tp, work, skip)
         _collect_plan(model, spec.head, "", tp, work, skip)
+        work.problems.extend(model_checks.vocab_problems(model, work.assignments))
     _check_ties(model, work)
     return work
 
@@ -235,12 +242,12 @@ def apply(model: nn.Module, tp_mesh: DeviceMesh, work: Work, split: list[tuple[s
     with ``split`` blocks, sequence parallelism inside them."""
     groups = tied_parameters(model)
     for a in work.assignments:
-        parallelize_module(a.module, tp_mesh, build_style(a.style, a.module, a.packed or a.chunks))
+        parallelize_module(a.module, tp_mesh, a.prebuilt or build_style(a.style, a.module, a.packed or a.chunks))
     if split:
         sequence.apply(list(split), tp_mesh, [(a.path, a.module, a.style) for a in work.assignments])
     _shared_input_apply(work, tp_mesh, [p for p, _ in split])
     for _, module, attr, value in work.rewrites:
-        setattr(module, attr, value)
+        per_rank.write(module, attr, value)
     for path, module, reg in work.registered:
         _apply_registered(model, tp_mesh, path, module, reg)
     _retie(groups)
@@ -267,7 +274,7 @@ def parallelize(model: nn.Module, tp_mesh: DeviceMesh, spec: ArchSpec | None,
 
     Raises:
         ValueError: naming every problem, before any tensor is touched.
-        NotImplementedError: sequence parallelism of a model without a built-in plan.
+        NotImplementedError: sequence parallelism of a model whose plan is not known to run under it.
     """
     tp = tp_mesh.size()
     if spec is not None and marks.option(model, "distribute_embedding") is False:
@@ -283,9 +290,7 @@ def parallelize(model: nn.Module, tp_mesh: DeviceMesh, spec: ArchSpec | None,
         logger.warning("%s: it stays replicated on every rank", msg)
     split = []
     if sequence_parallel and tp > 1:
-        if spec is None:
-            raise NotImplementedError(f"sequence_parallel for {type(model).__name__}, which has no built-in "
-                                      "tensor-parallel plan, is not implemented")
+        model_checks.refuse_sequence_parallel(model, spec)
         split = sequence.blocks(model, spec)
         work.problems += sequence.problems(split)
     if work.problems:

@@ -11,8 +11,8 @@ import json
 import os
 
 import torch
-from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaForCausalLM, OPTConfig,
-                          OPTForCausalLM)
+from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaForCausalLM, OlmoConfig,
+                          OlmoForCausalLM)
 
 import harness
 import modelparallel as smp
@@ -107,8 +107,9 @@ def test_llama_with_untied_head_exports_for_from_pretrained(tmp_path):
 def export_untranslated_arch(path: str):
     smp.init({"tensor_parallel_degree": 2})
     torch.manual_seed(0)
-    ref = OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, ffn_dim=32,
-                                   num_attention_heads=2, max_position_embeddings=16))
+    ref = OlmoForCausalLM(OlmoConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, intermediate_size=32,
+                                     num_attention_heads=2, max_position_embeddings=16, tie_word_embeddings=True,
+                                     pad_token_id=0, bos_token_id=1, eos_token_id=2))
     smp.DistributedModel(copy.deepcopy(ref))
     smp.save_checkpoint(path, "opt", partial=False)
     return {k: v for k, v in ref.state_dict().items() if k != "lm_head.weight"}

@@ -69,16 +69,21 @@ def test_llama_plan_needs_no_rewrites_tied_or_not():
         assert not work.rewrites
 
 
-def test_llama_kv_heads_not_divisible_refused_though_k_proj_width_is():
+def test_llama_kv_heads_not_divisible_replicated_decided_by_config_not_k_proj_width():
     work = _work(llama(kv_heads=2), tp=4)  # k_proj has 2 x 16 = 32 outputs, divisible by 4
-    assert work.problems == ["LlamaConfig.num_key_value_heads = 2 is not divisible by tensor_parallel_degree 4 "
-                             "(each rank must hold whole heads)"]
+    assert not work.problems, work.problems
+    styles = _styles(work)
+    assert styles["model.layers.1.self_attn.k_proj"] == styles["model.layers.1.self_attn.v_proj"] == "kv_replicated"
+    assert styles["model.layers.1.self_attn.q_proj"] == "colwise"
+    assert {(p, a, v) for p, _, a, v in work.rewrites} == {(f"model.layers.{i}.self_attn", "num_key_value_groups", 1)
+                                                          for i in range(2)}
+    assert "kv_replicated" not in _styles(_work(llama(kv_heads=2), tp=2)).values()  # 2 divides 2: whole KV heads
 
 
 def test_llama_heads_not_divisible_refused():
     work = _work(llama(hidden=96, heads=6, kv_heads=6), tp=4)  # q/k/v_proj's 96 outputs divide by 4
-    assert work.problems == [f"LlamaConfig.{attr} = 6 is not divisible by tensor_parallel_degree 4 (each rank "
-                             "must hold whole heads)" for attr in ("num_attention_heads", "num_key_value_heads")]
+    assert work.problems == ["LlamaConfig.num_attention_heads = 6 is not divisible by tensor_parallel_degree 4 (each "
+                             "rank must hold whole heads)"]
     assert not _work(llama(hidden=96, heads=6, kv_heads=6), tp=2).problems
 
 

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor import DTensor
-from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
+from torch.distributed.tensor import DTensor, Shard
+from transformers import GPT2Config, GPT2LMHeadModel, OlmoConfig, OlmoForCausalLM
 
 import harness
 import modelparallel as smp
@@ -60,22 +60,29 @@ def check_marks():
     assert not any(isinstance(p, DTensor) for p in off.parameters())
 
 
-def check_no_plan(strict, marked=True):
+def check_no_plan(kind):
+    """A model with no model file: an HF model (marked or not) gets the automatic plan; a plain
+    module marked for tensor parallelism gets SageMaker's DistributedLinear for every nn.Linear."""
     smp.init({"tensor_parallel_degree": 2})
-    cfg = GPTNeoXConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
-                        vocab_size=50)
-    if marked:
-        with smp.tensor_parallelism(strict=strict):
-            model = GPTNeoXForCausalLM(cfg)
+    torch.manual_seed(0)
+    cfg = OlmoConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                     vocab_size=50, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    build = {"hf": lambda: OlmoForCausalLM(cfg),
+             "plain": lambda: torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))}
+    if kind in ("hf_marked", "plain_marked"):
+        with smp.tensor_parallelism():
+            model = build[kind.split("_")[0]]()
     else:
-        model = GPTNeoXForCausalLM(cfg)
+        model = build[kind.split("_")[0]]()
     ref = copy.deepcopy(model)
-    try:
-        smp.DistributedModel(model)
-    except ValueError as e:
-        return str(e)
-    ids = torch.randint(0, 50, (2, 8))
-    assert_close(model(ids).logits, ref(ids).logits)
+    smp.DistributedModel(model)
+    if kind == "plain_marked":
+        x = torch.randn(3, 16)
+        assert_close(model(x), ref(x))
+    else:
+        ids = torch.randint(0, 50, (2, 8))
+        assert_close(model(ids).logits, ref(ids).logits)
+        assert tuple(model.model.layers[0].self_attn.q_proj.weight.placements) == (Shard(0),)
     return {type(m).__name__ for m in model.modules()}
 
 
@@ -110,10 +117,11 @@ def test_marks_choose_what_is_distributed():
     harness.run(2, check_marks)
 
 
-def test_model_without_plan_linear_layers_distributed_when_marked():
-    kinds = harness.run(2, check_no_plan, False)[0]
+def test_model_without_plan_hf_gets_the_automatic_plan_plain_gets_distributed_linears():
+    kinds = harness.run(2, check_no_plan, "plain_marked")[0]
     assert "DistributedLinear" in kinds and "Linear" not in kinds, "marked: every nn.Linear is distributed"
-    assert "DistributedLinear" not in harness.run(2, check_no_plan, False, False)[0], "unmarked: stays replicated"
+    for kind in ("hf_marked", "hf_unmarked"):
+        assert "DistributedLinear" not in harness.run(2, check_no_plan, kind)[0], f"{kind}: the automatic plan"
 
 
 def test_model_with_nothing_supported_refused_when_strict():

@@ -32,6 +32,9 @@ class KeyTable:
         legacy_buffers: template (relative to the base model) -> ``fn(max_seq_len, layer_index,
             config)`` building a buffer older HF checkpoints stored (``config``: the model's, or
             None); dropped on import, added on export only when asked for.
+        stored_as: model key -> the key HF's ``save_pretrained`` writes for it, where HF renames on
+            save and back on load (GPT-NeoX's ``lm_head.weight`` is stored as ``embed_out.weight``);
+            exports write the stored key, imports accept either.
         stacked: template of a mixture-of-experts tensor stacked over experts (expert index
             first, as transformers 5 holds it in memory and both formats store it) -> the
             templates (``{}`` = layer, then expert) of the per-expert tensors checkpoints on the
@@ -48,8 +51,13 @@ class KeyTable:
     packed: dict[str, tuple[int, int]] = field(default_factory=dict)
     tied: dict[str, str] = field(default_factory=dict)
     legacy_buffers: dict[str, Callable[[int, int, object], torch.Tensor]] = field(default_factory=dict)
+    stored_as: dict[str, str] = field(default_factory=dict)
     stacked: dict[str, tuple[str, ...]] = field(default_factory=dict)
     renamed: dict[str, str] = field(default_factory=dict)
+
+    def model_key(self, key: str) -> str:
+        """The model's key for a checkpoint key (undoing ``stored_as``)."""
+        return next((m for m, stored in self.stored_as.items() if stored == key), key)
 
     def expert_keys(self, key: str, experts: int) -> list[list[str]]:
         """Where a hub checkpoint keeps stacked experts tensor ``key``: one list of keys (experts
@@ -110,11 +118,12 @@ def to_hf_items(table: KeyTable, key: str, tensor: torch.Tensor) -> list[tuple[s
     if template in table.packed:
         dim = table.packed[template][0]
         tensor = tensor.flatten(dim, dim + 1)
-    return [(key, tensor)]
+    return [(table.stored_as.get(key, key), tensor)]
 
 
 def from_hf_items(table: KeyTable, key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """One HF entry in distributed format ([] for legacy buffers, which the model recomputes)."""
+    key = table.model_key(key)
     template = _template(table, key)
     if template is None:
         return []
@@ -157,6 +166,7 @@ def to_hf(table: KeyTable, state_dict: dict, max_seq_len: int | None = None,
     for key, tensor in state_dict.items():
         out.update(to_hf_items(table, key, tensor))
     for alias, source in table.tied.items():
+        alias = table.stored_as.get(alias, alias)
         if alias not in out and source in out:
             out[alias] = out[source]
     if legacy_buffers:

@@ -5,7 +5,8 @@
 rank API (``smp.rank()``, ``smp.tp_rank()``, ``smp.dp_size()``...).
 """
 
-from .checkpoint import CheckpointError, last_load_report, load, resume_from_checkpoint, save, save_checkpoint
+from .checkpoint import (CheckpointError, checkpoint_staging_bytes, last_load_report, load, resume_from_checkpoint,
+                         save, save_checkpoint, wait_for_checkpoints)
 from . import delayed_param, patches
 from .activations import set_activation_checkpointing
 from .clip import clip_grad_norm_
@@ -49,7 +50,8 @@ __all__ = [
     "is_initialized", "local_rank", "local_size", "mp_rank", "mp_size", "pp_rank", "pp_size", "rank",
     "rdp_rank", "rdp_size", "set_tensor_parallelism", "size", "tensor_parallelism", "tp_rank",
     "tp_register", "tp_register_with_module", "tp_size", "nn",
-    "last_load_report", "resume_from_checkpoint", "save_checkpoint",
+    "last_load_report", "resume_from_checkpoint", "save_checkpoint", "wait_for_checkpoints",
+    "checkpoint_staging_bytes",
     "MetaTensorError", "delay_param_initialization", "delayed_param", "load_hf_checkpoint", "model_creation",
     "transform", "clip_grad_norm_",
     "patches", "set_activation_checkpointing", "partition", "set_partition",

@@ -72,6 +72,11 @@ def unflatten_mesh(mesh: DeviceMesh, dim: str, sizes: tuple[int, ...], names: tu
     """``mesh`` with dimension ``dim`` split into ``names`` of ``sizes`` (``DeviceMesh._unflatten``)."""
     return mesh._unflatten(dim, sizes, names)
 
+# The job's key-value store (torchrun's, or the one init_process_group was given): when a peer dies
+# mid-collective the process group is broken, and the store is the one channel left through which
+# the survivors can tell which rank stopped answering. torch.distributed exposes no public getter.
+from torch.distributed.distributed_c10d import _get_default_store as default_store
+
 
 # Several dimensions of a DeviceMesh as one (the data and context ranks FSDP shards over), kept
 # in the root mesh so DTensors on its other dimensions (TP shards) compose with it; PyTorch
@@ -92,6 +97,6 @@ flash_attention_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attentio
 from .sagemaker.hook import sagemaker_imports  # noqa: E402 - after the private names it sits beside
 
 __all__ = ["FlatParamHandle", "SharedParamInfo", "compute_local_shape_and_global_offset", "dcp_loader_module",
-           "dcp_saver_module", "flash_attention_cpu", "flash_attention_cpu_backward", "flatten_mesh",
+           "dcp_saver_module", "default_store", "flash_attention_cpu", "flash_attention_cpu_backward", "flatten_mesh",
            "flatten_state_dict", "fsdp_init_utils", "fsdp_optim_utils", "sagemaker_imports", "set_element",
            "set_fsdp_flattened", "torch_checkpoint_wrappers", "unflatten_mesh"]

@@ -120,6 +120,12 @@ class Runtime:
     ``reports`` are what ``smp.last_load_report()`` returns."""
     step: Any = None
     """The running ``@smp.step`` call's ``StepContext``, or None outside a step."""
+    held_locks: dict = field(default_factory=dict)
+    """Locks this job holds until it ends (checkpoint directories it saved into, by real path);
+    released when ``init`` starts another job."""
+    checkpoint_saver: Any = None
+    """The job's background checkpoint writer (``checkpoint.async_save.AsyncSaver``), made at its
+    first asynchronous save."""
     _groups: dict = field(default_factory=dict)
     """Process groups spanning several mesh dimensions, made by ``init`` (every rank at once)."""
     _object_group: Any = None
@@ -308,6 +314,14 @@ def init(config: dict | str | None = None, *, timeout_s: float = 300.0) -> Runti
     global _RUNTIME
     world = int(os.environ.get("WORLD_SIZE", 1)) if not dist.is_initialized() else dist.get_world_size()
     cfg = build_config(config, world)
+    if _RUNTIME is not None:
+        if _RUNTIME.checkpoint_saver is not None:  # the previous job's save in flight ends first
+            try:
+                _RUNTIME.checkpoint_saver.wait()
+            except Exception as e:  # noqa: BLE001 - that job is over: say what it lost
+                logger.error("the previous job's asynchronous checkpoint failed: %s", str(e).splitlines()[0])
+        for lock in _RUNTIME.held_locks.values():
+            lock.release()
     _ensure_process_group(timedelta(seconds=timeout_s))
     device = _device()
     layout, ep = mesh_layout(cfg), cfg.expert_parallel_degree

@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import runtime
-from . import commit, export_dtype, full, single_file
+from . import commit, export_dtype, full, full_load, partial_load, single_file
+from .async_save import AsyncSaver
 from . import partial as partial_ckpt
 from .errors import run_phase
-from .full_load import load_weights
+from .files import CheckpointFiles
 from .parts import USER_CONTENT, LoadReport, read_user_content
 from .pending import PendingResume
 
@@ -23,7 +24,7 @@ from .pending import PendingResume
 def save_checkpoint(path: str | Path, tag: str, partial: bool = True, model=None, optimizer=None,
                     user_content: Any = None, translate_if_full: bool = True,
                     num_kept_partial_checkpoints: int | None = None, trust_user_content: bool = False,
-                    dtype=None) -> None:
+                    dtype=None, async_save: bool = False) -> None:
     """Save a checkpoint (a collective: call it on every rank).
 
     Args:
@@ -31,7 +32,9 @@ def save_checkpoint(path: str | Path, tag: str, partial: bool = True, model=None
         tag: the checkpoint's name, e.g. ``f"step_{step}"``.
         partial: True writes ``path/{tag}_partial/`` (model, optimizer and user content as DCP
             parts, reloadable at any TP/DP layout); False writes ``path/{tag}/``, a Hugging Face
-            model directory, and ``path/user_content_{tag}``.
+            model directory (a model without an HF key table: its unsharded state dict in
+            safetensors), and ``path/user_content_{tag}``; a ``tag`` ending in ``.pt``, ``.pth``
+            or ``.bin`` writes SageMaker's single file ``path/{tag}`` instead.
         model, optimizer: default to the last ``DistributedModel`` / ``DistributedOptimizer``
             created (``optimizer`` is not saved by a full checkpoint).
         user_content: returned by ``resume_from_checkpoint``: tensors, numbers, strings, None,
@@ -43,6 +46,11 @@ def save_checkpoint(path: str | Path, tag: str, partial: bool = True, model=None
             then needs ``trust_user_content=True`` and runs whatever code the file names.
         dtype: full checkpoints only: export in ``torch.float32`` (a half-precision run's fp32
             master weights), ``torch.float16`` or ``torch.bfloat16``; None: the training dtype.
+        async_save: partial checkpoints only: return once this rank's state is copied to host
+            staging buffers; a background thread writes, fsyncs and commits it (see
+            ``async_save``). Its error is raised on every rank by the next save,
+            ``wait_for_checkpoints()`` or ``resume_from_checkpoint``; at exit the library waits
+            for it.
 
     Raises:
         ValueError: for bad arguments, before anything is written.
@@ -55,12 +63,39 @@ def save_checkpoint(path: str | Path, tag: str, partial: bool = True, model=None
     if partial and dtype is not None:
         raise ValueError("dtype= applies to full checkpoints (partial=False); a partial checkpoint keeps the "
                          "training dtype and the fp32 master weights")
+    if async_save and not partial:
+        raise ValueError("async_save=True applies to partial checkpoints; a full checkpoint is written synchronously")
+    wait_for_checkpoints()  # at most one save in flight; its error surfaces here
     if partial:
+        saver = _saver() if async_save else None
         partial_ckpt.save(Path(path), tag, model, optimizer, user_content, num_kept_partial_checkpoints,
-                          trust_user_content)
+                          trust_user_content, saver)
+    elif single_file.is_file_tag(tag):
+        single_file.save(Path(path), tag, model, user_content, translate_if_full, trust_user_content, dtype)
     else:
         full.save(Path(path), tag, model, user_content, translate_if_full, trust_user_content=trust_user_content,
                   dtype=dtype)
+
+
+def _saver() -> AsyncSaver:
+    rt = runtime.current()
+    if rt.checkpoint_saver is None:
+        rt.checkpoint_saver = AsyncSaver()
+    return rt.checkpoint_saver
+
+
+def wait_for_checkpoints() -> None:
+    """Wait for the asynchronous save in flight (if any) to be committed; raise its error on
+    every rank if it failed. Call it on every rank (the error is agreed by all of them)."""
+    rt = runtime.current() if runtime.is_initialized() else None
+    if rt is not None and rt.checkpoint_saver is not None:
+        rt.checkpoint_saver.wait()
+
+
+def checkpoint_staging_bytes() -> int:
+    """Host memory this rank holds for asynchronous saves (kept and reused between saves)."""
+    rt = runtime.current() if runtime.is_initialized() else None
+    return rt.checkpoint_saver.stager.nbytes if rt is not None and rt.checkpoint_saver is not None else 0
 
 
 def _defaults(model, optimizer):
@@ -114,9 +149,9 @@ def resume_from_checkpoint(path: str | Path, tag: str | None = None, partial: bo
             pickle: this runs whatever code the file names; only for files you wrote).
 
     If the ``DistributedModel`` (or optimizer) does not exist yet, its load happens when it is
-    created. Every file is verified against the manifest's checksums first, and every part is
-    checked (keys, shapes) before any tensor changes: a failed resume changes nothing and leaves
-    no load pending.
+    created. Every part is read into staging, each file verified against the manifest's checksum
+    as it is read, and checked (keys, shapes, config) before any tensor changes: a failed resume
+    changes nothing and leaves no load pending.
 
     Raises:
         CheckpointError (on every rank; also a ``FileNotFoundError`` / ``ValueError`` when every
@@ -124,48 +159,49 @@ def resume_from_checkpoint(path: str | Path, tag: str | None = None, partial: bo
             missing checkpoint; another architecture; strict mismatches (all listed); a missing,
             truncated, corrupted or unlisted file (named); content a checkpoint may not hold.
     """
+    wait_for_checkpoints()  # never read what a save in flight is writing
     rt = runtime.current()
     if rt.resume is not None:  # a new resume replaces one still waiting, even if it fails
         rt.resume.armed = False
     path = Path(path)
-    if not partial and tag is not None and single_file.is_single_file(path, tag):
-        content, pending = single_file.prepare(path, tag, strict, translate_function, trust_user_content)
+    name = tag if tag is not None or partial else run_phase("resume (locate)", lambda: commit.read_newest(path)
+                                                           if path.is_dir() else None)[0]
+    if not partial and name is not None and single_file.is_single_file(path, name):
+        content, pending = single_file.prepare(path, name, strict, translate_function, trust_user_content)
     else:
         content, pending = _prepare(path, tag, partial, strict, load_optimizer, translate_function,
                                     trust_user_content)
     model, optimizer = _defaults(None, None)
     rt.resume = pending
     if model is not None:
-        pending.on_model(model, optimizer if pending.load_optimizer is not None else None)
+        pending.on_model(model, optimizer if pending.prepare_optimizer is not None else None)
     return content
 
 
 def _prepare(path: Path, tag, partial: bool, strict: bool, load_optimizer: bool, translate_function,
              trusted: bool):
-    """Locate and verify the checkpoint, read its user content: (content, PendingResume)."""
+    """Locate the checkpoint, check its structure, read its user content: (content, PendingResume)."""
     directory = Path(locate(path, tag, partial))
-    manifest = run_phase("resume (manifest)", lambda: _manifest(directory, trusted))[0]
+    files = CheckpointFiles(directory, run_phase("resume (manifest)", lambda: _manifest(directory, trusted))[0])
+    if not partial:
+        content = full.resume(path, files, trusted)
+        return content, PendingResume(lambda model: _full_model(files, model, strict, translate_function))
+    prefixes = (partial_ckpt.MODEL + "/", USER_CONTENT) + ((partial_ckpt.OPTIMIZER + "/",) if load_optimizer else ())
+    partial_load.verify(files, prefixes)
     found: dict[str, Any] = {}
-    if partial:
-        prefixes = (partial_ckpt.MODEL + "/", USER_CONTENT)
-        prefixes += (partial_ckpt.OPTIMIZER + "/",) if load_optimizer else ()
-        partial_ckpt.verify(directory, manifest, prefixes)
-        run_phase("resume (user content)",
-                  lambda: found.update(content=read_user_content(directory / USER_CONTENT, trusted)))
-        pending = PendingResume(
-            lambda model: partial_ckpt.check_model(directory, manifest, model, strict),
-            lambda model, plan: partial_ckpt.load_model(directory, manifest, model, plan))
-        if load_optimizer:
-            pending.check_optimizer_names = lambda model: run_phase(
-                "load (optimizer: names)", lambda: partial_ckpt.check_optimizer_names(directory, manifest, model, strict))
-            pending.plan_optimizer = lambda model, opt: partial_ckpt.plan_optimizer(directory, manifest, model, opt, strict)
-            pending.load_optimizer = lambda model, opt, plan: partial_ckpt.load_optimizer(
-                directory, manifest, model, opt, plan)
-    else:
-        found["content"] = full.resume(path, directory, manifest, trusted)
-        pending = PendingResume(lambda model: None,
-                                lambda model, _: _load_full(directory, manifest, model, strict, translate_function))
+    run_phase("resume (user content)",
+              lambda: found.update(content=read_user_content(files.read(USER_CONTENT), directory / USER_CONTENT,
+                                                             trusted)))
+    pending = PendingResume(lambda model: partial_load.prepare_model(files, model, strict))
+    if load_optimizer:
+        pending.check_optimizer_names = lambda model: partial_load.check_optimizer_names(files, model, strict)
+        pending.prepare_optimizer = lambda model, opt: partial_load.prepare_optimizer(files, model, opt, strict)
     return found["content"], pending
+
+
+def _full_model(files: CheckpointFiles, model, strict: bool, translate_function):
+    run_phase("full load (architecture)", lambda: partial_ckpt.check_architecture(files.manifest, model))
+    return full_load.prepare(files, model, strict, translate_function)
 
 
 def _manifest(directory: Path, trusted: bool) -> dict:
@@ -175,12 +211,6 @@ def _manifest(directory: Path, trusted: bool) -> dict:
                          "pickle, which runs code when read. Resume with trust_user_content=True only if you "
                          "trust whoever wrote it")
     return manifest
-
-
-def _load_full(directory: Path, manifest: dict, model, strict: bool, translate_function) -> LoadReport:
-    run_phase("full load (architecture)", lambda: partial_ckpt.check_architecture(manifest, model))
-    return run_phase("full load (weights)", lambda: load_weights(directory, manifest, model, strict,
-                                                                 translate_function))[0]
 
 
 def last_load_report() -> dict[str, LoadReport]:

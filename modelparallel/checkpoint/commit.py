@@ -23,8 +23,10 @@ Everything here is local file work; the caller decides which rank does what.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
+import logging
 import mmap
 import os
 import re
@@ -39,10 +41,13 @@ except ImportError:  # pragma: no cover - depends on the environment
     from zlib import crc32
 
 from .errors import CheckpointError
+from .files import check_file
+from .writer import named
 from .lock import LOCK, DirectoryLock, DirectoryLocked  # noqa: F401 - part of this module's API
 from .manifest import (  # noqa: F401 - part of this module's API
     MANIFEST, ManifestError, check_committed, manifest_problems, read_manifest, safe_name, unlisted_files)
 
+logger = logging.getLogger("modelparallel")
 HIDDEN = ".mp-"
 _DCP_DATA = re.compile(r"(?:^|/)__(\d+)_\d+\.distcp$")
 NEWEST = "newest"
@@ -58,12 +63,16 @@ def hidden_name(kind: str, nonce: str, name: str) -> str:
 
 
 def fsync_path(path: str | Path) -> None:
-    """fsync a file or a directory (a directory's fsync persists the names in it)."""
-    fd = os.open(path, os.O_RDONLY)
+    """fsync a file or a directory (a directory's fsync persists the names in it); an error
+    names ``path``."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise named(e, path) from None
 
 
 def fsync_tree(root: str | Path) -> None:
@@ -73,30 +82,42 @@ def fsync_tree(root: str | Path) -> None:
 
 
 def write_file_atomic(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a crash leaves either the old file or the new one."""
+    """Write ``data`` to ``path`` so that a crash leaves either the old file or the new one; a
+    failed write removes its temporary file and raises naming ``path``."""
     path = Path(path)
     tmp = path.parent / hidden_name("tmp", new_nonce(), path.name)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise named(e, path) from None
     fsync_path(path.parent)
 
 
 def file_checksum(path: str | Path, fsync: bool = False) -> dict:
     """``{"size", "crc32"}`` of a file. With ``fsync`` the file is also flushed to disk, in a
     thread while the CRC is computed: the disk write-back and the CPU work overlap (the CRC releases
-    the GIL), so checksumming a just-written checkpoint costs about what its fsync costs alone."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        sync = _Background(os.fsync, f.fileno()) if fsync else None
-        crc = 0
-        if size:
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:  # no copies: ~2x read()
-                crc = crc32(view)
-        if sync is not None:
-            sync.join()
+    the GIL), so checksumming a just-written checkpoint costs about what its fsync costs alone.
+    An error names ``path``."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            sync = _Background(os.fsync, f.fileno()) if fsync else None
+            crc = 0
+            try:
+                if size:
+                    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:  # no copies: ~2x read()
+                        crc = crc32(view)
+            finally:
+                if sync is not None:
+                    sync.join()
+    except OSError as e:
+        raise named(e, path) from None
     return {"size": size, "crc32": f"{crc:08x}"}
 
 
@@ -146,23 +167,9 @@ def share(sizes: dict[str, int], rank: int, world: int) -> list[str]:
 
 
 def verify_file(root: str | Path, rel: str, expected: dict) -> str | None:
-    """None if ``root/rel`` has the recorded size and CRC32, else a message naming the file."""
-    from .safe_load import UnsafeCheckpointError, inside
-
-    try:
-        path = inside(root, rel, f"the manifest of {root}")
-    except UnsafeCheckpointError as e:
-        return str(e)
-    if path.is_symlink() or not path.is_file():
-        return f"{path}: missing (listed in the manifest)" if not path.is_symlink() else \
-            f"{path}: a symlink (a checkpoint holds regular files only)"
-    size = path.stat().st_size
-    if size != expected["size"]:
-        return f"{path}: size {size} bytes, manifest says {expected['size']} (truncated or overwritten)"
-    got = file_checksum(path)["crc32"]
-    if got != expected["crc32"]:
-        return f"{path}: CRC32 {got}, manifest says {expected['crc32']} (corrupted)"
-    return None
+    """None if ``root/rel`` is a regular file inside ``root`` (no symlink on the way) with the
+    recorded size and CRC32, else a message naming the file."""
+    return check_file(root, rel, expected)
 
 
 def write_manifest(directory: str | Path, manifest: dict) -> None:
@@ -214,15 +221,44 @@ def remove_dir(directory: str | Path) -> None:
     shutil.rmtree(trash)
 
 
+_OURS = re.compile(r"^\.mp-(staging|tmp|trash)-[0-9a-f]{12}-[^/]+$")
+"""The names of the temporaries this module makes (``hidden_name``); nothing else is removed."""
+
+
 def clean_leftovers(path: str | Path) -> list[str]:
-    """Remove what interrupted saves left in ``path`` (hidden ``.mp-`` entries only). Call it
-    only while holding ``DirectoryLock``: then no other live job has anything in ``path``."""
+    """Remove what interrupted saves left in ``path``: entries named as this module names its
+    temporaries (a user's other ``.mp-*`` entries stay). Call it only while holding
+    ``DirectoryLock``: then no other live job has anything in ``path``."""
     removed = []
     for entry in sorted(Path(path).iterdir()):
-        if entry.name.startswith(HIDDEN) and entry.name != LOCK:
+        if _OURS.match(entry.name):
             shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
             removed.append(entry.name)
     return removed
+
+
+def check_replaceable(path: str | Path, name: str, single_file: bool = False) -> None:
+    """A save of checkpoint ``name`` may replace ``path/name`` only if it is a checkpoint this
+    library wrote (a real directory with a readable manifest; with ``single_file``, a regular
+    file), never a symlink or anything else.
+
+    Raises:
+        ValueError: naming the entry, before anything is written.
+    """
+    entry = Path(path) / name
+    if entry.is_symlink():
+        raise ValueError(f"{entry}: {name!r} is a symlink (to {os.readlink(entry)}); a save never replaces a "
+                         "link or writes through it: remove it or choose another tag")
+    if single_file:
+        if entry.exists() and not entry.is_file():
+            raise ValueError(f"{entry} exists and is not a file; a single-file checkpoint never replaces it")
+        return
+    if entry.exists():
+        try:
+            read_manifest(entry)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{entry} exists and is not a checkpoint this library wrote ({e}); a save never "
+                             "replaces it: remove it or choose another tag") from None
 
 
 def new_staging(path: str | Path, name: str) -> Path:
@@ -249,16 +285,27 @@ def read_newest(path: str | Path) -> str | None:
 
 def saved_checkpoints(path: str | Path, suffix: str = "_partial") -> list[tuple[int, str]]:
     """(saved_at_ns, directory name) of every complete checkpoint ending in ``suffix``, oldest
-    first. Complete means it holds a readable manifest; anything else is never counted."""
+    first. Complete means a real directory (not a symlink) holding a readable manifest of this
+    library; anything else is never counted, never deleted."""
     found = []
     for entry in Path(path).iterdir():
         if entry.is_dir() and not entry.is_symlink() and not entry.name.startswith(HIDDEN) \
                 and entry.name.endswith(suffix):
             try:
                 found.append((int(read_manifest(entry)["saved_at_ns"]), entry.name))
-            except (OSError, ValueError, KeyError, CheckpointError):
+            except (OSError, ValueError, KeyError, TypeError, CheckpointError):
                 continue
     return sorted(found)
+
+
+def retain(path: str | Path, keep: int, protect: str) -> list[str]:
+    """``apply_retention`` after a committed save: a checkpoint that cannot be deleted is
+    logged, not raised (the save itself succeeded; the next save tries again)."""
+    try:
+        return apply_retention(path, keep, protect)
+    except (OSError, CheckpointError, ValueError) as e:
+        logger.warning("checkpoint retention in %s failed (the save itself succeeded): %s", path, e)
+        return []
 
 
 def apply_retention(path: str | Path, keep: int, protect: str | None) -> list[str]:

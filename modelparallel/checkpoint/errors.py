@@ -60,7 +60,7 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def agree(phase: str, error: BaseException | None, payload: Any = None) -> list[Any]:
+def agree(phase: str, error: BaseException | None, payload: Any = None, group=None) -> list[Any]:
     """Share each rank's outcome of ``phase``; raise on every rank if any rank failed.
 
     Returns:
@@ -68,30 +68,75 @@ def agree(phase: str, error: BaseException | None, payload: Any = None) -> list[
 
     Raises:
         CheckpointError: naming the phase and each failing rank's error (chained to this rank's
-            own exception, if it had one).
+            own exception, if it had one); the error a rank reports first is one that started
+            on that rank (DCP passes a failure on to every rank). If a peer died, naming it.
     """
     root = cause(error) if error is not None else None
     mine = None if root is None else (type(root).__name__, _message(root))
-    here = origin(error, dist.get_rank() if dist.is_initialized() else 0) if error is not None else None
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    here = origin(error, rank) if error is not None else None
     outcomes = [(mine, payload, here)]
     if _world() > 1:
         outcomes = [None] * _world()
-        dist.all_gather_object(outcomes, (mine, payload, here), group=object_group())
+        try:
+            dist.all_gather_object(outcomes, (mine, payload, here), group=group or object_group())
+        except (RuntimeError, dist.DistBackendError) as lost:
+            raise peer_lost(phase, lost) from (error or lost)
     failed = [(r, e) for r, (e, _, _) in enumerate(outcomes) if e is not None]
     if failed:
+        started = [(r, e) for r, e in failed if outcomes[r][2] == r] or failed
         by_error: dict[tuple[str, str], list[int]] = {}
-        for r, e in failed:
+        for r, e in started:
             by_error.setdefault(e, []).append(r)
         lines = [f"rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))}: {name}: {msg}"
                  for (name, msg), rs in by_error.items()]
-        cls = _error_class({name for _, (name, _) in failed})
-        first_rank, (name, msg) = failed[0]
+        cls = _error_class({name for _, (name, _) in started})
+        first_rank, (name, msg) = started[0]
         first_rank = outcomes[first_rank][2]  # where DCP says the error happened
         lead = msg.splitlines()[0] if msg.strip() else name
         raise cls(f"{lead} (rank {first_rank}, during checkpoint {phase})\n"
                   f"checkpoint {phase} failed on rank(s) {[r for r, _ in failed]}:\n  "
                   + "\n  ".join(lines)) from error
     return [p for _, p, _ in outcomes]
+
+
+ROLL_CALL_S = 3.0
+"""How long the survivors of a broken collective wait for each other before naming who is missing."""
+
+
+def peer_lost(phase: str, lost: BaseException) -> CheckpointError:
+    """The error for a collective broken by a peer that died (SIGKILL, crash) or hangs: the
+    survivors answer a roll call through the job's store, and the ranks that do not answer
+    within ``ROLL_CALL_S`` are named."""
+    first = str(lost).strip().splitlines()[0] if str(lost).strip() else type(lost).__name__
+    missing = roll_call(f"modelparallel/checkpoint/alive/{phase}")
+    if missing is None:
+        who = "a peer rank stopped answering (which one could not be told: the job's store is gone too)"
+    else:
+        who = f"rank{'s' * (len(missing) > 1)} {', '.join(map(str, missing))} died or stopped answering"
+    return CheckpointError(f"{who} (rank {dist.get_rank()}, during checkpoint {phase})\n"
+                           f"the collective failed with: {first[:300]}")
+
+
+def roll_call(key: str) -> list[int] | None:
+    """Ranks that did not answer: each survivor counts itself in under ``key/{rank}`` (a count,
+    so an earlier roll call of the same phase does not answer for a rank that died since), then
+    waits for every rank to reach its own count. None if the store cannot be used."""
+    import time
+
+    from ..compat import default_store
+
+    try:
+        store, rank = default_store(), dist.get_rank()
+        mine = store.add(f"{key}/{rank}", 1)
+        deadline = time.monotonic() + ROLL_CALL_S
+        while True:
+            missing = [r for r in range(_world()) if r != rank and store.add(f"{key}/{r}", 0) < mine]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - any store failure: we cannot tell
+        return None
 
 
 def cause(error: BaseException) -> BaseException:
@@ -101,6 +146,10 @@ def cause(error: BaseException) -> BaseException:
     while isinstance(error, CheckpointException) and error.failures:
         inner = next(iter(error.failures.values()))
         error = inner[0] if isinstance(inner, tuple) else inner
+    # torch.save's zip writer reports a failed write of its file object as "unexpected pos ...";
+    # the OSError that caused it (disk full, EIO) is its context
+    if isinstance(error, RuntimeError) and "unexpected pos" in str(error) and isinstance(error.__context__, OSError):
+        return error.__context__
     return error
 
 
@@ -121,17 +170,20 @@ def _message(error: BaseException) -> str:
     return str(error)
 
 
-def run_phase(phase: str, fn: Callable[[], Any]) -> list[Any]:
-    """Run ``fn()`` on this rank, then ``agree``: every rank returns all ranks' results, or every
-    rank raises ``CheckpointError`` if ``fn`` raised anywhere."""
+def run_phase(phase: str, fn: Callable[[], Any], group=None) -> list[Any]:
+    """Run ``fn()`` on this rank, then ``agree`` (over ``group``, default ``object_group()``):
+    every rank returns all ranks' results, or every rank raises ``CheckpointError`` if ``fn``
+    raised anywhere."""
     try:
         result, error = fn(), None
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported to every rank by agree()
         result, error = None, e
-    return agree(phase, error, result)
+    return agree(phase, error, result, group)
 
 
 def single_error(phase: str, errors: list[str]) -> None:
-    """Raise one error listing every problem found (e.g. by all ranks' checksum checks)."""
+    """Raise one error listing every problem found (e.g. by all ranks' checksum checks), the
+    first one on the first line (it names the file and what is wrong with it)."""
     if errors:
-        raise CheckpointError(f"checkpoint {phase}:\n  - " + "\n  - ".join(errors))
+        more = f" and {len(errors) - 1} more" if len(errors) > 1 else ""
+        raise CheckpointError(f"{errors[0].splitlines()[0]} (checkpoint {phase}{more})\n  - " + "\n  - ".join(errors))

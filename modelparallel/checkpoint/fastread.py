@@ -1,40 +1,40 @@
-"""DCP reads straight into the live tensors when the layout did not change.
+"""DCP's storage reader for our checkpoints: every file verified while it is read, chunks read
+straight into their destination when the layout did not change.
 
-``torch.distributed.checkpoint``'s ``FileSystemReader`` loads every stored chunk with
-``torch.load``: a fresh tensor is allocated (page faults on memory the process already holds
-once), filled, and then copied into the model's tensor. When a chunk is exactly the slice the
-loading rank needs (same TP/DP layout as at save time, the common resume), the bytes on disk are
-already the tensor's row-major bytes, so they can be read directly into the destination with one
-``preadv``: no allocation, one copy instead of two. That saving pays for checksum verification
-and more (see ``bench/bench_checkpoint.py``).
+``torch.distributed.checkpoint``'s ``FileSystemReader`` opens the files DCP's metadata names (any
+path: ``../x``, a FIFO) and loads each stored chunk with ``torch.load`` into a fresh tensor that
+is then copied into the destination. ``FastReader`` instead goes through the checkpoint's
+manifest (``files.CheckpointFiles``): it opens only listed regular files, without following
+links, reads each file once from front to back through one descriptor, hashing every byte, and
+raises naming the file if size or CRC32 differ from the manifest when the file is done. The
+destinations are the caller's staging tensors (nothing live changes until every rank read and
+verified everything).
 
-The bytes are found through the zip directory at the end of the chunk (``torch.save`` writes a
-zip whose tensor record is stored uncompressed), read with two small ``pread``s. Only checkpoints
-written with ``ContiguousSavePlanner`` take this path: it guarantees every tensor was stored
-contiguous from offset 0, which the zip directory alone cannot tell. Anything else (resharding,
-a dtype change, a non-contiguous or non-CPU destination, non-tensor entries) goes through
-DCP's own reader unchanged.
+When a chunk maps one-to-one onto a contiguous CPU destination of the saved dtype (same TP/DP
+layout as at save time, the common resume), its bytes are read straight into the destination:
+no allocation, one copy. The tensor's bytes are found through the zip directory at the end of
+the chunk (``torch.save`` writes a zip whose tensor record is stored uncompressed), read ahead
+and hashed when the read reaches it. Only checkpoints written with ``ContiguousSavePlanner``
+take this path: it guarantees every tensor was stored contiguous from offset 0, which the zip
+directory alone cannot tell. Anything else (resharding, a dtype change, non-tensor entries) is
+read whole and loaded with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import re
+import io
 import struct
 import sys
-from concurrent.futures import Future
-
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
 
 from ..compat import set_element
-from ..materialize.safetensors_io import read_exact_into
-from .safe_load import read_dcp_metadata, torch_load
+from .files import CheckpointFiles, CorruptFileError, UnsafeCheckpointError, VerifiedReader
+from .safe_load import torch_load
 
-_STORAGE_RECORD = re.compile(r"(^|/)data/\d+$")
 # zip structures, fields we do not use skipped: local file header (signature, name and extra
 # lengths), central directory entry (signature, method, sizes, name/extra/comment lengths, local
 # header offset) and end of central directory (signature, entries, directory size and offset)
@@ -53,62 +53,6 @@ class ContiguousSavePlanner(DefaultSavePlanner):
         return data.contiguous() if isinstance(data, torch.Tensor) else data
 
 
-def _records(fd: int, start: int, length: int) -> dict[str, tuple[int, int, int]] | None:
-    """``name -> (method, size, local header offset)`` from the zip central directory at the end
-    of the chunk, or None if it is not a plain (non-zip64) zip ending there."""
-    tail = os.pread(fd, min(length, _TAIL), start + length - min(length, _TAIL))
-    end = tail.rfind(b"PK\x05\x06")
-    if end < 0 or end + _END.size > len(tail):
-        return None
-    _, count, cd_size, cd_offset = _END.unpack_from(tail, end)
-    first = len(tail) - (length - cd_offset)
-    if cd_offset == 0xFFFFFFFF or not 0 <= first <= end or first + cd_size > end:
-        return None
-    out, pos = {}, first
-    for _ in range(count):
-        signature, method, csize, usize, name_len, extra_len, comment_len, local = _CENTRAL.unpack_from(tail, pos)
-        if signature != b"PK\x01\x02" or csize != usize or 0xFFFFFFFF in (csize, local):
-            return None
-        name = tail[pos + _CENTRAL.size:pos + _CENTRAL.size + name_len].decode("utf-8", "replace")
-        out[name] = (method, usize, local)
-        pos += _CENTRAL.size + name_len + extra_len + comment_len
-    return out
-
-
-def _data_range(fd: int, start: int, length: int, nbytes: int) -> int | None:
-    """Absolute offset of the tensor bytes inside the ``torch.save`` zip at ``start``, or None
-    if the chunk is not what the direct path expects: little-endian, one stored record
-    ``data/N`` of exactly ``nbytes`` bytes. Anything unusual (zip64, compression, a big-endian
-    writer) returns None and DCP's reader takes the chunk."""
-    records = _records(fd, start, length)
-    if records is None:
-        return None
-    storage = [r for name, r in records.items() if _STORAGE_RECORD.search(name)]
-    order = [r for name, r in records.items() if name.endswith("/byteorder")]
-    if len(storage) != 1 or len(order) != 1 or storage[0][:2] != (0, nbytes) or sys.byteorder != "little":
-        return None
-    data = [_payload(fd, start, r) for r in (order[0], storage[0])]
-    if None in data or os.pread(fd, order[0][1], data[0]).strip() != b"little" or data[1] + nbytes > start + length:
-        return None
-    return data[1]
-
-
-def _payload(fd: int, start: int, record: tuple[int, int, int]) -> int | None:
-    """Absolute offset of a record's bytes: after its local header, whose name and extra field
-    lengths may differ from the central directory's."""
-    header = os.pread(fd, _LOCAL_HEADER.size, start + record[2])
-    if len(header) != _LOCAL_HEADER.size:
-        return None
-    signature, name_len, extra_len = _LOCAL_HEADER.unpack(header)
-    return start + record[2] + _LOCAL_HEADER.size + name_len + extra_len if signature == b"PK\x03\x04" else None
-
-
-def _read_into(fd: int, offset: int, target: torch.Tensor, path: str) -> None:
-    """Fill the contiguous CPU ``target`` with the bytes at ``offset`` (one seam, so a test can
-    watch which reads take the direct path)."""
-    read_exact_into(fd, offset, target, path)
-
-
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, except that non-tensor entries (hyperparameters, the loss
     scale) are read with ``weights_only=True``: DCP's own planner unpickles them freely."""
@@ -122,50 +66,147 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = obj
 
 
-class FastReader(FileSystemReader):
-    """``FileSystemReader`` with the direct path described in the module docstring for chunks
-    that map one-to-one onto a destination; every other item is left to DCP. The metadata is
-    read by a restricted unpickler (``safe_load``), never by plain ``pickle``."""
+def _records(tail: bytes, length: int) -> dict[str, tuple[int, int, int]] | None:
+    """``name -> (method, size, local header offset)`` from the zip central directory in
+    ``tail`` (the last bytes of a chunk of ``length`` bytes), or None if it is not a plain
+    (non-zip64) zip ending there."""
+    end = tail.rfind(b"PK\x05\x06")
+    if end < 0 or end + _END.size > len(tail):
+        return None
+    _, count, cd_size, cd_offset = _END.unpack_from(tail, end)
+    first = len(tail) - (length - cd_offset)
+    if cd_offset == 0xFFFFFFFF or not 0 <= first <= end or first + cd_size > end:
+        return None
+    out, pos = {}, first
+    for _ in range(count):
+        if pos + _CENTRAL.size > end:
+            return None
+        signature, method, csize, usize, name_len, extra_len, comment_len, local = _CENTRAL.unpack_from(tail, pos)
+        if signature != b"PK\x01\x02" or csize != usize or 0xFFFFFFFF in (csize, local):
+            return None
+        name = tail[pos + _CENTRAL.size:pos + _CENTRAL.size + name_len].decode("utf-8", "replace")
+        out[name] = (method, usize, local)
+        pos += _CENTRAL.size + name_len + extra_len + comment_len
+    return out
 
-    def __init__(self, path, contiguous: bool):
-        super().__init__(path)
-        self.contiguous = contiguous
+
+def _data_layout(tail: bytes, length: int, nbytes: int) -> tuple[int, int] | None:
+    """(local header offset of the tensor record, of the byteorder record) inside a chunk, or
+    None if the chunk is not what the direct path expects: one stored record ``data/N`` of
+    exactly ``nbytes`` bytes, little-endian, the byteorder record before the data. Anything
+    unusual (zip64, compression, another writer) returns None and the chunk is read whole."""
+    records = _records(tail, length)
+    if records is None:
+        return None
+    storage = [r for name, r in records.items() if name.rpartition("/data/")[2].isdigit() and "/data/" in name]
+    order = [r for name, r in records.items() if name.endswith("/byteorder")]
+    if len(storage) != 1 or len(order) != 1 or storage[0][:2] != (0, nbytes) or sys.byteorder != "little" \
+            or order[0][2] >= storage[0][2]:
+        return None
+    return storage[0][2], order[0][2]
+
+
+def _payload(head: bytes, local: int) -> int | None:
+    """Offset of a record's bytes after its local header at ``local`` in ``head``."""
+    if local + _LOCAL_HEADER.size > len(head):
+        return None
+    signature, name_len, extra_len = _LOCAL_HEADER.unpack_from(head, local)
+    return local + _LOCAL_HEADER.size + name_len + extra_len if signature == b"PK\x03\x04" else None
+
+
+def _read_into(reader: VerifiedReader, target: torch.Tensor) -> None:
+    """Fill the contiguous CPU ``target`` with the reader's next bytes (one seam, so a test can
+    watch which reads take the direct path)."""
+    reader.read_into(memoryview(target.view(-1).view(torch.uint8).numpy()))
+
+
+class FastReader(FileSystemReader):
+    """DCP storage reader of one part of a committed checkpoint: verified reads through the
+    manifest, direct reads where a chunk maps one-to-one (see the module docstring)."""
+
+    def __init__(self, files: CheckpointFiles, part: str, contiguous: bool):
+        super().__init__(files.directory / part)
+        self.files, self.part, self.contiguous = files, part, contiguous
 
     def read_metadata(self, *args, **kwargs):
-        metadata = read_dcp_metadata(self._get_metadata_path(kwargs.get("rank")))
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        metadata = self.files.metadata(self.part)
         if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        rest = [req for req in plan.items if not self._read_direct(req, planner)] \
-            if self.contiguous else plan.items
-        return super().read_data(dataclasses.replace(plan, items=rest), planner)
+        by_file: dict[str, dict[tuple[int, int], list[ReadItem]]] = {}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            if getattr(info, "transform_descriptors", None):
+                raise UnsafeCheckpointError(f"{self.path}: entry {item.storage_index.fqn!r} was written with storage "
+                                            f"transforms {info.transform_descriptors}, which this reader does not apply")
+            rel = f"{self.part}/{info.relative_path}" if isinstance(info.relative_path, str) else info.relative_path
+            self.files.entry(rel)  # listed, or refused naming it: DCP's metadata may name any path
+            by_file.setdefault(rel, {}).setdefault((info.offset, info.length), []).append(item)
+        for rel in sorted(by_file):
+            with self.files.reader(rel) as reader:
+                for (offset, length), reqs in sorted(by_file[rel].items()):
+                    reader.skip_to(offset)
+                    self._read_chunk(reader, length, reqs, planner)
+                reader.finish()
+        done: Future = Future()
+        done.set_result(None)
+        return done
 
-    def _read_direct(self, req: ReadItem, planner: LoadPlanner) -> bool:
-        """Read ``req`` into its destination and commit it; False (nothing done) if it does not
-        map one-to-one onto a contiguous CPU destination of the saved dtype."""
-        if req.type != LoadItemType.TENSOR or any(req.storage_offsets):
-            return False
+    def _read_chunk(self, reader: VerifiedReader, length: int, reqs: list[ReadItem], planner: LoadPlanner) -> None:
+        start = reader.pos
+        prefix = self._read_direct(reader, length, reqs[0], planner) if len(reqs) == 1 else b""
+        if prefix is None:
+            return
+        data = io.BytesIO(bytes(prefix) + bytes(reader.read(length - len(prefix))))
+        tensor = None
+        for req in reqs:
+            data.seek(0)
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, data)
+                continue
+            if tensor is None:
+                tensor = torch_load(data, name=f"{reader.path} (entry {req.storage_index.fqn!r} at byte {start})")
+            piece = tensor
+            for dim, (offset, size) in enumerate(zip(req.storage_offsets, req.lengths)):
+                piece = piece.narrow(dim, offset, size)
+            target = planner.resolve_tensor(req).detach()
+            if target.size() != piece.size():
+                raise CorruptFileError(f"{reader.path}: entry {req.storage_index.fqn!r} holds {tuple(piece.shape)}, "
+                                       f"its metadata says {tuple(target.shape)}")
+            target.copy_(piece)
+            planner.commit_tensor(req, target)
+
+    def _read_direct(self, reader: VerifiedReader, length: int, req: ReadItem, planner: LoadPlanner):
+        """Read ``req`` straight into its destination and commit it: None when done, else the
+        bytes of the chunk already consumed (the caller reads the rest and loads it whole)."""
+        if not self.contiguous or req.type != LoadItemType.TENSOR or any(req.storage_offsets):
+            return b""
         target = planner.resolve_tensor(req).detach()
-        saved = getattr(planner, "metadata", None)
-        saved = saved.state_dict_metadata.get(req.storage_index.fqn) if saved is not None else None
+        saved = planner.metadata.state_dict_metadata.get(req.storage_index.fqn)
         if target.device.type != "cpu" or not target.is_contiguous() or target.numel() == 0 \
-                or getattr(getattr(saved, "properties", None), "dtype", None) != target.dtype:
-            return False
-        info = self.storage_data[req.storage_index]
-        if getattr(info, "transform_descriptors", None):
-            return False
-        path = str(self.fs.concat_path(self.path, info.relative_path))
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            offset = _data_range(fd, info.offset, info.length, target.numel() * target.element_size())
-            if offset is None:
-                return False
-            _read_into(fd, offset, target, path)
-        finally:
-            os.close(fd)
+                or getattr(getattr(saved, "properties", None), "dtype", None) != target.dtype \
+                or tuple(req.lengths) != tuple(target.shape):
+            return b""
+        nbytes = target.numel() * target.element_size()
+        start = reader.pos
+        tail = reader.prefetch(start + length - min(length, _TAIL), min(length, _TAIL))
+        layout = _data_layout(tail, length, nbytes)
+        if layout is None:
+            return b""
+        data_header, order_header = layout
+        head = reader.read(data_header + _LOCAL_HEADER.size)
+        data_at, order_at = _payload(head, data_header), _payload(head, order_header)
+        if data_at is None or order_at is None or order_at + 6 > data_header:
+            raise CorruptFileError(f"{reader.path}: chunk of {req.storage_index.fqn!r} at byte {start}: its zip "
+                                   "headers do not match its directory (damaged)")
+        head += reader.read(data_at - len(head))
+        if bytes(head[order_at:order_at + 6]) != b"little" or data_at + nbytes > length:
+            return head
+        _read_into(reader, target)
         planner.commit_tensor(req, target)
-        return True
+        return None

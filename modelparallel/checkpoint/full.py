@@ -3,14 +3,17 @@
 Export streams tensor by tensor: the shards of one tensor are sent to global rank 0 (every rank
 of its TP group takes part, for every tensor, in the same order; a tensor of a later pipeline
 stage is gathered on that stage and sent on), rank 0 translates it to HF's layout and appends it
-to its planned safetensors shard, and the tensor is dropped before the next one. Rank 0 holds at most one full tensor and one shard beyond its own shards; the others
-nothing new. A write error on rank 0 does not stop its receives (the senders would wait
-forever); it is reported once every tensor has been sent.
+to its planned safetensors shard, and the tensor is dropped before the next one. Rank 0 holds
+at most one full tensor and one shard beyond its own shards; the others nothing new. A write
+error on rank 0 does not stop its receives (the senders would wait forever); it is reported
+once every tensor has been sent.
 
 The directory holds ``config.json``, ``model.safetensors`` (or shards and their index) and
-``checkpoint_manifest.json``; ``from_pretrained`` loads it as is. Without a translation (or with
-``translate_if_full=False``) the weights are the distributed format in ``full_state_dict*.safetensors``.
-User content goes to ``path/user_content_{tag}``. Commit rules are those of partial checkpoints.
+``checkpoint_manifest.json``; ``from_pretrained`` loads it as is. A model without a key table
+(``smp.nn`` modules, registered modules, other architectures) stores its unsharded module's
+state dict in ``full_state_dict*.safetensors`` (and ``config.json`` only if it has an HF config);
+``translate_if_full=False`` stores the distributed format there (see ``layouts``). User content
+goes to ``path/user_content_{tag}``. Commit rules are those of partial checkpoints.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from __future__ import annotations
 import copy
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,27 +30,17 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import runtime
 from ..tp.layout import block_slices, local_block
-from . import commit, export_dtype, parts
+from . import commit, export_dtype, layouts, parts
 from .errors import run_phase
-from .partial import describe, verify
+from .files import CheckpointFiles, read_verified
+from .layouts import Items
+from .partial import describe
 from .shards import ShardWriter, plan_shards
 
 FORMAT = "modelparallel-full"
 MAX_SHARD_BYTES = 5 * 2**30
 """Largest safetensors shard written (Hugging Face's long-standing default, 5 GiB)."""
 HF_PREFIX, PLAIN_PREFIX = "model", "full_state_dict"
-
-Items = Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]]
-
-
-def translation(model_type: str | None, to_hf: bool) -> Items | None:
-    """The per-key translation (distributed -> HF, or back) of an architecture, or None."""
-    from ..nn.huggingface import from_hf_items, table_for, to_hf_items
-
-    if model_type is None or table_for(model_type) is None:
-        return None
-    fn = to_hf_items if to_hf else from_hf_items
-    return lambda key, tensor: fn(model_type, key, tensor)
 
 
 def _plan(entries: list[tuple[str, tuple, torch.dtype, int]], translate: Items | None, prefix: str, max_bytes: int):
@@ -131,11 +123,12 @@ def _to_writer(t: torch.Tensor | None, shape, dtype, stage: int, leaders: list[i
     return None
 
 
-def _stream(state, translate: Items | None, writer: ShardWriter | None,
-            entries: list[tuple[str, tuple, torch.dtype, int]]) -> Exception | None:
+def stream(state, translate: Items | None, writer: ShardWriter | None,
+           entries: list[tuple[str, tuple, torch.dtype, int]] | None = None) -> Exception | None:
     """Bring every tensor to global rank 0 in order (every rank of its TP group takes part, and
     of a later pipeline stage the rank sending it on); rank 0 (``writer``) writes each one and
-    drops it before the next."""
+    drops it before the next. ``entries``: ``_entries(state)``, gathered here if not given."""
+    entries = _entries(state) if entries is None else entries
     error = None
     leaders = runtime.members(runtime.current().world_mesh.mesh, runtime.GROUP_DIMS[runtime.PP_GROUP], 0)
     for key, shape, dtype, stage in entries:
@@ -151,7 +144,10 @@ def _stream(state, translate: Items | None, writer: ShardWriter | None,
 
 
 def _config_copy(model, dtype: torch.dtype | None = None):
-    """The HF config to store, naming the class and dtype as ``save_pretrained`` would."""
+    """The HF config to store, naming the class and dtype as ``save_pretrained`` would (None for
+    a model without one)."""
+    if getattr(model.module, "config", None) is None or not hasattr(model.module.config, "save_pretrained"):
+        return None
     config = copy.deepcopy(model.module.config)
     config.architectures = [type(model.module).__name__]
     config.dtype = dtype or next(model.module.parameters()).dtype
@@ -165,50 +161,50 @@ def save(path: Path, tag: str, model, user_content: Any, translate_if_full: bool
     the parameters' own; see ``export_dtype``). Rank 0 holds the directory's writer lock
     throughout (see ``commit.DirectoryLock``)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    translate = translation(getattr(model.module.config, "model_type", None), True) if translate_if_full else None
-    prefix = HF_PREFIX if translate else PLAIN_PREFIX
+    layout, translate = layouts.for_save(model.module, translate_if_full)
+    prefix = HF_PREFIX if layout == layouts.HF else PLAIN_PREFIX
     state = export_dtype.export_state(model, dtype)
     entries = _entries(state)
     found: dict[str, Any] = {}
-    lock = commit.DirectoryLock(path)
 
     def prepare():
         found["shards"] = _plan(entries, translate, prefix, max_shard_bytes or MAX_SHARD_BYTES)
         if rank != 0:
             return None
-        staged, found["content"] = parts.stage(path, tag, lock, user_content, trust_user_content)
+        content = path / f"user_content_{tag}"
+        if content.is_dir() and not content.is_symlink():
+            raise ValueError(f"{content} is a directory; a full checkpoint writes its user content there")
+        staged, found["content"] = parts.stage(path, tag, runtime.current().held_locks, user_content, trust_user_content)
         return staged
 
+    staging = path / run_phase("full save (prepare)", prepare)[0]
     try:
-        staging = path / run_phase("full save (prepare)", prepare)[0]
-        try:
-            writer = ShardWriter(staging, found["shards"],
-                                 {"modelparallel_format": "hf" if translate else "distributed"}) if rank == 0 else None
-            error = _stream(state, translate, writer, entries)
-            run_phase("full save (write)", lambda: _finish(path, staging, tag, model, writer, prefix,
-                                                          found.get("content"), trust_user_content, bool(translate),
-                                                          error, dtype) if rank == 0 else None)
-        except Exception:
-            if rank == 0:
-                commit.clean_leftovers(path)
-            raise
-    finally:
-        lock.release()
+        writer = ShardWriter(staging, found["shards"], {"modelparallel_format": layout}) if rank == 0 else None
+        error = stream(state, translate, writer, entries)
+        run_phase("full save (write)", lambda: _finish(path, staging, tag, model, writer, prefix, found.get("content"),
+                                                      trust_user_content, layout, error, dtype) if rank == 0 else None)
+    except Exception:
+        if rank == 0:
+            commit.clean_leftovers(path)
+        raise
     return path / tag
 
 
 def _finish(path: Path, staging: Path, tag: str, model, writer: ShardWriter, prefix: str, content: bytes,
-            trusted: bool, translated: bool, error: Exception | None, dtype: torch.dtype | None = None) -> None:
+            trusted: bool, layout: str, error: Exception | None, dtype: torch.dtype | None = None) -> None:
     """Rank 0: close the shards, write config, user content and manifest, commit, point newest."""
     if error is not None:
         raise error
     weights = writer.close(prefix)
     sums = writer.checksums()  # computed while writing (and fsynced): the weights are not re-read
-    _config_copy(model, dtype).save_pretrained(staging)
+    config = _config_copy(model, dtype)
+    if config is not None:
+        config.save_pretrained(staging)
     content_name = f"user_content_{tag}"
     content_tmp = path / commit.hidden_name("tmp", commit.new_nonce(), content_name)
     parts.write_bytes(content_tmp, content)
-    manifest = {"format": FORMAT, "version": 1, "tag": tag, "translated": translated, "weights": weights,
+    manifest = {"format": FORMAT, "version": 1, "tag": tag, "translated": layout == layouts.HF, "layout": layout,
+                "weights": weights,
                 "files": {f: sums[f] if f in sums else commit.file_checksum(staging / f, fsync=True)
                           for f in commit.data_files(staging)},
                 "user_content": {"file": content_name, **commit.file_checksum(content_tmp)},
@@ -221,21 +217,22 @@ def _finish(path: Path, staging: Path, tag: str, model, writer: ShardWriter, pre
     commit.write_newest(path, tag)
 
 
-def resume(path: Path, directory: Path, manifest: dict, trusted: bool = False) -> Any:
-    """Verify the directory and the user content (which must be ``path/user_content_{name}``);
-    return the user content, read without running code unless ``trusted``."""
-    verify(directory, manifest, ("",))
-    entry = manifest["user_content"]
+def resume(path: Path, files: CheckpointFiles, trusted: bool = False) -> Any:
+    """Check the directory's structure and read the user content (which must be
+    ``path/user_content_{name}``, verified while read); return it, read without running code
+    unless ``trusted``. The weights are verified as ``full_load`` reads them."""
+    from .partial_load import verify
 
-    def check():
+    directory, entry = files.directory, files.manifest["user_content"]
+    verify(files, ("",))
+
+    def read():
         if entry["file"] != f"user_content_{directory.name}":
             raise ValueError(f"{directory}/{commit.MANIFEST} names user content {entry['file']!r}; "
                              f"a full checkpoint's user content is user_content_{directory.name}")
-        problem = commit.verify_file(path, entry["file"], entry)
-        if problem:
-            raise ValueError(f"user content of {directory.name} does not match its manifest: {problem}")
+        data = read_verified(path, entry["file"], entry)
+        return parts.read_user_content(data, path / entry["file"], trusted)
 
     found: dict[str, Any] = {}
-    run_phase("full load (user content)",
-              lambda: (check(), found.update(content=parts.read_user_content(path / entry["file"], trusted))))
+    run_phase("full load (user content)", lambda: found.update(content=read()))
     return found["content"]

@@ -1,92 +1,217 @@
-"""Loading a full checkpoint's weights into a sharded model, one tensor at a time.
+"""Loading full-model weights into a sharded model, all or nothing: a full checkpoint's
+safetensors files, or a dict of full tensors (SageMaker's single ``fullmodel.pt``, a user
+``translate_function``'s output).
 
-Each rank opens the safetensors files (memory-mapped), translates each entry to the distributed
-format and copies only its own shard: no communication and no rank holds the whole model. Keys
-and shapes are compared first, from the headers alone, so a strict load that cannot succeed
-copies nothing.
+A full checkpoint is planned from its safetensors headers (keys, shapes, dtype kinds, compared
+with the model before anything is read), then every file is read front to back and verified
+against the manifest (``files.VerifiedReader``), one whole tensor at a time: each rank keeps only
+its shard of it, in staging tensors (``staging``); the caller applies them once every rank read
+everything. Peak memory: the staged shards plus one full tensor. No communication.
 
 A user ``translate_function`` (SageMaker's whole-state-dict translators, e.g.
-``translate_hf_state_dict_to_smdistributed_gpt2``) needs the whole state dict at once; with one,
-every rank reads all weights into memory and loads through ``DistributedModel.load_state_dict``.
+``translate_hf_state_dict_to_smdistributed_gpt2``) needs the whole state dict at once: every
+rank then reads all weights (verified) into memory first.
 """
 
 from __future__ import annotations
 
+import json
+import struct
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-from ..materialize import state_dict as sd_mod
-from ..materialize.safetensors_io import DTYPES, load_all, open_file
+from ..materialize.safetensors_io import DTYPES
 from ..pipeline.split import elsewhere
-from ..tp.layout import copy_shard
-from . import parts
-from .full import translation
+from ..tp.layout import local_part, shard_of
+from . import layouts, model_config, parts, staging
+from .errors import run_phase
+from .files import CheckpointFiles, CorruptFileError
 from .parts import LoadReport
 
+Source = tuple[str, str, tuple, torch.dtype | str]  # (file, stored key, global shape, dtype or name)
 
-def _sources(directory: Path, files: list[str], from_hf) -> dict[str, tuple[str, str, tuple]]:
-    """distributed key -> (file, stored key, global shape), from the headers only."""
+
+def _kind(dtype: torch.dtype | str) -> str:
+    """"float", "int", "bool", "complex" or the unknown safetensors name: a value is cast on
+    read within its kind (fp32 <-> bf16), across kinds never (an int32 read as fp32 is a lie)."""
+    if isinstance(dtype, str):
+        dtype = DTYPES.get(dtype, dtype)
+        if isinstance(dtype, str):
+            return dtype
+    if dtype == torch.bool:
+        return "bool"
+    return "float" if dtype.is_floating_point else "complex" if dtype.is_complex else "int"
+
+
+def _header(files: CheckpointFiles, name: str) -> dict:
+    """The JSON header of safetensors file ``name`` (plan only: the verified read re-reads it
+    and must find the same)."""
+    with files.reader(name) as reader:
+        (n,) = struct.unpack("<Q", bytes(reader.read(8)))
+        if n > files.entry(name)["size"] - 8:
+            raise CorruptFileError(f"{reader.path}: safetensors header of {n} bytes in a smaller file")
+        try:
+            return json.loads(bytes(reader.read(n)))
+        except ValueError as e:
+            raise CorruptFileError(f"{reader.path}: unreadable safetensors header ({e})") from None
+
+
+def _sources(headers: dict[str, dict], from_hf) -> dict[str, Source]:
+    """distributed key -> (file, stored key, global shape, dtype name), from the headers."""
     out = {}
-    for name in files:
-        with open_file(directory / name) as f:
-            for key in f.keys():
-                piece = f.get_slice(key)
-                meta = torch.empty(piece.get_shape(), dtype=DTYPES[piece.get_dtype()], device="meta")
-                for dist_key, t in (from_hf(key, meta) if from_hf else [(key, meta)]):
-                    out[dist_key] = (name, key, tuple(t.shape))
+    for name, header in headers.items():
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            dtype = DTYPES.get(info["dtype"])
+            meta = torch.empty(info["shape"], dtype=dtype or torch.uint8, device="meta")
+            for dist_key, t in (from_hf(key, meta) if from_hf else [(key, meta)]):
+                out[dist_key] = (name, key, tuple(t.shape), info["dtype"])
     return out
 
 
-def _compare(state: dict[str, torch.Tensor], sources: dict, ties: dict[str, str],
-             others: set[str] = frozenset()) -> LoadReport:
-    """Keys and shapes; a stored tie alias (``lm_head.weight``) stands for the key it is tied to;
-    ``others``: keys other pipeline stages load."""
+def _compare(state: dict[str, torch.Tensor], sources: dict[str, Source], module) -> LoadReport:
+    """Keys, shapes and dtype kinds; a stored tie alias (``lm_head.weight``) stands for the key
+    it is tied to; keys other pipeline stages load (``elsewhere``) are not unexpected."""
+    ties, others = parts.tied_keys(module), elsewhere(module)
     for alias, kept in ties.items():
         if alias in sources and kept not in sources:
             sources[kept] = sources.pop(alias)
     extra = sorted(k for k in sources if k not in state and k not in ties and k not in others)
-    mismatched = [f"{k}: checkpoint {sources[k][2]}, model {tuple(t.shape)}"
-                  for k, t in state.items() if k in sources and sources[k][2] != tuple(t.shape)]
+    mismatched = []
+    for key, t in state.items():
+        if key not in sources:
+            continue
+        name, stored, shape, dtype = sources[key]
+        if shape != tuple(t.shape) and shape != tuple(local_part(t).shape):
+            mismatched.append(f"{key}: checkpoint {shape}, model {tuple(t.shape)}")
+        elif _kind(dtype) != _kind(t.dtype):
+            mismatched.append(f"{key}: checkpoint dtype {dtype} in {name}, model {t.dtype} (only casts within "
+                              "floating-point or integer dtypes are made)")
     return LoadReport(sorted(set(state) - set(sources)), extra, mismatched)
 
 
-def load_weights(directory: Path, manifest: dict, model, strict: bool,
-                 translate_function: Callable | None = None) -> LoadReport:
-    """Load the weights of the full checkpoint in ``directory`` into ``model`` (no collectives).
-
-    Raises:
-        ValueError: with ``strict``, listing every missing / unexpected key and shape mismatch,
-            before anything is copied.
-    """
-    files = [f for f in manifest["weights"] if f.endswith(".safetensors")]
-    if translate_function is not None:
-        return _load_whole(directory, files, model, strict, translate_function)
-    from_hf = translation(manifest.get("model_type"), False) if manifest["translated"] else None
-    state = parts.model_state(model.module)
-    sources = _sources(directory, files, from_hf)
-    report = _compare(state, sources, parts.tied_keys(model.module), elsewhere(model.module))
+def _check(model, report: LoadReport, strict: bool, manifest: dict | None, what: str) -> LoadReport:
+    config = model_config.differences((manifest or {}).get("config"), getattr(model.module, "config", None))
+    report = LoadReport(report.missing_keys, report.unexpected_keys, report.mismatched_shapes + config)
     problems = report.problems("model")
     if problems and strict:
-        raise ValueError("checkpoint does not fit (strict=True):\n  - " + "\n  - ".join(problems))
-    skip = report.mismatched_keys
-    wanted: dict[str, list[tuple[str, str]]] = {}
-    for key in state:
-        if key in sources and key not in skip:
-            name, stored, _ = sources[key]
-            wanted.setdefault(name, []).append((key, stored))
-    for name, entries in wanted.items():
-        with open_file(directory / name) as f:
-            for key, stored in entries:
-                items = dict(from_hf(stored, f.get_tensor(stored)) if from_hf else [(stored, f.get_tensor(stored))])
-                copy_shard(state[key], items.get(key, next(iter(items.values()))))
+        raise ValueError(f"{what} does not fit (strict=True):\n  - " + "\n  - ".join(problems))
+    if any("dtype" in m for m in report.mismatched_shapes):  # never loaded, even when not strict
+        raise ValueError(f"{what}: " + "; ".join(m for m in report.mismatched_shapes if "dtype" in m))
     return report
 
 
-def _load_whole(directory: Path, files: list[str], model, strict: bool, translate_function) -> LoadReport:
-    whole = {}
-    for name in files:
-        whole.update(load_all(directory / name))
-    result = sd_mod.load_state_dict(model.module, translate_function(whole), strict=strict)
-    return result
+def _copy(staged: dict[str, torch.Tensor], key: str, tensor: torch.Tensor) -> None:
+    """This rank's piece of ``tensor`` (global or already local shape) into ``staged[key]``."""
+    target = staged[key]
+    piece = shard_of(tensor.to(target.dtype), target) if tuple(tensor.shape) == tuple(target.shape) \
+        else tensor.to(target.dtype)
+    with torch.no_grad():
+        local_part(target).copy_(piece)
+
+
+def _read_file(files: CheckpointFiles, name: str, header: dict, wanted: dict[str, list[str]],
+               staged: dict[str, torch.Tensor], from_hf) -> None:
+    """Read safetensors file ``name`` front to back (verified), copying the shards of the
+    ``wanted`` stored keys (stored key -> distributed keys) into ``staged``."""
+    with files.reader(name) as reader:
+        (n,) = struct.unpack("<Q", bytes(reader.read(8)))
+        try:
+            same = n <= files.entry(name)["size"] - 8 and json.loads(bytes(reader.read(n))) == header
+        except ValueError:
+            same = False
+        if not same:
+            raise CorruptFileError(f"{reader.path}: its header changed while it was being read")
+        entries = sorted(((k, v) for k, v in header.items() if k != "__metadata__" and k in wanted),
+                         key=lambda kv: kv[1]["data_offsets"][0])
+        for key, info in entries:
+            begin, end = info["data_offsets"]
+            tensor = torch.empty(info["shape"], dtype=DTYPES[info["dtype"]])
+            if end - begin != tensor.numel() * tensor.element_size():
+                raise CorruptFileError(f"{reader.path}: {key} spans {end - begin} bytes, its shape and dtype "
+                                       f"need {tensor.numel() * tensor.element_size()}")
+            reader.skip_to(8 + n + begin)
+            reader.read_into(memoryview(tensor.view(-1).view(torch.uint8).numpy()))
+            items = dict(from_hf(key, tensor) if from_hf else [(key, tensor)])
+            for dist_key in wanted[key]:
+                _copy(staged, dist_key, items.get(dist_key, next(iter(items.values()))))
+            del tensor, items
+        reader.finish()
+
+
+def prepare(files: CheckpointFiles, model, strict: bool,
+            translate_function: Callable | None = None) -> staging.ModelLoad:
+    """Check the full checkpoint in ``files`` against ``model`` and read it into staging
+    (phases every rank agrees on; nothing live changes)."""
+    names = [f for f in files.manifest["weights"] if f.endswith(".safetensors")]
+    if translate_function is not None:
+        found: dict = {}
+        run_phase("full load (weights)", lambda: found.update(whole=_read_whole(files, names)))
+        return stage_whole(model, translate_function(found.pop("whole")), strict, None, str(files.directory),
+                           files.manifest)
+    layout = files.manifest.get("layout") or (layouts.HF if files.manifest["translated"] else layouts.DISTRIBUTED)
+    from_hf = layouts.for_load(model.module, layout, files.manifest.get("model_type"))
+    state = parts.model_state(model.module)
+    found = {}
+
+    def plan():
+        headers = {name: _header(files, name) for name in names}
+        sources = _sources(headers, from_hf)
+        report = _check(model, _compare(state, sources, model.module), strict, files.manifest,
+                        str(files.directory))
+        found.update(headers=headers, sources=sources)
+        return report
+
+    report = run_phase("full load (keys)", plan)[_rank()]
+    staged = staging.stage(state, set(state) & set(found["sources"]) - report.mismatched_keys)
+    by_file: dict[str, dict[str, list[str]]] = {}
+    for key in staged:
+        name, stored, _, _ = found["sources"][key]
+        by_file.setdefault(name, {}).setdefault(stored, []).append(key)
+
+    def read():
+        for name, wanted in sorted(by_file.items()):
+            _read_file(files, name, found["headers"][name], wanted, staged, from_hf)
+
+    run_phase("full load (weights)", read)
+    return staging.ModelLoad(report, state, staged)
+
+
+def _read_whole(files: CheckpointFiles, names: list[str]) -> dict[str, torch.Tensor]:
+    whole: dict[str, torch.Tensor] = {}
+    for name in names:
+        header = _header(files, name)
+        wanted = {k: [k] for k in header if k != "__metadata__"}
+        staged = {k: torch.empty(v["shape"], dtype=DTYPES[v["dtype"]]) for k, v in header.items()
+                  if k != "__metadata__"}
+        _read_file(files, name, header, wanted, staged, None)
+        whole.update(staged)
+    return whole
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def stage_whole(model, whole: dict[str, torch.Tensor], strict: bool, from_hf, what: str,
+                manifest: dict | None = None) -> staging.ModelLoad:
+    """Stage a dict of full (or this rank's local) tensors for ``model``: keys translated with
+    ``from_hf`` if given, checked (keys, shapes, dtype kinds) before anything is copied. No
+    collective: the caller runs it in a phase."""
+    state = parts.model_state(model.module)
+    sources: dict[str, Source] = {}
+    for key, t in whole.items():
+        meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        for dist_key, m in (from_hf(key, meta) if from_hf else [(key, meta)]):
+            sources[dist_key] = (what, key, tuple(m.shape), t.dtype)
+    report = _check(model, _compare(state, sources, model.module), strict, manifest, what)
+    staged = staging.stage(state, set(state) & set(sources) - report.mismatched_keys)
+    for key in staged:
+        stored = sources[key][1]
+        items = dict(from_hf(stored, whole[stored]) if from_hf else [(stored, whole[stored])])
+        _copy(staged, key, items.get(key, next(iter(items.values()))))
+    return staging.ModelLoad(report, state, staged)

@@ -11,12 +11,14 @@ callers typically save from ``smp.rdp_rank() == 0`` only.
 
 Records are plain dicts of tensors and numbers, so files load with ``weights_only=True``, the
 default of ``smp.load``: no code in a file runs. ``defaultdict``s of built-in factories are
-stored as tagged dicts and come back as ``defaultdict``s (``safe_load.to_plain``).
+stored as tagged dicts and come back as ``defaultdict``s (``plain.to_plain``), and so do numpy
+values and Hugging Face configs.
 """
 
 from __future__ import annotations
 
 import copy
+import io
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +29,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from .. import runtime
 from ..tp.layout import assemble
 from . import commit
-from .safe_load import from_plain, to_plain, torch_load
+from .files import read_path
+from .plain import from_plain, to_plain
+from .safe_load import torch_load
 
 RECORD = "__modelparallel_shard__"
 
@@ -130,9 +134,10 @@ def _is_record(obj: Any) -> bool:
 def _read(path: Path, weights_only: bool) -> Any:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such checkpoint file")
+    data = io.BytesIO(read_path(path))
     if weights_only:
-        return from_plain(torch_load(path))
-    return from_plain(torch.load(path, map_location="cpu", weights_only=False))
+        return from_plain(torch_load(data, name=str(path)))
+    return from_plain(torch.load(data, map_location="cpu", weights_only=False))
 
 
 def _decode(objs: list[Any], same_layout: bool) -> Any:

@@ -1,4 +1,10 @@
-"""One writer per checkpoint directory."""
+"""One writer per checkpoint directory, for the whole job.
+
+A job takes the lock of a directory at its first save there and keeps it until it ends
+(``job_lock``; the runtime holds it, a new ``smp.init`` releases it): two jobs saving into one
+directory would otherwise interleave, and one's retention would delete the other's checkpoints.
+The second job's save fails at once, naming the owner.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ import errno
 import fcntl
 import os
 import socket
+import stat
 from pathlib import Path
 
 from .errors import CheckpointError
@@ -30,7 +37,17 @@ class DirectoryLock:
     def acquire(self) -> "DirectoryLock":
         """Take the lock or raise ``DirectoryLocked`` naming the owner (never waits)."""
         self.path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        where = self.path / LOCK
+        try:  # never through a symlink: that would truncate whatever it points to
+            fd = os.open(where, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise CheckpointError(f"{where}: the writer lock is a symlink (to {os.readlink(where)}); "
+                                      "refusing to write through it: remove it") from None
+            raise type(e)(e.errno, e.strerror, str(where)) from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise CheckpointError(f"{where}: the writer lock is not a regular file; remove it")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -50,3 +67,17 @@ class DirectoryLock:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
+
+
+def job_lock(held: dict, path: str | Path) -> DirectoryLock:
+    """The job's lock of directory ``path``: taken at its first save there and kept in ``held``
+    (the runtime's ``held_locks``) for the rest of the job.
+
+    Raises:
+        DirectoryLocked: another live job holds it.
+    """
+    key = os.path.realpath(path)
+    lock = held.get(key)
+    if lock is None or lock.fd is None:
+        lock = held[key] = DirectoryLock(path).acquire()
+    return lock

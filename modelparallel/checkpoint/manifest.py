@@ -9,13 +9,17 @@ manifest lists: anything else would load unverified.
 
 from __future__ import annotations
 
-import json
+import os
 import re
 from pathlib import Path
 
 from .errors import CheckpointError
+from .files import UnsafeCheckpointError, read_json
 
 MANIFEST = "checkpoint_manifest.json"
+MAX_MANIFEST_BYTES = 16 * 2**20
+"""Largest manifest read (a manifest lists files: ~100 bytes each, so about 150,000 of them);
+anything larger is refused before it is read, so a crafted one cannot exhaust memory."""
 
 
 class ManifestError(CheckpointError, ValueError):
@@ -30,12 +34,14 @@ def read_manifest(directory: str | Path, name: str = MANIFEST) -> dict:
         ManifestError: naming the file and every problem, when it is unreadable or malformed.
     """
     path = Path(directory) / name
-    if not path.is_file():
-        raise FileNotFoundError(f"{directory} is not a complete modelparallel checkpoint: no {name}")
     try:
-        manifest = json.loads(path.read_text())
+        manifest = read_json(directory, name, MAX_MANIFEST_BYTES)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{directory} is not a complete modelparallel checkpoint: no {name}") from None
+    except UnsafeCheckpointError as e:
+        raise ManifestError(f"{path}: unreadable manifest ({e})") from None
     except (OSError, ValueError) as e:
-        raise ManifestError(f"{path}: unreadable manifest ({e})") from e
+        raise ManifestError(f"{path}: unreadable manifest ({str(e).removeprefix(f'{path}: ')})") from None
     problems = manifest_problems(manifest)
     if problems:
         raise ManifestError(f"{path}: malformed manifest: " + "; ".join(problems))
@@ -92,7 +98,8 @@ def manifest_problems(m) -> list[str]:
 
 def safe_name(path: str | Path, name, what: str) -> str:
     """``name`` if it is one plain entry of directory ``path`` (a tag, or what ``newest`` names),
-    not a path that leaves it (``/abs``, ``../x``, ``a/b``, a symlink pointing out).
+    not a path that leaves it (``/abs``, ``../x``, ``a/b``) nor a symlink (a checkpoint is a
+    directory the library wrote; a link could lead anywhere, and is never followed).
 
     Raises:
         ValueError: naming ``what`` and the name.
@@ -102,9 +109,8 @@ def safe_name(path: str | Path, name, what: str) -> str:
         raise ValueError(f"{what} {name!r} is not a checkpoint name in {path} (no '/', not starting with '.')")
     entry = Path(path) / name
     if entry.is_symlink():
-        real, root = entry.resolve(), Path(path).resolve()
-        if root not in real.parents:
-            raise ValueError(f"{what} {name!r} is a symlink to {real}, outside {path}")
+        raise ValueError(f"{what} {name!r} is a symlink (to {os.readlink(entry)}); a checkpoint is a directory "
+                         f"written in {path}, and links are never followed")
     return name
 
 
@@ -113,9 +119,19 @@ def unlisted_files(directory: str | Path, manifest: dict) -> list[str]:
     list: what was committed is exactly what loads, nothing slipped in loads unverified."""
     listed = set(manifest["files"])
     root = Path(directory)
-    found = (p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() or p.is_symlink())
     return [f"{root / f}: not listed in the manifest (a checkpoint holds only the files it committed)"
-            for f in sorted(found) if f != MANIFEST and f not in listed]
+            for f in entries(root) if f != MANIFEST and f not in listed]
+
+
+def entries(root: str | Path) -> list[str]:
+    """Every entry under ``root`` that is not a directory (files, symlinks, FIFOs, sockets,
+    devices), as sorted relative POSIX paths; symlinked directories are listed, not entered."""
+    root, found = Path(root), []
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        found += [(here / n).relative_to(root).as_posix() for n in filenames]
+        found += [(here / n).relative_to(root).as_posix() for n in dirnames if (here / n).is_symlink()]
+    return sorted(found)
 
 
 def check_committed(directory: str | Path, manifest: dict) -> None:
@@ -127,7 +143,7 @@ def check_committed(directory: str | Path, manifest: dict) -> None:
     problems = unlisted_files(directory, manifest)
     for rel, entry in manifest["files"].items():
         path = Path(directory) / rel
-        size = path.stat().st_size if path.is_file() else None
+        size = path.lstat().st_size if path.is_file() and not path.is_symlink() else None
         if size != entry["size"]:
             problems.append(f"{path}: {'missing' if size is None else f'{size} bytes'} after commit, "
                             f"{entry['size']} written")

@@ -13,10 +13,8 @@ Saving reads the optimizer's ``state`` as it is: an optimizer that has not stepp
 state (nothing is initialized: torch's own helper would run a step with lr=0 to create the
 slots, which changes AdamW's step count and, in half precision, the weights). Loading builds
 the target tensors from the checkpoint's metadata (shape, dtype; placement from the parameter),
-reads into them, and only then replaces the optimizer's state and hyperparameters. Slots the
-optimizer already holds at the saved shape, dtype and placement are read into in place (the
-usual resume, no new memory), like the model's weights: that read starts only after every file
-was verified and every key, shape and group checked.
+reads into them (verified while read), and only then replaces the optimizer's state and
+hyperparameters: the new tensors are the staging, the old state is freed when they replace it.
 
 To add another per-parameter tensor to this part (e.g. fp32 master weights), put it under a key
 prefix listed in ``PARAM_KEYED`` (``{prefix}{param name}.{slot}``) in ``optimizer_state`` and
@@ -26,9 +24,9 @@ metadata the same way.
 
 from __future__ import annotations
 
+import copy
 from collections import defaultdict
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,7 +39,6 @@ from ..pipeline.split import elsewhere, saved_names
 from ..tp.layout import from_local_like
 from ..training.optimizer_state import load_masters
 from .parts import LoadReport
-from .safe_load import read_dcp_metadata
 
 STATE, GROUPS, SCALER = "optimizer.state.", "optimizer.param_groups.", "loss_scaler."
 MASTERS = "fp16_states."
@@ -101,16 +98,10 @@ def _split(key: str, params: dict[str, torch.Tensor]) -> tuple[str, str, str] | 
     return None
 
 
-def _target(param: torch.Tensor | None, md: TensorStorageMetadata, current: Any = None) -> torch.Tensor:
-    """The tensor to read a saved entry into: the optimizer's own ``current`` slot if it already
-    has the saved shape, dtype and placement (the usual resume: no new memory; the read only
-    starts once every check passed), else a new empty one placed like ``param`` if it has its
-    shape."""
+def _target(param: torch.Tensor | None, md: TensorStorageMetadata) -> torch.Tensor:
+    """A new empty tensor to read a saved entry into, placed like ``param`` if it has its shape
+    (never the optimizer's own slot: nothing live changes until the whole part is read)."""
     size, dtype = tuple(md.size), md.properties.dtype
-    if isinstance(current, torch.Tensor) and tuple(current.shape) == size and current.dtype == dtype \
-            and isinstance(current, DTensor) == isinstance(param, DTensor) and tuple(current.shape) != () \
-            and (not isinstance(current, DTensor) or current.placements == param.placements):
-        return current
     if isinstance(param, DTensor) and tuple(param.shape) == size:
         local = param.to_local()
         return from_local_like(torch.empty(local.shape, dtype=dtype, device=local.device), param)
@@ -145,9 +136,10 @@ class Planned:
                           sorted(self.unexpected | (listed - self.live - self.others)), mismatched)
 
 
-def plan_load(module: nn.Module, optimizer, directory: Path) -> Planned:
-    """Targets for every saved entry (no collective, nothing read but the metadata)."""
-    saved = read_dcp_metadata(directory / ".metadata").state_dict_metadata
+def plan_load(module: nn.Module, optimizer, metadata) -> Planned:
+    """Targets for every saved entry of the part whose DCP ``metadata`` is given (no collective,
+    nothing read)."""
+    saved = metadata.state_dict_metadata
     params = _params(module)
     names = param_names(module)
     others = elsewhere(module)
@@ -171,15 +163,14 @@ def plan_load(module: nn.Module, optimizer, directory: Path) -> Planned:
             elif tuple(md.size) not in ((), tuple(param.shape)):
                 mismatched.append(f"{key}: checkpoint {tuple(md.size)}, model {tuple(param.shape)}")
             else:
-                current = optimizer.optimizer.state.get(param, {}).get(slot) if prefix == STATE else None
-                bucket.setdefault(name, {})[slot] = _target(param, md, current)
+                bucket.setdefault(name, {})[slot] = _target(param, md)
         elif key.startswith(GROUPS):
             index, _, field = key[len(GROUPS):].partition(".")
             groups.setdefault(int(index), {})[field] = _placeholder(md)
         elif key.startswith(SCALER):
             scaler[key[len(SCALER):]] = _placeholder(md)
     if sorted(groups) != list(range(len(groups))):
-        raise ValueError(f"{directory}: parameter groups {sorted(groups)} are not numbered 0..n-1")
+        raise ValueError(f"the optimizer part's parameter groups {sorted(groups)} are not numbered 0..n-1")
     nested = {"optimizer": {"state": state, "param_groups": [groups[i] for i in sorted(groups)]},
               "loss_scaler": scaler}
     if masters:
@@ -203,6 +194,7 @@ def apply_optimizer_state(module: nn.Module, optimizer, loaded: dict[str, Any]) 
     ``plan_load`` + DCP). Tensors are used as read: no dtype cast, no copy."""
     inner = optimizer.optimizer
     params = _params(module)
+    check_scaler(optimizer, loaded)
     saved_groups = loaded["optimizer"]["param_groups"]
     if len(saved_groups) == len(inner.param_groups):
         for group, saved in zip(inner.param_groups, saved_groups):
@@ -219,10 +211,15 @@ def apply_optimizer_state(module: nn.Module, optimizer, loaded: dict[str, Any]) 
                              if m is not p and names[id(p)] in saved} or None)
 
 
-def check_names_against_model(module: nn.Module, directory: Path) -> list[str]:
+def check_scaler(optimizer, loaded: dict[str, Any]) -> None:
+    """Raise (changing nothing) if the saved loss-scaler state cannot be applied."""
+    copy.deepcopy(optimizer.loss_scaler).load_state_dict(loaded["loss_scaler"])
+
+
+def check_names_against_model(module: nn.Module, metadata) -> list[str]:
     """Problems visible before the optimizer exists: saved slots of parameters this model lacks
     or at another shape (checked when the model is built, before any weight is loaded)."""
-    saved = read_dcp_metadata(directory / ".metadata").state_dict_metadata
+    saved = metadata.state_dict_metadata
     params = _params(module)
     others = elsewhere(module)
     problems = []

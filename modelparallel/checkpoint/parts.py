@@ -22,7 +22,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 import torch.distributed as dist
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -30,12 +29,16 @@ from ..compat import flatten_state_dict, set_element
 from ..materialize.state_dict import LoadReport
 from ..pipeline.split import saved_names
 from ..tp.layout import tie_groups
-from . import commit
+from . import commit, writer
 from .errors import cause
+from .lock import job_lock
 from .fastread import ContiguousSavePlanner, FastReader, SafeLoadPlanner
-from .safe_load import check_loadable, from_plain, read_dcp_metadata, to_plain, torch_load
+from .files import CheckpointFiles
+from .plain import from_plain, to_plain
+from .safe_load import check_loadable, torch_load
 
 USER_CONTENT = "user_content.pt"
+CONTIGUOUS = "contiguous"  # manifest "tensor_layout": tensors stored contiguous (fastread's direct path)
 
 
 def model_state(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -60,10 +63,11 @@ def flatten(state: dict[str, Any]) -> dict[str, Any]:
     return flatten_state_dict(state)[0]
 
 
-def compare(state: dict[str, Any], directory: Path, elsewhere: set[str] = frozenset()) -> LoadReport:
-    """Keys and global shapes of ``state`` against the DCP checkpoint in ``directory``; saved
-    keys in ``elsewhere`` (other pipeline stages' entries) are not unexpected."""
-    saved = read_dcp_metadata(directory / ".metadata").state_dict_metadata
+def compare(state: dict[str, Any], files: CheckpointFiles, part: str,
+            elsewhere: set[str] = frozenset()) -> LoadReport:
+    """Keys and global shapes of ``state`` against the checkpoint's part ``part``; saved keys
+    in ``elsewhere`` (other pipeline stages' entries) are not unexpected."""
+    saved = files.metadata(part).state_dict_metadata
     flat = flatten(state)
     mismatched = []
     for key in sorted(set(flat) & set(saved)):
@@ -80,12 +84,12 @@ def loadable(state: dict[str, Any], report: LoadReport) -> set[str]:
     return set(flatten(state)) - skip
 
 
-def write_part(state: dict[str, Any], directory: Path) -> None:
+def write_part(state: dict[str, Any], directory: Path, group=None) -> None:
     """One DCP save (a collective), every tensor stored contiguous so that same-layout loads read
     in place (``fastread``). DCP's own fsync is off: the checksum phase fsyncs every file while
     it computes the CRC, before anything is committed (``commit.file_checksum``)."""
     try:
-        dcp.save(state, storage_writer=FileSystemWriter(directory, sync_files=False), planner=ContiguousSavePlanner())
+        writer.save(state, directory, ContiguousSavePlanner(), group)
     except (CheckpointException, OSError) as e:
         root = cause(e)
         if isinstance(root, OSError) and not root.filename and root.errno is not None:
@@ -94,13 +98,15 @@ def write_part(state: dict[str, Any], directory: Path) -> None:
         raise
 
 
-def read_part(state: dict[str, Any], directory: Path, keys: set[str], contiguous: bool = False) -> None:
-    """One DCP load of the flattened ``keys`` into ``state`` (a collective): tensors in place,
-    other values (hyperparameters, loss scale) put back into the nesting. ``contiguous``: the
-    part was written by ``write_part`` with ``ContiguousSavePlanner`` (the direct read applies)."""
+def read_part(state: dict[str, Any], files: CheckpointFiles, part: str, keys: set[str]) -> None:
+    """One DCP load of the flattened ``keys`` of part ``part`` into ``state`` (a collective):
+    tensors in place, other values (hyperparameters, loss scale) put back into the nesting. Every
+    file read is verified while it is read (``fastread.FastReader``), so ``state`` must be
+    staging: its values are trustworthy only once this returns on every rank."""
     flat, paths = flatten_state_dict(state)
     subset = {k: flat[k] for k in keys}
-    dcp.load(subset, storage_reader=FastReader(directory, contiguous), planner=SafeLoadPlanner())
+    contiguous = files.manifest.get("tensor_layout") == CONTIGUOUS
+    dcp.load(subset, storage_reader=FastReader(files, part, contiguous), planner=SafeLoadPlanner())
     for key, value in subset.items():
         if not isinstance(value, torch.Tensor):
             set_element(state, paths[key], value)
@@ -120,27 +126,33 @@ def serialize_user_content(obj: Any, trusted: bool = False) -> bytes:
     return check_loadable(to_plain(obj), "user_content")
 
 
-def stage(path: Path, name: str, lock, user_content: Any, trusted: bool) -> tuple[str, bytes]:
+def stage(path: Path, name: str, held: dict, user_content: Any, trusted: bool) -> tuple[str, bytes]:
     """Global rank 0's share of a save's first phase, in this order: the user content serialized
     (an object a checkpoint cannot store is refused before anything on disk changes), the
-    directory's writer lock (``commit.DirectoryLock``) taken, a fresh staging directory for
-    ``name`` made. Returns (the staging directory's name, the user content's bytes)."""
+    directory's writer lock taken for the job (``lock.job_lock``; ``held`` is the runtime's),
+    ``path/name`` checked to be absent or a checkpoint this library wrote, a fresh staging
+    directory for ``name`` made. Returns (the staging directory's name, the user content's bytes)."""
     content = serialize_user_content(user_content, trusted)
-    lock.acquire()
+    job_lock(held, path)
+    commit.check_replaceable(path, name)
     return commit.new_staging(path, name).name, content
 
 
 def write_bytes(path: Path, data: bytes) -> None:
-    """Write and fsync one file."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    """Write and fsync one file; an error names it."""
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise writer.named(e, path) from None
 
 
-def read_user_content(path: Path, trusted: bool = False) -> Any:
-    """The user's object, read with ``weights_only`` (no code runs) unless the caller passed
-    ``trust_user_content=True``, which unpickles freely and so runs what the file names."""
+def read_user_content(data: bytes, name: str | Path, trusted: bool = False) -> Any:
+    """The user's object from the (verified) bytes of file ``name``, read with ``weights_only``
+    (no code runs) unless the caller passed ``trust_user_content=True``, which unpickles freely
+    and so runs what the file names."""
     if trusted:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    return from_plain(torch_load(path))
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    return from_plain(torch_load(io.BytesIO(data), name=str(name)))

@@ -1,11 +1,13 @@
 """A resume waiting for the model (and optimizer) it loads into, all or nothing.
 
-``resume_from_checkpoint`` verifies files and reads the user content at once; the tensors are
-loaded when the ``DistributedModel`` / ``DistributedOptimizer`` exist (at once if they already
-do). Everything that can be checked is checked before the first tensor changes: with both
-present, the optimizer part is planned (keys, shapes, groups) before the model is loaded; with
-only the model, the optimizer part's parameter names and shapes are checked against it. Any
-failure disarms the pending load, so a later, unrelated model never replays it.
+``resume_from_checkpoint`` checks the checkpoint's structure and reads the user content at once;
+the tensors are loaded when the ``DistributedModel`` / ``DistributedOptimizer`` exist (at once if
+they already do). Every part is read into staging and checked before the first live tensor
+changes (``staging``): with both present, model and optimizer parts are both read and checked
+first; with only the model, the optimizer part's parameter names and shapes are checked against
+it, and the model's previous values are kept until the optimizer part arrives, so a refused
+optimizer part puts the model back. Any failure disarms the pending load, so a later, unrelated
+model never replays it.
 
 The resume keeps its own state (``armed``: still waiting; ``reports``: what each part's load
 skipped); the runtime only records which resume is the newest.
@@ -26,53 +28,68 @@ logger = logging.getLogger("modelparallel")
 
 @dataclass
 class PendingResume:
-    """Each callable is a collective run on every rank.
+    """Each callable is a collective run on every rank; the ``prepare_*`` ones read and check
+    (raising on every rank if anything does not fit) and change nothing live.
 
     Attributes:
-        check_model: model -> plan (raises if the model part does not fit; changes nothing).
-        load_model: (model, plan) -> report: the read.
+        prepare_model: model -> ``staging.ModelLoad`` (read into staging, checked).
+        prepare_optimizer: (model, optimizer) -> ``partial_load.OptimizerLoad``, or None when
+            the optimizer is not loaded.
         check_optimizer_names: model -> None, before the optimizer exists (raises on misfit).
-        plan_optimizer: (model, optimizer) -> plan (raises on misfit; changes nothing).
-        load_optimizer: (model, optimizer, plan) -> report.
         model: the model loaded so far (None until then).
+        model_load: while the optimizer part still waits, the model's load with its previous
+            values kept (``ModelLoad.restore`` puts them back if the optimizer part is refused).
         armed: True while a load is still to come; False once done, failed or replaced.
         reports: per part ("model", "optimizer"), what the load skipped.
     """
 
-    check_model: Callable[[Any], Any]
-    load_model: Callable[[Any, Any], LoadReport]
+    prepare_model: Callable[[Any], Any]
+    prepare_optimizer: Callable[[Any, Any], Any] | None = None
     check_optimizer_names: Callable[[Any], None] | None = None
-    plan_optimizer: Callable[[Any, Any], Any] | None = None
-    load_optimizer: Callable[[Any, Any, Any], LoadReport] | None = None
     model: Any = None
+    model_load: Any = None
     armed: bool = True
     reports: dict[str, LoadReport] = field(default_factory=dict)
 
     def on_model(self, model, optimizer=None) -> None:
-        """Called when a ``DistributedModel`` exists (with the optimizer too, if it exists)."""
+        """Called when a ``DistributedModel`` exists (with the optimizer too, if it exists):
+        everything is read and checked, then applied."""
         with _disarm_on_error(self):
-            opt_plan = None
-            if optimizer is not None:
-                opt_plan = self.plan_optimizer(model, optimizer)
-            elif self.check_optimizer_names is not None:
+            if optimizer is None and self.check_optimizer_names is not None:
                 self.check_optimizer_names(model)
-            plan = self.check_model(model)
+            load = self.prepare_model(model)
+            opt = self.prepare_optimizer(model, optimizer) if optimizer is not None and self.prepare_optimizer \
+                else None
+            waiting = optimizer is None and self.prepare_optimizer is not None
+            load.apply(keep_old=waiting)
+            self.model_load = load if waiting else None
             self.reports.clear()
-            self.reports["model"] = _logged("model", self.load_model(model, plan))
+            self.reports["model"] = _logged("model", load.report)
             self.model = model
-            if optimizer is not None:
-                self.reports["optimizer"] = _logged("optimizer", self.load_optimizer(model, optimizer, opt_plan))
-            if self.load_optimizer is None or optimizer is not None:
+            if opt is not None:
+                opt.apply()
+                self.reports["optimizer"] = _logged("optimizer", opt.report)
+            if not waiting:
                 self.armed = False
 
     def on_optimizer(self, optimizer) -> None:
-        """Called when a ``DistributedOptimizer`` exists (after the model)."""
-        if self.model is None or self.load_optimizer is None:
+        """Called when a ``DistributedOptimizer`` exists (after the model). If its part is
+        refused, the model is put back as it was before the resume."""
+        if self.model is None or self.prepare_optimizer is None or not self.armed:
             return
-        with _disarm_on_error(self):
-            plan = self.plan_optimizer(self.model, optimizer)
-            self.reports["optimizer"] = _logged("optimizer", self.load_optimizer(self.model, optimizer, plan))
-            self.armed = False
+        try:
+            opt = self.prepare_optimizer(self.model, optimizer)
+        except BaseException:
+            if self.model_load is not None:
+                self.model_load.restore()
+            self.model_load, self.armed = None, False
+            self.reports.clear()
+            raise
+        opt.apply()
+        self.reports["optimizer"] = _logged("optimizer", opt.report)
+        if self.model_load is not None:
+            self.model_load.release()
+        self.model_load, self.armed = None, False
 
 
 class _disarm_on_error:

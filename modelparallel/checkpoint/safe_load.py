@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import collections
 import io
-import pathlib
 import pickle
+import struct
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .errors import CheckpointError
+from .files import UnsafeCheckpointError
 
 # class name -> module of every class DCP's metadata pickles (torch 2.x)
 _DCP_CLASSES = {
@@ -43,10 +43,6 @@ _DCP_CLASSES = {
 }
 
 
-class UnsafeCheckpointError(CheckpointError):
-    """A checkpoint file asked for something a checkpoint may not contain (code, classes)."""
-
-
 class MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP metadata; refuses every global outside ``_DCP_CLASSES`` and torch dtypes."""
 
@@ -58,18 +54,17 @@ class MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refused to load {module}.{name} (not part of DCP's metadata)")
 
 
-def read_dcp_metadata(path: str | Path):
-    """DCP's ``Metadata`` from ``path`` (a ``.metadata`` file), with no code run.
+def parse_dcp_metadata(data: bytes, name: str | Path):
+    """DCP's ``Metadata`` from the bytes of a ``.metadata`` file (``name``), with no code run.
 
     Raises:
         UnsafeCheckpointError: naming the file and the refused class.
-        OSError: the file cannot be read.
     """
-    with open(path, "rb") as f:
-        try:
-            return MetadataUnpickler(f).load()
-        except (pickle.UnpicklingError, AttributeError, EOFError, TypeError, ValueError) as e:
-            raise UnsafeCheckpointError(f"{path}: not a valid DCP metadata file: {e}") from e
+    try:
+        return MetadataUnpickler(io.BytesIO(data)).load()
+    except (pickle.UnpicklingError, AttributeError, EOFError, TypeError, ValueError, IndexError,
+            RecursionError, struct.error) as e:
+        raise UnsafeCheckpointError(f"{name}: not a valid DCP metadata file: {e}") from e
 
 
 def torch_load(source: str | Path | io.BytesIO, name: str | None = None, **kwargs) -> Any:
@@ -131,65 +126,3 @@ def _first_foreign(obj: Any, path: str = "") -> str:
         return "an unsupported value"
     kind = type(obj)
     return f"an object of type {kind.__module__}.{kind.__qualname__} at {path or 'the top level'}"
-
-
-_DEFAULTDICT = "__modelparallel_defaultdict__"
-_FACTORIES = {f.__name__: f for f in (int, float, str, list, dict, set, tuple, bool)}
-
-
-def to_plain(obj: Any) -> Any:
-    """``obj`` with every ``defaultdict`` of a built-in factory turned into a tagged dict (which
-    ``weights_only`` reads), containers rebuilt as their own types; ``from_plain`` undoes it.
-
-    Raises:
-        TypeError: a ``defaultdict`` whose factory is not a built-in type (it would be code).
-    """
-    if isinstance(obj, collections.defaultdict):
-        factory = obj.default_factory
-        if factory is not None and _FACTORIES.get(getattr(factory, "__name__", None)) is not factory:
-            raise TypeError(f"a defaultdict with default_factory={factory!r} cannot be stored (only None or "
-                            f"one of {sorted(_FACTORIES)}): convert it to a dict first")
-        return {_DEFAULTDICT: factory.__name__ if factory else None,
-                "items": {k: to_plain(v) for k, v in obj.items()}}
-    if isinstance(obj, collections.OrderedDict):
-        return collections.OrderedDict((k, to_plain(v)) for k, v in obj.items())
-    if type(obj) is dict:
-        return {k: to_plain(v) for k, v in obj.items()}
-    if type(obj) in (list, tuple):
-        return type(obj)(to_plain(v) for v in obj)
-    return obj
-
-
-def from_plain(obj: Any) -> Any:
-    """Undo ``to_plain``."""
-    if type(obj) is dict and _DEFAULTDICT in obj and set(obj) == {_DEFAULTDICT, "items"}:
-        return collections.defaultdict(_FACTORIES.get(obj[_DEFAULTDICT]),
-                                       {k: from_plain(v) for k, v in obj["items"].items()})
-    if isinstance(obj, collections.OrderedDict):
-        return collections.OrderedDict((k, from_plain(v)) for k, v in obj.items())
-    if type(obj) is dict:
-        return {k: from_plain(v) for k, v in obj.items()}
-    if type(obj) in (list, tuple):
-        return type(obj)(from_plain(v) for v in obj)
-    return obj
-
-
-def inside(root: str | Path, rel: str, what: str) -> Path:
-    """``root/rel``, after checking that ``rel`` cannot leave ``root``: relative, no ``..``, and
-    no symlink on the way that points out of it.
-
-    Raises:
-        UnsafeCheckpointError: naming ``what`` (e.g. "the manifest of X") and the path.
-    """
-    parts = pathlib.PurePosixPath(rel).parts if isinstance(rel, str) else ()
-    if not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel or ".." in parts or "." in parts \
-            or pathlib.PureWindowsPath(rel).drive:
-        raise UnsafeCheckpointError(f"{what} names {rel!r}: only plain relative paths inside {root} are allowed")
-    root = Path(root)
-    path = root / rel
-    real_root = root.resolve()
-    if path.exists() or path.is_symlink():
-        real = path.resolve()
-        if real != real_root and real_root not in real.parents:
-            raise UnsafeCheckpointError(f"{what} names {rel!r}, which resolves to {real}, outside {root}")
-    return path

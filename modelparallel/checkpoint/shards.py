@@ -12,6 +12,7 @@ Files are named as Hugging Face names them: one ``{prefix}.safetensors``, or
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -22,7 +23,7 @@ import torch
 
 from ..materialize.safetensors_io import DTYPE_NAMES
 from .commit import crc32
-
+from .writer import named
 
 
 @dataclass
@@ -84,7 +85,10 @@ class ShardWriter:
         if f.tell() - self._data_start != entry["data_offsets"][0]:
             raise ValueError(f"{key}: written out of plan order")
         data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data
-        f.write(data)
+        try:
+            f.write(data)
+        except OSError as e:
+            raise named(e, self.directory / self.shards[index].name) from None
         self._crc[index] = crc32(data, self._crc[index])
         self._written.add(key)
 
@@ -92,9 +96,13 @@ class ShardWriter:
         if self._open is not None and self._open[0] == index:
             return self._open[1]
         self._close_current()
-        f = open(self.directory / self.shards[index].name, "wb")
+        path = self.directory / self.shards[index].name
         header = _header(self.shards[index], self.metadata)
-        f.write(header)
+        try:
+            f = open(path, "wb")
+            f.write(header)
+        except OSError as e:
+            raise named(e, path) from None
         self._crc[index] = crc32(header)
         self._data_start = len(header)
         self._open = (index, f)
@@ -102,11 +110,16 @@ class ShardWriter:
 
     def _close_current(self) -> None:
         if self._open is not None:
-            f = self._open[1]
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
+            index, f = self._open
             self._open = None
+            try:
+                f.flush()
+                os.fsync(f.fileno())
+            except OSError as e:
+                raise named(e, self.directory / self.shards[index].name) from None
+            finally:
+                with contextlib.suppress(OSError):
+                    f.close()
 
     def checksums(self) -> dict[str, dict]:
         """``{file: {"size", "crc32"}}`` of the shards, as ``commit.file_checksum`` would compute."""

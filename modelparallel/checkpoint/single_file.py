@@ -11,26 +11,53 @@ any weight changes.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from ..materialize import state_dict as sd_mod
-from ..tp.layout import copy_shard
-from . import commit, parts
-from .errors import run_phase
-from .full import translation
-from .full_load import _compare
-from .parts import LoadReport
+from .. import runtime
+from . import commit, export_dtype, full, parts
+from .errors import cause, run_phase
+from .files import open_inside
+from . import layouts
+from .layouts import translation
+from .full_load import stage_whole
+from .lock import job_lock
 from .pending import PendingResume
 from .safe_load import torch_load
 
 
 def is_single_file(path: Path, tag: str) -> bool:
-    """Whether ``path/tag`` is a file (rank 0's view, shared: rank 0 may have just written it)."""
-    return bool(run_phase("resume (locate)", lambda: (Path(path) / tag).is_file())[0])
+    """Whether ``path/tag`` is a regular file (not a symlink; rank 0's view, shared: rank 0 may
+    have just written it)."""
+    def check():
+        try:
+            return stat.S_ISREG(os.stat(Path(path) / tag, follow_symlinks=False).st_mode)
+        except OSError:
+            return False
+
+    return bool(run_phase("resume (locate)", check)[0])
+
+
+def _read_plain(path: Path, name: str) -> bytes | None:
+    """The bytes of file ``path/name`` (opened without following a symlink), None if absent."""
+    try:
+        fd = open_inside(path, name, "the tag")
+    except FileNotFoundError:
+        return None
+    try:
+        chunks = []
+        while chunk := os.read(fd, 1 << 22):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def prepare(path: Path, tag: str, strict: bool, translate_function: Callable | None,
@@ -38,58 +65,113 @@ def prepare(path: Path, tag: str, strict: bool, translate_function: Callable | N
     """(user content or None, the pending load of ``path/tag``)."""
     def content():
         commit.safe_name(path, tag, "the tag")
-        user = path / f"user_content_{tag}"
-        if not user.is_file():
-            return None
-        return parts.read_user_content(user, trusted)
+        name = f"user_content_{tag}"
+        data = _read_plain(path, name)
+        return None if data is None else parts.read_user_content(data, path / name, trusted)
 
     found: dict[str, Any] = {}
     run_phase("resume (user content)", lambda: found.update(content=content()))
-    load = lambda model, _: run_phase(  # noqa: E731
-        "full load (weights)", lambda: load_file(path / tag, model, strict, translate_function))[0]
-    return found["content"], PendingResume(lambda model: None, load)
+
+    def load(model):
+        run_phase("full load (weights)", lambda: found.update(load=stage_file(path, tag, model, strict,
+                                                                                translate_function)))
+        return found.pop("load")
+
+    return found["content"], PendingResume(load)
 
 
-def _sources(whole: dict[str, Any], model) -> tuple[dict[str, tuple[str, str, tuple]], Callable | None]:
-    """distributed key -> (stored key, stored key, global shape), and the HF translation used
-    (None when the file already holds the model's own keys at the model's shapes)."""
+def _translation(whole: dict[str, Any], model) -> Callable | None:
+    """The translation to use: None when the file already holds the model's own keys at the
+    model's shapes; else the architecture's HF table, or the unsharded layout's (packed
+    projections merged) for a model without one."""
     state = parts.model_state(model.module)
     shapes = {k: tuple(t.shape) for k, t in state.items()}
     shapes.update({alias: shapes[kept] for alias, kept in parts.tied_keys(model.module).items()})
-    from_hf = translation(getattr(getattr(model.module, "config", None), "model_type", None), False)
-    if from_hf is None or all(shapes.get(k) == tuple(t.shape) for k, t in whole.items()):
-        return {k: (k, k, tuple(t.shape)) for k, t in whole.items()}, None
-    out = {}
-    for key, t in whole.items():
-        meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
-        for dist_key, m in from_hf(key, meta):
-            out[dist_key] = (key, key, tuple(m.shape))
-    return out, from_hf
+    if all(shapes.get(k) == tuple(t.shape) for k, t in whole.items()):
+        return None
+    model_type = getattr(getattr(model.module, "config", None), "model_type", None)
+    return layouts.for_load(model.module, layouts.HF if translation(model_type, False) else layouts.UNSHARDED,
+                            model_type)
 
 
-def load_file(file: Path, model, strict: bool, translate_function: Callable | None = None) -> LoadReport:
-    """Load the state dict in ``file`` into ``model`` (no collectives).
+def stage_file(path: Path, tag: str, model, strict: bool, translate_function: Callable | None = None):
+    """Read the state dict in ``path/tag`` and stage it for ``model`` (no collectives).
 
     Raises:
         ValueError: the file is not a state dict of tensors, or (strict) it does not fit:
             every missing / unexpected key and shape mismatch listed, before anything is copied.
     """
+    file = path / tag
+    fd = open_inside(path, tag, "the tag")  # a regular file, no symlink; read memory-mapped below
+    os.close(fd)
     whole = torch_load(file, mmap=True)
     if not isinstance(whole, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                               for k, v in whole.items()):
         raise ValueError(f"{file}: expected a state dict (parameter name -> tensor), got {type(whole).__name__}")
     if translate_function is not None:
-        return sd_mod.load_state_dict(model.module, translate_function(whole), strict=strict)
-    state = parts.model_state(model.module)
-    sources, from_hf = _sources(whole, model)
-    report = _compare(state, sources, parts.tied_keys(model.module))
-    problems = report.problems("model")
-    if problems and strict:
-        raise ValueError(f"{file} does not fit the model (strict=True):\n  - " + "\n  - ".join(problems))
-    skip = report.mismatched_keys
-    for key, target in state.items():
-        if key in sources and key not in skip:
-            stored = sources[key][1]
-            items = dict(from_hf(stored, whole[stored]) if from_hf else [(stored, whole[stored])])
-            copy_shard(target, items.get(key, next(iter(items.values()))))
-    return report
+        return stage_whole(model, translate_function(whole), strict, None, str(file))
+    return stage_whole(model, whole, strict, _translation(whole, model), str(file))
+
+
+FILE_SUFFIXES = (".pt", ".pth", ".bin")
+"""A full checkpoint whose tag ends so is SageMaker's single-file form (``fullmodel.pt``)."""
+
+
+def is_file_tag(tag) -> bool:
+    return isinstance(tag, str) and tag.endswith(FILE_SUFFIXES)
+
+
+def save(path: Path, tag: str, model, user_content: Any, translate_if_full: bool, trusted: bool = False,
+         dtype: torch.dtype | None = None) -> Path:
+    """SageMaker's single-file full checkpoint (a collective): ``path/tag``, a ``torch.save``d
+    state dict (Hugging Face keys for a built-in architecture, else the unsharded module's), and
+    ``path/user_content_{tag}``. Tensors are streamed to rank 0 like a directory export, but the
+    format holds them in one pickle, so rank 0 holds the whole model once. Written to a temporary
+    file, fsynced, renamed; ``newest`` last."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    layout, translate = layouts.for_save(model.module, translate_if_full)
+    state = export_dtype.export_state(model, dtype)
+    found: dict[str, Any] = {}
+
+    def prepare():
+        if rank == 0:
+            found["content"] = parts.serialize_user_content(user_content, trusted)
+            job_lock(runtime.current().held_locks, path)
+            commit.check_replaceable(path, tag, single_file=True)
+            commit.clean_leftovers(path)
+
+    run_phase("full save (prepare)", prepare)
+    collected = _Collector() if rank == 0 else None
+    error = full.stream(state, translate, collected)
+    run_phase("full save (write)", lambda: _commit(path, tag, collected, found.get("content"), error)
+              if rank == 0 else None)
+    return path / tag
+
+
+class _Collector:
+    """What ``full.stream`` writes into on rank 0: the state dict to save."""
+
+    def __init__(self):
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        self.tensors[key] = tensor.detach().cpu().contiguous()
+
+
+def _commit(path: Path, tag: str, collected: _Collector, content: bytes, error: Exception | None) -> None:
+    if error is not None:
+        raise error
+    tmp = path / commit.hidden_name("tmp", commit.new_nonce(), tag)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(collected.tensors, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path / tag)
+    except (OSError, RuntimeError) as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise commit.named(cause(e) if isinstance(cause(e), OSError) else e, path / tag) from e
+    commit.fsync_path(path)
+    commit.write_file_atomic(path / f"user_content_{tag}", content)
+    commit.write_newest(path, tag)

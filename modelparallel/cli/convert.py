@@ -10,6 +10,7 @@ keys (tied duplicates are left out, as ``save_pretrained`` does; HF re-ties them
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -58,7 +59,10 @@ def convert(source: Path, dest: Path, to: str) -> Path:
     from ..nn.huggingface import table_for
     from ..nn.huggingface.translate import from_hf, to_hf
 
-    config = json.loads((source / "config.json").read_text())
+    try:
+        config = json.loads((source / "config.json").read_text())
+    except OSError as e:
+        raise type(e)(e.errno, e.strerror, str(source / "config.json")) from None
     table = table_for(config.get("model_type", ""))
     if table is None:
         raise ValueError(f"{source}: model_type {config.get('model_type')!r} has no state-dict translation")
@@ -67,11 +71,43 @@ def convert(source: Path, dest: Path, to: str) -> Path:
     state_dict = _read_state_dict(source)
     converted = from_hf(table, state_dict) if to == "distributed" else to_hf(table, state_dict)
     dest.mkdir(parents=True, exist_ok=True)
-    (dest / "config.json").write_text(json.dumps(config, indent=2))
     out = dest / "model.safetensors"
-    save_file(_without_aliases(converted), out, metadata={"format": "pt", "modelparallel_format": to})
-    _apply_umask(out)
+    _write_both(dest, json.dumps(config, indent=2).encode(),
+                lambda tmp: save_file(_without_aliases(converted), tmp, metadata={"format": "pt",
+                                                                                  "modelparallel_format": to}))
     return out
+
+
+def _write_both(dest: Path, config: bytes, write_weights) -> None:
+    """``config.json`` and ``model.safetensors`` written under temporary names, fsynced, then
+    renamed into place (config first): a failure leaves no weights file (so a rerun is not
+    refused) and no temporary; its error names the file."""
+    from ..checkpoint import commit
+    from ..checkpoint.writer import named
+
+    nonce = commit.new_nonce()
+    temps = {name: dest / commit.hidden_name("tmp", nonce, name) for name in ("config.json", "model.safetensors")}
+    try:
+        with open(temps["config.json"], "wb") as f:
+            f.write(config)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            write_weights(temps["model.safetensors"])
+        except Exception as e:  # safetensors' own errors are no OSError and name no file
+            if isinstance(e, OSError):
+                raise named(e, temps["model.safetensors"]) from None
+            raise OSError(f"{dest / 'model.safetensors'}: could not be written ({e})") from None
+        commit.fsync_path(temps["model.safetensors"])
+        _apply_umask(temps["model.safetensors"])
+        for name in ("config.json", "model.safetensors"):
+            os.replace(temps[name], dest / name)
+        commit.fsync_path(dest)
+    except OSError as e:  # nothing half-done: no weights file (its presence would refuse a rerun)
+        for path in (*temps.values(), dest / "model.safetensors"):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        raise named(e, dest / "model.safetensors") from None
 
 
 def _apply_umask(path: Path) -> None:

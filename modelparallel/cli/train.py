@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from . import launch, outcome, resume
-from .data import default_data_path, find_text_files
+from .data import default_data_path, find_text_files, select_files
 from .presets import DEFAULT_PRESET, PRESETS, causal_lm_problems, load_config, load_tokenizer, size_problems
 
 HELP = ("train / fine-tune a causal LM with tensor and pipeline parallelism (default: tiny GPT-2 on the stdlib, "
@@ -75,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save-every", type=int, default=0, help="save a partial checkpoint every N steps "
                    "under OUT/checkpoints (default: never)")
     g.add_argument("--keep", type=int, default=None, help="keep only the N newest partial checkpoints")
+    g.add_argument("--sync-save", action="store_true",
+                   help="write each checkpoint before training goes on (default: staged to host memory, then "
+                        "written and committed in the background while training continues)")
     g.add_argument("--resume", nargs="?", const="newest", choices=("newest", "auto"), default=None,
                    metavar="auto", help="--resume: continue from the newest checkpoint in OUT/checkpoints "
                    "(an error if there is none); --resume auto: continue if there is one, else start fresh")
@@ -96,10 +99,12 @@ def _range_problems(args: argparse.Namespace) -> list[str]:
               ("--cp", args.cp, 1), ("--ep", args.ep, 1), ("--nproc", args.nproc, 1), ("--steps", args.steps, 1),
               ("--batch-size", args.batch_size, 1), ("--seq-len", args.seq_len, 2),
               ("--eval-windows", args.eval_windows, 1), ("--sample-tokens", args.sample_tokens, 0),
-              ("--max-files", args.max_files or 1, 1), ("--eval-every", args.eval_every or 0, 0),
-              ("--max-bytes", args.max_bytes, 0), ("--warmup", args.warmup or 0, 0),
-              ("--save-every", args.save_every, 0), ("--keep", args.keep or 1, 1), ("--nnodes", args.nnodes, 1)]
+              ("--max-files", _given(args.max_files, 1), 1), ("--eval-every", _given(args.eval_every, 0), 0),
+              ("--max-bytes", args.max_bytes, 0), ("--warmup", _given(args.warmup, 0), 0),
+              ("--save-every", args.save_every, 0), ("--keep", _given(args.keep, 1), 1), ("--nnodes", args.nnodes, 1)]
     problems = [f"{name} must be >= {low}, got {value}" for name, value, low in checks if value < low]
+    if args.out.exists() and not args.out.is_dir():
+        problems.append(f"--out {args.out} is a file; it must be a directory (created if missing)")
     if args.lr <= 0:
         problems.append(f"--lr must be positive, got {args.lr}")
     if not 0 < args.val_fraction < 0.5:
@@ -132,6 +137,25 @@ def model_shape(args: argparse.Namespace) -> str:
     """``--tp`` x ``--pp`` x ``--cp`` as the user wrote it (the degrees above 1 beside --tp), with the product."""
     parts = [f"--tp {args.tp}"] + [f"--{k} {getattr(args, k)}" for k in ("pp", "cp") if getattr(args, k) != 1]
     return parts[0] if len(parts) == 1 else " x ".join(parts) + f" = {args.tp * args.pp * args.cp}"
+
+
+def _given(value, default):
+    """An optional option's value, or ``default`` when it was not given (0 is a value)."""
+    return default if value is None else value
+
+
+def _corpus_problems(args: argparse.Namespace) -> list[str]:
+    """A corpus that cannot hold a training and a validation window of ``--seq-len`` tokens,
+    found before launch: a token covers at least one byte, so the files' total size bounds the
+    token count from above."""
+    files = select_files(args.data_files, args.max_files)
+    total = sum(f.stat().st_size for f in files)
+    need = 2 * (args.seq_len + 1)
+    if total < need:
+        return [f"--seq-len {args.seq_len}: the corpus ({len(files)} file(s), {total} bytes) cannot hold a training "
+                f"and a validation window of {args.seq_len + 1} tokens (needs at least {need}); lower --seq-len "
+                "or add --data files"]
+    return []
 
 
 def _world_problems(args: argparse.Namespace) -> list[str]:
@@ -180,7 +204,10 @@ def check_args(args: argparse.Namespace) -> list[str]:
             find_text_files([default_data_path()], suffixes=(".py",))
     except (FileNotFoundError, ValueError) as exc:
         problems.append(str(exc))
-    problems += _model_problems(args)
+    if getattr(args, "data_files", None) and args.seq_len >= 2:
+        problems += _corpus_problems(args)
+    if args.tp >= 1:  # with --tp < 1 the model's sizes cannot be checked (and --tp is already refused)
+        problems += _model_problems(args)
     # the launcher reads the chosen checkpoint's files once; the ranks' load verifies them again
     args.resume_tag, resume_problems = resume.choose(args.out, args.resume, args.resume_from, args.steps,
                                                      verify=not launch.under_launcher())

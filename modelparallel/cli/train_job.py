@@ -19,6 +19,7 @@ import modelparallel as smp
 from .. import runtime
 from . import launch, outcome, plot, resume
 from .data import WindowSampler, eval_batches, read_corpus, select_files, split_holdout
+from .progress import progress
 from .presets import build_distributed, load_tokenizer
 
 
@@ -129,14 +130,12 @@ metrics and the plot of a resumed run cover the whole run, not just the steps si
 
 def train_loop(model, opt, sampler, val_tokens, args, hist: dict) -> dict:
     """Run steps ``args.start_step .. --steps``, appending to ``hist``; returns this session's
-    step count and summed step time. Progress bar on rank 0 only; its tokens/s is the session's
-    tokens over the session's step time (forward, backward, optimizer), as in the summary."""
-    from tqdm.auto import tqdm
-
+    step count and summed step time. Progress on rank 0 only (a bar on a terminal, a line every
+    few seconds in a log: ``progress``); its tokens/s is the session's tokens over the session's
+    step time (forward, backward, optimizer), as in the summary."""
     tokens_per_step = args.batch_size * args.seq_len * smp.rdp_size()
     session = {"steps": 0, "step_time_s": 0.0}
-    bar = tqdm(total=args.steps, initial=args.start_step, desc="train", disable=smp.rank() != 0,
-               dynamic_ncols=True)
+    bar = progress(args.steps, args.start_step, "train", disable=smp.rank() != 0)
     outcome.PROGRESS.stage, outcome.PROGRESS.step = "training", args.start_step
     model.train()
     for step in range(args.start_step, args.steps):
@@ -163,19 +162,24 @@ def train_loop(model, opt, sampler, val_tokens, args, hist: dict) -> dict:
         bar.update()
         if args.save_every and (step + 1) % args.save_every == 0:
             save(args, step + 1, hist, bar)
+    smp.wait_for_checkpoints()  # the last checkpoint is committed before the run goes on
     bar.close()
     return session
 
 
 def save(args, step: int, hist: dict, bar) -> None:
-    """A partial checkpoint of step ``step`` with the history so far; one line on rank 0."""
+    """A partial checkpoint of step ``step`` with the history so far; one line on rank 0. By
+    default asynchronous: training waits only for the copy to host memory (and for the previous
+    save, if it is still being written); ``--sync-save`` writes it before going on."""
     start = time.perf_counter()
     directory = resume.checkpoint_dir(args.out)
+    sync = getattr(args, "sync_save", True)
     smp.save_checkpoint(directory, tag=resume.step_tag(step), user_content={"step": step, "history": hist},
-                        num_kept_partial_checkpoints=args.keep)
+                        num_kept_partial_checkpoints=args.keep, async_save=not sync)
     if smp.rank() == 0:
-        bar.write(f"step {step}: saved checkpoint {directory / (resume.step_tag(step) + resume.PARTIAL)} "
-                  f"({time.perf_counter() - start:.1f} s)")
+        took = time.perf_counter() - start
+        how = f"{took:.1f} s" if sync else f"staged in {took:.1f} s, written in the background"
+        bar.write(f"step {step}: saved checkpoint {directory / (resume.step_tag(step) + resume.PARTIAL)} ({how})")
 
 
 def resume_run(args, sampler) -> tuple[int, dict]:

@@ -52,7 +52,8 @@ def checkpoint_files(path: str | Path) -> dict[str, str]:
     Raises:
         FileNotFoundError: naming the path when it holds no checkpoint, or the index and the
             shard it names that does not exist.
-        ValueError: naming the file, for an unreadable index or a damaged safetensors file.
+        ValueError: naming the file, for an unreadable index, a shard name that leaves the
+            directory (absolute, ``..``) or a damaged safetensors file.
     """
     path = Path(path)
     if path.is_file():
@@ -79,6 +80,11 @@ def _indexed_files(index: Path) -> dict[str, str]:
         raise ValueError(f"{index}: not a JSON object ({e})") from None
     if not isinstance(weight_map, dict):
         raise ValueError(f"{index}: no 'weight_map' object (checkpoint key -> shard file)")
+    for key, f in weight_map.items():
+        parts = f.split("/") if isinstance(f, str) else []
+        if not parts or any(p in ("", ".", "..") or "\\" in p or "\0" in p for p in parts):
+            raise ValueError(f"{index}: weight_map names {f!r} for {key!r}; a shard is a file inside "
+                             f"{index.parent} (no absolute path, no '..')")
     files = {k: str(index.parent / f) for k, f in weight_map.items()}
     for f in sorted(set(files.values())):
         if not Path(f).is_file():

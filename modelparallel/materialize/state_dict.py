@@ -62,12 +62,14 @@ class LoadReport(_Keys):
         return {m.split(": ")[0] for m in self.mismatched_shapes}
 
     def problems(self, part: str) -> list[str]:
-        """One line per missing / unexpected key list and per shape mismatch, prefixed by ``part``."""
+        """One line per missing / unexpected key list and per shape (or ``config ...``: structural
+        config entry) mismatch, prefixed by ``part``."""
         out = [f"{part}: missing keys (in the model, not in the checkpoint): {self.missing_keys}"] \
             if self.missing_keys else []
         if self.unexpected_keys:
             out.append(f"{part}: unexpected keys (in the checkpoint, not in the model): {self.unexpected_keys}")
-        out += [f"{part}: shape mismatch {m}" for m in self.mismatched_shapes]
+        out += [f"{part}: {m}" if m.startswith("config ") else f"{part}: shape mismatch {m}"
+                for m in self.mismatched_shapes]
         return out
 
 

@@ -7,7 +7,8 @@ and forks a 2-rank job (TP=2, gloo) per trial, so a trial costs well under a sec
 
 A trial job resumes from ``newest`` (if any, checking the resumed state against what was saved),
 then twice: trains one AdamW step, writes the expected gathered state aside, saves with
-``num_kept_partial_checkpoints=2``. One rank dies by SIGKILL either at its n-th file-system
+``num_kept_partial_checkpoints=2`` (with ``--async``: ``async_save=True``, so the kills land in
+the background writer while training goes on; the job waits for its last save at the end). One rank dies by SIGKILL either at its n-th file-system
 event (mkdir, fsync, rename, replace, unlink, rmtree; n seeded and drawn over the events a
 calibration trial counted) or after a seeded random delay sent by the driver. The driver then
 requires the other rank to exit within ``SURVIVOR_LIMIT_S`` and, without any process group,
@@ -34,6 +35,8 @@ import torch  # noqa: E402
 
 SURVIVOR_LIMIT_S = 45.0
 SAVES_PER_TRIAL = 2
+ASYNC_ENV = "MODELPARALLEL_KILL_ASYNC"
+"""Set to 1 (``--async``): the trials save asynchronously, so kills land in the background writer."""
 EVENTS = ((os, "fsync"), (os, "replace"), (os, "rename"), (os, "mkdir"), (os, "unlink"), (shutil, "rmtree"))
 
 
@@ -102,7 +105,9 @@ def _job(rank: int, root: Path, trial: int, kill_at: int, store: str) -> None:
         if rank == 0:
             commit.write_file_atomic(root / "expected" / f"{tag}.pt", _to_bytes(state))
         smp.barrier()
-        smp.save_checkpoint(ckpt, tag, user_content=tag, num_kept_partial_checkpoints=2)
+        smp.save_checkpoint(ckpt, tag, user_content=tag, num_kept_partial_checkpoints=2,
+                            async_save=os.environ.get(ASYNC_ENV) == "1")
+    smp.wait_for_checkpoints()
     (root / f"events.{rank}").write_text(str(counter[0]))
 
 
@@ -286,9 +291,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("dir", type=Path, help="working directory (created; checkpoints and logs go here)")
     p.add_argument("--trials", type=int, default=20)
+    p.add_argument("--async", dest="asynchronous", action="store_true",
+                   help="save with async_save=True (kills land in the background writer)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write the trial records here")
     args = p.parse_args(argv)
+    if args.asynchronous:
+        os.environ[ASYNC_ENV] = "1"  # read by every forked job
     records = run_series(args.dir, args.trials, args.seed)
     failed = [r for r in records if not r["ok"]]
     killed = [r for r in records if r["mode"] != "none"]

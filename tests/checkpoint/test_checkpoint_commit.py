@@ -46,10 +46,11 @@ def test_same_tag_is_replaced_whole_and_leftovers_are_cleaned(tmp_path):
     fake_checkpoint(tmp_path, "t_partial", saved_at=2, content=b"new")
     assert (tmp_path / "t_partial" / "data.bin").read_bytes() == b"new"
     assert [p for p in os.listdir(tmp_path) if p.startswith(".")] == [], "the swapped-out copy is deleted"
-    (tmp_path / commit.hidden_name("staging", "dead", "u_partial")).mkdir()
-    (tmp_path / commit.hidden_name("tmp", "dead", "newest")).write_text("half")
+    (tmp_path / commit.hidden_name("staging", commit.new_nonce(), "u_partial")).mkdir()
+    (tmp_path / commit.hidden_name("tmp", commit.new_nonce(), "newest")).write_text("half")
+    (tmp_path / ".mp-notes").write_text("a user's file: not ours, never removed")
     assert len(commit.clean_leftovers(tmp_path)) == 2
-    assert os.listdir(tmp_path) == ["t_partial"]
+    assert sorted(os.listdir(tmp_path)) == [".mp-notes", "t_partial"]
 
 
 def test_newest_is_replaced_atomically_and_checksums_catch_changes(tmp_path):

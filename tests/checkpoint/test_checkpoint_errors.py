@@ -138,7 +138,9 @@ def test_strict_lists_every_mismatch_and_non_strict_returns_them(tmp_path):
     assert "unexpected keys (in the checkpoint, not in the model): ['score.weight']" in msg
     assert "shape mismatch transformer.wpe.weight: checkpoint (16, 32), model (32, 32)" in msg
     assert report.missing_keys == ["lm_head.weight"] and report.unexpected_keys == ["score.weight"]
-    assert report.mismatched_shapes == ["transformer.wpe.weight: checkpoint (16, 32), model (32, 32)"]
+    assert report.mismatched_shapes == ["transformer.wpe.weight: checkpoint (16, 32), model (32, 32)",
+                                        "config n_positions: checkpoint 16, model 32"]
+    assert "model: config n_positions: checkpoint 16, model 32" in msg
 
 
 def fail_on_rank1(path: str, where: str):
@@ -149,7 +151,7 @@ def fail_on_rank1(path: str, where: str):
     smp.save_checkpoint(path, "a")
     want = weight(model)
     if smp.rank() == 0:
-        os.mkdir(Path(path) / ".mp-staging-dead-x_partial")  # a crashed save's leftover
+        os.mkdir(Path(path) / commit.hidden_name("staging", commit.new_nonce(), "x_partial"))  # a crashed save's leftover
     smp.barrier()
     with torch.no_grad():
         model.module.transformer.h[0].mlp.c_fc.weight.to_local().add_(1.0)
@@ -184,27 +186,27 @@ def test_failure_on_one_rank_raises_on_all_and_keeps_the_previous_checkpoint(tmp
 
 def fail_load_on_rank1(path: str):
     """A load whose DCP read fails on rank 1 only: every rank raises, quickly."""
-    from torch.distributed.checkpoint import FileSystemReader
+    from modelparallel.checkpoint.fastread import FastReader
 
     model_with(0)
     smp.save_checkpoint(path, "a")
     model_with(1)
-    original = FileSystemReader.read_data
+    original = FastReader.read_data
     if smp.rank() == 1:
         def boom(*_a, **_k):
             raise OSError("Input/output error (simulated)")
-        FileSystemReader.read_data = boom
+        FastReader.read_data = boom
     start = time.monotonic()
     try:
         msg = errors_of(smp.resume_from_checkpoint, path)
     finally:
-        FileSystemReader.read_data = original
+        FastReader.read_data = original
     return msg, time.monotonic() - start
 
 
 def test_read_failure_on_one_rank_raises_on_all(tmp_path):
     for msg, elapsed in harness.run(2, fail_load_on_rank1, str(tmp_path)):
-        # the optimizer part is planned (its groups read) before the model, so that read fails first
+        # the model part is read (into staging) first, so that read fails first
         assert msg.splitlines()[0].startswith("CheckpointOSError: Input/output error (simulated) (rank 1")
-        assert "load (optimizer: groups) failed on rank(s)" in msg, msg
+        assert "load (model: read) failed on rank(s)" in msg, msg
         assert elapsed < 30

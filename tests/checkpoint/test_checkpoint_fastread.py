@@ -1,10 +1,12 @@
-"""The direct DCP read path (``checkpoint.fastread``), in one process: what it reads must equal
-what was saved for every dtype and layout, and whatever it cannot map one-to-one must still
-arrive through DCP's own reader."""
+"""The verified DCP reader (``checkpoint.fastread``), in one process: what it reads must equal
+what was saved for every dtype and layout, whether a chunk takes the direct path (read straight
+into the destination) or is read whole and loaded; a chunk whose bytes differ from the manifest
+is refused naming the file."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import io
 import warnings
 
@@ -13,7 +15,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from modelparallel.checkpoint import fastread
+from modelparallel.checkpoint import commit, fastread
+from modelparallel.checkpoint.files import CheckpointFiles
 
 
 def saved_state() -> dict:
@@ -45,20 +48,26 @@ def fresh_like(state: dict, dtype_of: dict | None = None) -> dict:
 
 
 def save(state: dict, path, contiguous: bool) -> None:
+    """``state`` as DCP part ``path/part``, with a manifest of its files in ``path``."""
     planner = fastread.ContiguousSavePlanner() if contiguous else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
-        dcp.save(state, storage_writer=FileSystemWriter(path), planner=planner)
+        dcp.save(state, storage_writer=FileSystemWriter(path / "part"), planner=planner)
+    commit.write_manifest(path, {"files": {f: commit.file_checksum(path / f) for f in commit.data_files(path)}})
+
+
+def reader(path, contiguous: bool) -> fastread.FastReader:
+    return fastread.FastReader(CheckpointFiles(path, json.loads((path / commit.MANIFEST).read_text())), "part", contiguous)
 
 
 def load(target: dict, path, contiguous: bool, monkeypatch) -> list[str]:
     """Load and return the keys that took the direct path."""
     direct = []
     real = fastread._read_into
-    monkeypatch.setattr(fastread, "_read_into", lambda fd, off, t, p: (direct.append(t.shape), real(fd, off, t, p)))
+    monkeypatch.setattr(fastread, "_read_into", lambda r, t: (direct.append(t.shape), real(r, t)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load(target, storage_reader=fastread.FastReader(path, contiguous))
+        dcp.load(target, storage_reader=reader(path, contiguous))
     return direct
 
 
@@ -117,26 +126,40 @@ def test_partial_destination_slices_go_through_dcp(tmp_path, monkeypatch):
     monkeypatch.setattr(fastread, "_read_into", lambda *a: direct.append(a))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load(target, storage_reader=fastread.FastReader(tmp_path, True), planner=HalfPlanner())
+        dcp.load(target, storage_reader=reader(tmp_path, True), planner=HalfPlanner())
     assert direct == [] and torch.equal(target["w"][:4], full[4:])
 
 
 @pytest.mark.parametrize("damage", ["zip directory", "record size"])
-def test_unexpected_chunk_layout_falls_back(tmp_path, damage, monkeypatch):
-    """If a chunk is not the one-record zip the direct path expects, DCP decides (here: it fails
-    loudly on a broken zip, or reads the data that is there)."""
-    fd_len = {}
-    real = fastread._data_range
+def test_unexpected_chunk_layout_is_read_whole(tmp_path, damage, monkeypatch):
+    """If a chunk is not the one-record zip the direct path expects, it is read whole and
+    loaded (``torch.load``), still verified."""
+    real = fastread._data_layout
 
-    def spy(fd, start, length, nbytes):
-        fd_len["n"] = nbytes
-        return real(fd, start, length, nbytes + (1 if damage == "record size" else 0))
+    def spy(tail, length, nbytes):
+        return real(tail, length, nbytes + 1)
 
     state = {"w": torch.arange(12.0).reshape(3, 4)}
     save(state, tmp_path, contiguous=True)
-    monkeypatch.setattr(fastread, "_data_range", spy if damage == "record size" else lambda *a: None)
+    monkeypatch.setattr(fastread, "_data_layout", spy if damage == "record size" else lambda *a: None)
     target = {"w": torch.zeros(3, 4)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load(target, storage_reader=fastread.FastReader(tmp_path, True))
+        dcp.load(target, storage_reader=reader(tmp_path, True))
     assert torch.equal(target["w"], state["w"])
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_a_flipped_byte_is_refused_naming_the_file(tmp_path, contiguous):
+    """The reader hashes every byte it reads; a file that no longer matches the manifest fails
+    at the end of the file, on both the direct and the whole-chunk path."""
+    state = {"w": torch.arange(4096.0)}
+    save(state, tmp_path, contiguous=True)
+    victim = tmp_path / "part" / "__0_0.distcp"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 1
+    victim.write_bytes(bytes(data))
+    with pytest.raises(BaseException, match=r"part/__0_0.distcp: CRC32 \w{8}, manifest says \w{8} \(corrupted\)"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load({"w": torch.zeros(4096)}, storage_reader=reader(tmp_path, contiguous))

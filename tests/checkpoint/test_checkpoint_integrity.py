@@ -6,7 +6,7 @@ does not list loaded unverified, or a malformed manifest gave a raw KeyError nam
 writing (commit.DirectoryLock); a resume that fails part-way changed weights or left a load
 pending for the next model (pending.PendingResume); a safetensors file rewritten in place was
 read with its old header (safetensors_io.header); ``smp.save`` / ``smp.load`` lost a container
-type (legacy, safe_load.to_plain); SageMaker's single-file ``fullmodel.pt`` resume did not load
+type (legacy, plain.to_plain); SageMaker's single-file ``fullmodel.pt`` resume did not load
 the pretrained weights bit for bit (single_file). Multi-rank scenarios run on 2 ranks at TP=2.
 """
 
@@ -104,8 +104,9 @@ def one_writer(path: str) -> dict:
     root = Path(path)
     build()
     smp.save_checkpoint(root, "a")
+    build()  # a new job (smp.init): the first one's lock is released
     other = commit.DirectoryLock(root)
-    foreign = root / commit.hidden_name("staging", "otherjob", "x_partial")
+    foreign = root / commit.hidden_name("staging", "0123456789ab", "x_partial")  # the other job's
 
     def hold():
         other.acquire()

@@ -1,4 +1,5 @@
-"""SIGKILL of one rank at seeded random points of checkpoint saves and retention (20 trials).
+"""SIGKILL of one rank at seeded random points of checkpoint saves and retention (20 trials),
+synchronous and asynchronous.
 
 A failure means a killed save left something visible that is not a complete checkpoint, the
 newest visible checkpoint no longer loads bit-exactly, a resumed job did not get back what was
@@ -13,16 +14,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 TRIALS = 20
 
 
-def test_kill_a_rank_during_save_and_retention_leaves_newest_loadable(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_kill_a_rank_during_save_and_retention_leaves_newest_loadable(tmp_path, mode):
+    """``async``: the saves are asynchronous, so the kills land in the background writer."""
     script = Path(__file__).with_name("checkpoint_kill.py")
     out = tmp_path / "summary.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, str(script), str(tmp_path / "work"), "--trials", str(TRIALS),
-                           "--seed", "0", "--json", str(out)], env=env, capture_output=True, text=True,
-                          timeout=900)
+                           "--seed", "0", "--json", str(out)] + (["--async"] if mode == "async" else []), env=env,
+                          capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     summary = json.loads(out.read_text())
     assert summary["failed"] == 0 and summary["killed"] == TRIALS

@@ -110,6 +110,7 @@ def test_each_checkpoint_save_prints_one_line_and_tokens_per_s_is_the_bars(refer
     reference, stdout = reference_run
     saves = [line for line in stdout.splitlines() if "saved checkpoint" in line]
     assert len(saves) == STEPS // 2 and saves[0].startswith("step 2: saved checkpoint ")
+    assert all("written in the background" in line for line in saves), saves  # --save-every is async by default
     m = _metrics(reference)
     assert m["loss"][0] == pytest.approx(math.log(ByteTokenizer.vocab_size), abs=0.5)  # starts near uniform
     assert m["mean_tokens_per_s"] == pytest.approx(

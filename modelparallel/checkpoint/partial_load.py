@@ -1,0 +1,149 @@
+"""Loading a partial checkpoint, all or nothing: checked, read into staging, then applied.
+
+The steps, each a phase every rank agrees on (``errors.run_phase``), so a failure anywhere
+raises everywhere before anything live changes:
+
+1. ``verify``: every listed file of the parts to load is a regular file inside the checkpoint at
+   its recorded size, and the directory holds nothing the manifest does not list (rank 0);
+2. ``prepare_model``: architecture, structural config, keys and shapes against the model part's
+   metadata; then the model part read into staging tensors, every file verified as it is read;
+3. ``prepare_optimizer``: targets built from the optimizer part's metadata, read (verified),
+   then checked: the optimizer's class, its parameter groups, keys, shapes, the loss scaler.
+
+Only then does the caller apply them (``staging.ModelLoad.apply``, ``OptimizerLoad.apply``):
+local copies and pointer swaps that cannot fail half-way for I/O reasons.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from ..pipeline.split import elsewhere
+from . import commit, model_config, optim_part, parts, staging
+from .errors import run_phase, single_error
+from .files import CheckpointFiles, fstat, open_inside
+from .parts import LoadReport
+from .partial import MODEL, OPTIMIZER, check_architecture
+
+
+def _rank_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _stat_problem(files: CheckpointFiles, rel: str) -> str | None:
+    """None if ``rel`` opens as a regular file inside at its recorded size, else a message."""
+    import os
+
+    try:
+        fd = open_inside(files.directory, rel)
+    except FileNotFoundError:
+        return f"{files.directory / rel}: missing (listed in the manifest)"
+    except (OSError, ValueError) as e:
+        return str(e)
+    try:
+        size = fstat(fd, files.directory / rel).st_size
+    except OSError as e:
+        return str(e)
+    finally:
+        os.close(fd)
+    want = files.manifest["files"][rel]["size"]
+    return None if size == want else \
+        f"{files.directory / rel}: size {size} bytes, manifest says {want} (truncated or overwritten)"
+
+
+def verify(files: CheckpointFiles, prefixes: tuple[str, ...]) -> None:
+    """Check the structure of the parts in ``prefixes`` (shared among ranks): raise on every rank,
+    naming every bad file. Checksums are checked by the reads themselves."""
+    rank, world = _rank_world()
+    sizes = {f: e["size"] for f, e in files.manifest["files"].items() if f.startswith(prefixes)}
+    mine = commit.share(sizes, rank, world)
+    problems = run_phase("load (verify)", lambda: [msg for f in mine if (msg := _stat_problem(files, f))]
+                         + (commit.unlisted_files(files.directory, files.manifest) if rank == 0 else []))
+    single_error("load (verify): files do not match the manifest", [m for p in problems for m in p])
+
+
+def _strict(part: str, report: LoadReport, strict: bool, extra: list[str] = ()) -> None:
+    problems = (report.problems(part) if strict else []) + list(extra)
+    if problems:
+        raise ValueError("checkpoint does not fit (strict=True):\n  - " + "\n  - ".join(problems))
+
+
+def prepare_model(files: CheckpointFiles, model, strict: bool) -> staging.ModelLoad:
+    """Check the model part against ``model`` and read it into staging (collectives)."""
+    run_phase("load (model: architecture)", lambda: check_architecture(files.manifest, model))
+    state = parts.model_state(model.module)
+
+    def check():
+        report = parts.compare(state, files, MODEL, elsewhere(model.module))
+        config = model_config.differences(files.manifest.get("config"), getattr(model.module, "config", None))
+        report = LoadReport(report.missing_keys, report.unexpected_keys, report.mismatched_shapes + config)
+        _strict(MODEL, report, strict)
+        return report
+
+    report = run_phase("load (model: keys)", check)[_rank_world()[0]]
+    staged = staging.stage(state, parts.loadable(state, report))
+    run_phase("load (model: read)", lambda: parts.read_part(staged, files, MODEL, set(staged)))
+    return staging.ModelLoad(report, state, staged)
+
+
+def check_optimizer_names(files: CheckpointFiles, model, strict: bool) -> None:
+    """Before any weight is loaded, with no optimizer yet: the optimizer part names this model's
+    parameters at their shapes. (A checkpoint without an optimizer part is refused when an
+    optimizer is created: a job may never create one.)"""
+    def check():
+        if OPTIMIZER not in files.manifest["parts"] or not strict:
+            return
+        problems = optim_part.check_names_against_model(model.module, files.metadata(OPTIMIZER))
+        _strict(OPTIMIZER, LoadReport([], []), False, problems)
+
+    run_phase("load (optimizer: names)", check)
+
+
+@dataclass
+class OptimizerLoad:
+    """An optimizer part read and checked; ``apply`` replaces the optimizer's state with it."""
+
+    report: LoadReport
+    apply: Callable[[], None]
+
+
+def _class_problem(files: CheckpointFiles, optimizer) -> str | None:
+    saved, mine = files.manifest.get("optimizer_class"), type(optimizer.optimizer).__name__
+    if saved and saved != mine:
+        return f"optimizer: the checkpoint holds {saved} state, this optimizer is {mine}"
+    return None
+
+
+def prepare_optimizer(files: CheckpointFiles, model, optimizer, strict: bool) -> OptimizerLoad:
+    """Plan, read (verified) and check the optimizer part (collectives); nothing live changes."""
+    def present():
+        if OPTIMIZER not in files.manifest["parts"]:
+            raise ValueError(f"{files.directory} holds no optimizer state (saved without an optimizer); "
+                             "resume with load_optimizer=False")
+        if strict and (problem := _class_problem(files, optimizer)):
+            raise ValueError(f"checkpoint does not fit (strict=True):\n  - {problem}")
+
+    run_phase("load (optimizer: present)", present)
+    found: dict[str, Any] = {}  # tensors stay local: a phase's result is sent to every rank
+    run_phase("load (optimizer: plan)", lambda: found.update(
+        plan=optim_part.plan_load(model.module, optimizer, files.metadata(OPTIMIZER))))
+    planned = found["plan"]
+    run_phase("load (optimizer: read)",
+              lambda: parts.read_part(planned.nested, files, OPTIMIZER, set(parts.flatten(planned.nested))))
+    other_class = _class_problem(files, optimizer)
+
+    def check():
+        report = planned.report()
+        if other_class:  # strict=False: the whole part is skipped, and said so
+            return LoadReport(report.missing_keys, report.unexpected_keys, [other_class])
+        _strict(OPTIMIZER, report, strict)
+        optim_part.check_scaler(optimizer, planned.nested)
+        return report
+
+    report = run_phase("load (optimizer: keys)", check)[_rank_world()[0]]
+    apply = (lambda: None) if other_class else \
+        (lambda: optim_part.apply_optimizer_state(model.module, optimizer, planned.nested))
+    return OptimizerLoad(report, apply)

@@ -292,8 +292,9 @@ def test_gpt2_script_via_modelparallel_run(tmp_path):
     """GPT-2's call shape at TP=2 launched by ``modelparallel run``: the SageMaker imports resolve,
     the argparse defaults read the SM_* variables the launcher set, ``torch.cuda.set_device``
     passes on CPU; the loss falls; a run stopped at step 3 resumes to exactly the losses of an
-    uninterrupted run (on harness ranks, same thread count); the final full checkpoint loads
-    with ``from_pretrained``, head tied, and back with the scripts' ``--load_full``."""
+    uninterrupted run (on harness ranks, same thread count); the final full checkpoint (tag
+    ``fullmodel.pt``: SageMaker's single file, HF keys) loads into the HF model, head tied, and
+    back with the scripts' ``--load_full``."""
     write_token_rows(tmp_path / "sm" / "input" / "data" / "train")
     argv = ["--tensor_parallel_degree", "2", *TINY, "--checkpoint_freq", "3"]
     full = harness.run(2, script_losses, str(tmp_path / "sm"),
@@ -308,7 +309,11 @@ def test_gpt2_script_via_modelparallel_run(tmp_path):
     first, rest = losses
     assert full[-1] < full[0], full
     assert first + rest == full, (first, rest, full)
-    exported = GPT2LMHeadModel.from_pretrained(tmp_path / "sm" / "model" / "fullmodel.pt")
+    model_dir = tmp_path / "sm" / "model"  # tag fullmodel.pt: SageMaker's single file, HF keys, head tied
+    config = torch.load(model_dir / "user_content_fullmodel.pt", weights_only=True)["model_config"]
+    exported = GPT2LMHeadModel(GPT2Config.from_dict(config)).eval()
+    report = exported.load_state_dict(torch.load(model_dir / "fullmodel.pt", weights_only=True), strict=False)
+    assert report.unexpected_keys == [] and set(report.missing_keys) <= {"lm_head.weight"}, report
     assert exported.lm_head.weight is exported.transformer.wte.weight
     # --load_full reads that export back: its first loss is the export's loss on the first batch
     reloaded = harness.run(2, script_losses, str(tmp_path / "sm"),

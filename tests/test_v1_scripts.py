@@ -308,7 +308,11 @@ def test_gpt2_script_via_modelparallel_run(tmp_path):
         losses.append(json.loads((tmp_path / "sm" / "output" / "data" / f"losses_{start}.json").read_text()))
     first, rest = losses
     assert full[-1] < full[0], full
-    assert first + rest == full, (first, rest, full)
+    if int(os.environ.get("OMP_NUM_THREADS", "1")) == 1:
+        assert first + rest == full, (first, rest, full)
+    else:  # several threads may split a kernel's sums differently in another process: rounding only
+        for step, (got, want) in enumerate(zip(first + rest, full, strict=True)):
+            assert abs(got - want) <= training_rtol(step) * abs(want), (step, first, rest, full)
     model_dir = tmp_path / "sm" / "model"  # tag fullmodel.pt: SageMaker's single file, HF keys, head tied
     config = torch.load(model_dir / "user_content_fullmodel.pt", weights_only=True)["model_config"]
     exported = GPT2LMHeadModel(GPT2Config.from_dict(config)).eval()

@@ -121,6 +121,25 @@ def file_checksum(path: str | Path, fsync: bool = False) -> dict:
     return {"size": size, "crc32": f"{crc:08x}"}
 
 
+def synced_checksum(path: str | Path, known: dict | None) -> dict:
+    """``file_checksum(path, fsync=True)``, without reading the file again when ``known`` holds
+    the size and CRC32 computed while it was written and the file still has that size: then it
+    is only fsynced. An error names ``path``."""
+    if known is None:
+        return file_checksum(path, fsync=True)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if os.fstat(fd).st_size != known["size"]:
+                return file_checksum(path, fsync=True)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise named(e, path) from None
+    return {"size": known["size"], "crc32": known["crc32"]}
+
+
 class _Background(threading.Thread):
     """Run ``fn(*args)`` in a thread; ``join`` re-raises its exception (an fsync EIO must fail the save)."""
 

@@ -110,8 +110,10 @@ class _Phases:
     def run(self, states: dict, group=None) -> None:
         rank, world = _rank_world()
         try:
-            written = run_phase("save (write)", lambda: _write(states, self.staging, self.content, rank, group), group)
-            sums = run_phase("save (checksum)", lambda: _checksums(self.staging, rank, world), group)
+            known: dict[str, dict] = {}
+            written = run_phase("save (write)", lambda: _write(states, self.staging, self.content, rank, known, group),
+                                group)
+            sums = run_phase("save (checksum)", lambda: _checksums(self.staging, rank, world, known), group)
             files = {k: v for s in sums for k, v in s.items()}
             lost = sorted({f for w in written for f in w} - set(files))
             manifest = {**self.manifest, "files": files}
@@ -122,20 +124,23 @@ class _Phases:
             raise
 
 
-def _write(states: dict, staging: Path, content: bytes | None, rank: int, group=None) -> list[str]:
-    """Write this rank's share; returns the files it wrote (checked again at commit)."""
+def _write(states: dict, staging: Path, content: bytes | None, rank: int, sums: dict, group=None) -> list[str]:
+    """Write this rank's share; returns the files it wrote (checked again at commit) and puts
+    the checksums computed while writing into ``sums``."""
     for part, state in states.items():
-        parts.write_part(state, staging / part, group)
+        sums.update({f"{part}/{f}": v for f, v in parts.write_part(state, staging / part, group).items()})
     if rank == 0:
         parts.write_bytes(staging / parts.USER_CONTENT, content)
     mine = [f"{part}/{p.name}" for part in states for p in (staging / part).glob(f"__{rank}_*.distcp")]
     return mine + ([f"{part}/.metadata" for part in states] + [parts.USER_CONTENT] if rank == 0 else [])
 
 
-def _checksums(staging: Path, rank: int, world: int) -> dict[str, dict]:
-    """This rank's share of the files, hashed and fsynced (every rank reads a different share)."""
+def _checksums(staging: Path, rank: int, world: int, known: dict[str, dict]) -> dict[str, dict]:
+    """This rank's share of the files, fsynced and checksummed (every rank takes a different
+    share: the files it wrote itself, whose checksums ``known`` holds from the write, are only
+    fsynced; the others are read)."""
     sizes = {f: (staging / f).stat().st_size for f in commit.data_files(staging)}
-    return {f: commit.file_checksum(staging / f, fsync=True) for f in commit.share(sizes, rank, world)}
+    return {f: commit.synced_checksum(staging / f, known.get(f)) for f in commit.share(sizes, rank, world)}
 
 
 def _commit(path: Path, staging: Path, name: str, manifest: dict, lost: list[str], keep: int | None) -> None:

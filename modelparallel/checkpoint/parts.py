@@ -84,12 +84,14 @@ def loadable(state: dict[str, Any], report: LoadReport) -> set[str]:
     return set(flatten(state)) - skip
 
 
-def write_part(state: dict[str, Any], directory: Path, group=None) -> None:
+def write_part(state: dict[str, Any], directory: Path, group=None) -> dict[str, dict]:
     """One DCP save (a collective), every tensor stored contiguous so that same-layout loads read
-    in place (``fastread``). DCP's own fsync is off: the checksum phase fsyncs every file while
-    it computes the CRC, before anything is committed (``commit.file_checksum``)."""
+    in place (``fastread``). DCP's own fsync is off: the checksum phase fsyncs every file before
+    anything is committed. Returns the size and CRC32 of the files this rank wrote, computed
+    while writing, by path relative to ``directory``."""
     try:
-        writer.save(state, directory, ContiguousSavePlanner(), group)
+        sums = writer.save(state, directory, ContiguousSavePlanner(), group)
+        return {Path(p).relative_to(directory).as_posix(): v for p, v in sums.items()}
     except (CheckpointException, OSError) as e:
         root = cause(e)
         if isinstance(root, OSError) and not root.filename and root.errno is not None:

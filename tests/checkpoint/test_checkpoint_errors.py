@@ -155,7 +155,7 @@ def fail_on_rank1(path: str, where: str):
     smp.barrier()
     with torch.no_grad():
         model.module.transformer.h[0].mlp.c_fc.weight.to_local().add_(1.0)
-    owner, name = (FileSystemWriter, "write_data") if where == "dcp write" else (commit, "file_checksum")
+    owner, name = (FileSystemWriter, "write_data") if where == "dcp write" else (commit, "synced_checksum")
     original = getattr(owner, name)
     if smp.rank() == 1:
         def boom(*_a, **_k):

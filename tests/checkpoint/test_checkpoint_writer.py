@@ -1,0 +1,86 @@
+"""The save's writer (modelparallel/checkpoint/writer.py): checksums computed while writing,
+write-back started early, torch.save's zip CRC off only while it writes.
+
+A failure means a manifest could record a CRC32 that is not the file's (every later load of a
+good checkpoint would be refused as corrupted, or worse, a file changed after a seek would be
+recorded by a checksum of bytes it no longer holds), that a save leaves the process's
+torch.save setting changed, or that a partial checkpoint is no longer a plain DCP checkpoint
+that DCP's own reader loads.
+"""
+
+import zlib
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+
+from modelparallel.checkpoint import writer
+from modelparallel.checkpoint.fastread import ContiguousSavePlanner
+
+
+def real_sum(path) -> dict:
+    data = path.read_bytes()
+    return {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+
+
+def state() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {"a": torch.randn(300, 70, generator=g), "b": torch.randn(5, generator=g).to(torch.bfloat16),
+            "t": torch.randn(8, 6, generator=g).t(), "step": 7, "name": "x"}
+
+
+@pytest.mark.parametrize("sync_every", [writer.SYNC_EVERY, 1000])
+def test_checksums_while_writing_equal_the_files(tmp_path, monkeypatch, sync_every):
+    """Every file the save wrote (data and metadata) is in ``sums`` with its real size and
+    CRC32, also when write-back is started many times (a small ``SYNC_EVERY``)."""
+    monkeypatch.setattr(writer, "SYNC_EVERY", sync_every)
+    sums = writer.save(state(), tmp_path, ContiguousSavePlanner())
+    files = sorted(p for p in tmp_path.iterdir() if p.is_file())
+    assert sorted(sums) == [str(p) for p in files] and len(files) >= 2, (sums, files)
+    for p in files:
+        assert sums[str(p)] == real_sum(p), p.name
+
+
+def test_a_stream_that_seeks_records_no_checksum(tmp_path):
+    fs = writer._RecordingFileSystem()
+    with fs.create_stream(tmp_path / "seeked", "wb") as f:
+        f.write(b"abcdef")
+        f.seek(1)
+        f.write(b"X")
+    with fs.create_stream(tmp_path / "straight", "wb") as f:
+        f.write(b"abc")
+        f.write(memoryview(b"def"))
+    assert sorted(fs.sums) == [str(tmp_path / "straight")]
+    assert fs.sums[str(tmp_path / "straight")] == real_sum(tmp_path / "straight")
+
+
+def test_a_failed_write_records_no_checksum(tmp_path):
+    fs = writer._RecordingFileSystem()
+    with pytest.raises(RuntimeError):
+        with fs.create_stream(tmp_path / "f", "wb") as f:
+            f.write(b"abc")
+            raise RuntimeError("stop")
+    assert fs.sums == {}
+
+
+@pytest.mark.parametrize("before", [True, False])
+def test_zip_crc_setting_is_put_back_and_dcp_loads_the_files(tmp_path, before):
+    original = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(before)
+    try:
+        writer.save(state(), tmp_path / "ok", ContiguousSavePlanner())
+        assert torch.serialization.get_crc32_options() is before
+        (tmp_path / "a-file").write_bytes(b"")
+        with pytest.raises((CheckpointException, OSError)):
+            writer.save({"a": torch.ones(2)}, tmp_path / "a-file", ContiguousSavePlanner())
+        assert torch.serialization.get_crc32_options() is before, "put back after a failed save too"
+    finally:
+        torch.serialization.set_crc32_options(original)
+    want = state()
+    target = {"a": torch.zeros(300, 70), "b": torch.zeros(5, dtype=torch.bfloat16), "t": torch.zeros(6, 8),
+              "step": 0, "name": ""}
+    dcp.load(target, storage_reader=FileSystemReader(tmp_path / "ok"))
+    for k, v in want.items():
+        assert torch.equal(target[k], v) if isinstance(v, torch.Tensor) else target[k] == v, k

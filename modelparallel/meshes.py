@@ -1,6 +1,28 @@
-"""The world mesh and its process groups, built once per layout in a process.
+"""The world mesh and its process groups: its dimensions, SageMaker's groups, how ranks are laid out.
 
-Every process group PyTorch creates keeps its threads and sockets (three threads per gloo group)
+The world mesh has one named dimension per kind of parallelism, ``("pp", "dp", "cp", "tp")``
+(pipeline stages, reduced data parallelism, context parallelism, tensor parallelism); a degree of
+1 gives a dimension of size 1. ``Runtime.mesh`` is its ``("dp", "tp")`` slice holding this rank:
+the ranks of one pipeline stage and one context slice, the mesh TP and FSDP work on.
+
+Rank vocabulary (SageMaker's). ``TP_GROUP``: ranks sharing one copy of each layer. ``RDP_GROUP``
+(reduced data parallel): ranks with the same tp, cp and pp rank, holding the same shard; gradients
+are averaged over it. ``DP_GROUP``: ranks with the same pp rank; the TP group is a subset of it,
+because with ``prescaled_batch`` false each TP rank brings its own batch. ``MP_GROUP``: the ranks
+that together hold one model copy (tp x pp). ``PP_GROUP``: ranks with the same tp, rdp and cp
+rank: one per pipeline stage. ``CP_GROUP`` (SageMaker v2): ranks splitting the same sequences,
+with the same tp, rdp and pp rank. ``DP_CP_GROUP`` (ours): ranks holding the same parameters,
+with the same tp and pp rank (rdp x cp): gradients are averaged, and FSDP shards, over it, as
+torchtitan's ``dp_shard_cp`` does. Every group is "the ranks that differ from this one only along
+these dimensions" (``GROUP_DIMS``), numbered in global-rank order as torch numbers a group.
+
+Expert parallelism is carved out of the data-parallel ranks, as torchtitan and Megatron-Core do:
+``Runtime.expert_mesh`` is the world mesh with "dp" split into ``("edp", "ep")``. ``EP_GROUP``:
+consecutive data-parallel ranks (same tp, cp and pp rank) that together hold one copy of every
+MoE layer's experts, each 1/ep of them; ``EDP_GROUP``: the ranks holding the same experts (same
+ep rank), over which expert gradients are averaged.
+
+Built once per layout: every process group PyTorch creates keeps its threads and sockets (three threads per gloo group)
 until the process ends; ``init`` called again (a script that restarts the runtime, a test process
 running many jobs) would add a set each time, and the idle gloo threads then wake often enough
 to slow a small machine several-fold. So a restart with a layout this process has built before
@@ -13,11 +35,59 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+
+from .compat import unflatten_mesh
+from .config import Config
+from .config_keys import PLACEMENTS
+
+
+class CommGroup(str, Enum):
+    """SageMaker's communication groups; plain strings ("tp", "rdp"...) are accepted too."""
+
+    WORLD = "world"
+    DP_GROUP = "dp"
+    TP_GROUP = "tp"
+    RDP_GROUP = "rdp"
+    MP_GROUP = "mp"
+    PP_GROUP = "pp"
+    EP_GROUP = "ep"
+    EDP_GROUP = "edp"
+    CP_GROUP = "cp"
+    DP_CP_GROUP = "dp_cp"
+
+
+WORLD, DP_GROUP, TP_GROUP = CommGroup.WORLD, CommGroup.DP_GROUP, CommGroup.TP_GROUP
+RDP_GROUP, MP_GROUP, PP_GROUP = CommGroup.RDP_GROUP, CommGroup.MP_GROUP, CommGroup.PP_GROUP
+EP_GROUP, EDP_GROUP = CommGroup.EP_GROUP, CommGroup.EDP_GROUP
+CP_GROUP, DP_CP_GROUP = CommGroup.CP_GROUP, CommGroup.DP_CP_GROUP
+
+DIMS = ("pp", "dp", "cp", "tp")
+"""The world mesh's dimensions, in the order of its axes."""
+
+EXPERT_DIMS = ("pp", "edp", "ep", "cp", "tp")
+"""The expert mesh's dimensions: ``DIMS`` with "dp" split into replicas of one expert ("edp")
+and the ranks sharing the experts between them ("ep", the inner part: consecutive dp ranks)."""
+
+GROUP_DIMS: dict[CommGroup, tuple[str, ...]] = {
+    WORLD: DIMS,
+    TP_GROUP: ("tp",),
+    PP_GROUP: ("pp",),
+    RDP_GROUP: ("dp",),
+    DP_GROUP: ("dp", "cp", "tp"),
+    MP_GROUP: ("pp", "tp"),
+    EP_GROUP: ("ep",),
+    EDP_GROUP: ("edp",),
+    CP_GROUP: ("cp",),
+    DP_CP_GROUP: ("dp", "cp"),
+}
+"""The mesh dimensions along which a group's members differ from each other (of ``DIMS``, or of
+``EXPERT_DIMS`` for the expert groups)."""
 
 
 @dataclass(frozen=True)
@@ -27,7 +97,7 @@ class Meshes:
     world: DeviceMesh
     expert: DeviceMesh
     groups: dict
-    """Process groups spanning several mesh dimensions (see ``runtime._multi_dim_groups``)."""
+    """Process groups spanning several mesh dimensions (see ``multi_dim_groups``)."""
 
 
 @dataclass
@@ -52,3 +122,70 @@ def carried(previous: MeshCache | None) -> MeshCache:
     if previous is not None and previous.world_group is dist.group.WORLD:
         return previous
     return MeshCache(dist.group.WORLD)
+
+
+def spanned(dims: tuple[str, ...], mesh: DeviceMesh) -> tuple[str, ...]:
+    """The dimensions of ``dims`` with more than one rank (those a group actually spans); the
+    first one if none has, so a trivial group is a one-rank mesh dimension's group."""
+    wide = tuple(d for d in dims if mesh.size(mesh.mesh_dim_names.index(d)) > 1)
+    return wide or dims[:1]
+
+
+def members(grid: torch.Tensor, dims: tuple[str, ...], rank: int, names: tuple[str, ...] = DIMS) -> list[int]:
+    """Global ranks of ``grid`` (axes named ``names``: the ``[pp, dp, cp, tp]`` grid by default)
+    that differ from ``rank`` only along ``dims``, ascending."""
+    where = (grid == rank).nonzero()[0].tolist()
+    index = tuple(slice(None) if d in dims else where[i] for i, d in enumerate(names))
+    return sorted(grid[index].flatten().tolist())
+
+
+def partition(mesh: DeviceMesh, dims: tuple[str, ...]) -> list[list[int]]:
+    """Every group spanning ``dims``: the world cut into member lists."""
+    seen, groups = set(), []
+    for rank in mesh.mesh.flatten().tolist():
+        if rank not in seen:
+            group = members(mesh.mesh, dims, rank)
+            seen.update(group)
+            groups.append(group)
+    return groups
+
+
+def multi_dim_groups(mesh: DeviceMesh) -> dict[tuple[str, ...], dist.ProcessGroup]:
+    """Process groups for the groups spanning several (non-trivial) mesh dimensions short of the
+    whole world; every rank creates every one of them, in the same order."""
+    groups = {}
+    for dims in dict.fromkeys(spanned(d, mesh) for d in GROUP_DIMS.values() if set(d) <= set(DIMS)):
+        if len(dims) > 1 and set(dims) != set(spanned(DIMS, mesh)):
+            mine, _ = dist.new_subgroups_by_enumeration(partition(mesh, dims))
+            groups[dims] = mine
+    return groups
+
+
+def build(device: torch.device, layout: torch.Tensor, dp: int, ep: int) -> Meshes:
+    """The world mesh, its expert form and its multi-dimension groups (collectives of every rank)."""
+    world = DeviceMesh(device.type, layout, mesh_dim_names=DIMS)
+    expert = unflatten_mesh(world, "dp", (dp // ep, ep), EXPERT_DIMS[1:3])
+    return Meshes(world, expert, multi_dim_groups(world))
+
+
+def mesh_layout(config: Config) -> torch.Tensor:
+    """Global ranks arranged as a ``[pp, dp, cp, tp]`` grid according to ``placement_strategy``.
+
+    The strategy is an order of the letters D, P, T, slowest-varying first: "cluster" is "DPT"
+    (a TP group on consecutive ranks, so on one node), "spread" is "TPD" (TP ranks strided).
+    Context-parallel ranks (C) sit just outside the tensor-parallel ones, as SageMaker v2 lays
+    them out: a rank's data-parallel index is its global rank // (tp x cp) under "cluster".
+    """
+    order = PLACEMENTS.get(config.placement_strategy, config.placement_strategy.upper()).replace("T", "CT")
+    sizes = {"D": config.dp_degree, "P": config.pipeline_parallel_degree,
+             "C": config.context_parallel_degree, "T": config.tensor_parallel_degree}
+    grid = torch.arange(config.world_size).reshape([sizes[c] for c in order])
+    return grid.permute([order.index(c) for c in "PDCT"]).contiguous()
+
+
+def expert_layout(config: Config) -> torch.Tensor:
+    """The ``[pp, edp, ep, cp, tp]`` grid: ``mesh_layout`` with the data-parallel axis split into
+    replicas (outer) and expert-parallel ranks (inner), so an expert group is consecutive
+    data-parallel ranks."""
+    ep = config.expert_parallel_degree
+    return mesh_layout(config).unflatten(1, (config.dp_degree // ep, ep))

@@ -3,28 +3,7 @@
 ``init`` is the only place that reads the launcher's environment. Everything inside the library
 takes the mesh (or this handle) as an argument; the module-level ``_RUNTIME`` exists only so the
 SMP-style facade (``smp.tp_rank()``, ``smp.get_tp_process_group()``...) has something to read.
-
-The world mesh has one named dimension per kind of parallelism, ``("pp", "dp", "cp", "tp")``
-(pipeline stages, reduced data parallelism, context parallelism, tensor parallelism); a degree of
-1 gives a dimension of size 1. ``Runtime.mesh`` is its ``("dp", "tp")`` slice holding this rank:
-the ranks of one pipeline stage and one context slice, the mesh TP and FSDP work on.
-
-Rank vocabulary (SageMaker's). ``TP_GROUP``: ranks sharing one copy of each layer. ``RDP_GROUP``
-(reduced data parallel): ranks with the same tp, cp and pp rank, holding the same shard; gradients
-are averaged over it. ``DP_GROUP``: ranks with the same pp rank; the TP group is a subset of it,
-because with ``prescaled_batch`` false each TP rank brings its own batch. ``MP_GROUP``: the ranks
-that together hold one model copy (tp x pp). ``PP_GROUP``: ranks with the same tp, rdp and cp
-rank: one per pipeline stage. ``CP_GROUP`` (SageMaker v2): ranks splitting the same sequences,
-with the same tp, rdp and pp rank. ``DP_CP_GROUP`` (ours): ranks holding the same parameters,
-with the same tp and pp rank (rdp x cp): gradients are averaged, and FSDP shards, over it, as
-torchtitan's ``dp_shard_cp`` does. Every group is "the ranks that differ from this one only along
-these dimensions" (``GROUP_DIMS``), numbered in global-rank order as torch numbers a group.
-
-Expert parallelism is carved out of the data-parallel ranks, as torchtitan and Megatron-Core do:
-``Runtime.expert_mesh`` is the world mesh with "dp" split into ``("edp", "ep")``. ``EP_GROUP``:
-consecutive data-parallel ranks (same tp, cp and pp rank) that together hold one copy of every
-MoE layer's experts, each 1/ep of them; ``EDP_GROUP``: the ranks holding the same experts (same
-ep rank), over which expert gradients are averaged.
+The mesh dimensions, SageMaker's groups and how ranks are laid out are ``meshes``'s.
 """
 
 from __future__ import annotations
@@ -33,7 +12,6 @@ import logging
 import os
 import random
 from dataclasses import dataclass, field
-from enum import Enum
 from datetime import timedelta
 from typing import Any
 
@@ -41,55 +19,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .compat import flatten_mesh, unflatten_mesh
+from .compat import flatten_mesh
 from .config import Config, build_config, without_effect
-from .config_keys import PLACEMENTS
 from . import meshes
+from .meshes import (  # noqa: F401 - the group names and layouts are part of this module's API
+    CP_GROUP, DIMS, DP_CP_GROUP, DP_GROUP, EDP_GROUP, EP_GROUP, EXPERT_DIMS, GROUP_DIMS, MP_GROUP, PP_GROUP,
+    RDP_GROUP, TP_GROUP, WORLD, CommGroup, expert_layout, members, mesh_layout, spanned)
 
 logger = logging.getLogger("modelparallel")
 
-
-class CommGroup(str, Enum):
-    """SageMaker's communication groups; plain strings ("tp", "rdp"...) are accepted too."""
-
-    WORLD = "world"
-    DP_GROUP = "dp"
-    TP_GROUP = "tp"
-    RDP_GROUP = "rdp"
-    MP_GROUP = "mp"
-    PP_GROUP = "pp"
-    EP_GROUP = "ep"
-    EDP_GROUP = "edp"
-    CP_GROUP = "cp"
-    DP_CP_GROUP = "dp_cp"
-
-
-WORLD, DP_GROUP, TP_GROUP = CommGroup.WORLD, CommGroup.DP_GROUP, CommGroup.TP_GROUP
-RDP_GROUP, MP_GROUP, PP_GROUP = CommGroup.RDP_GROUP, CommGroup.MP_GROUP, CommGroup.PP_GROUP
-EP_GROUP, EDP_GROUP = CommGroup.EP_GROUP, CommGroup.EDP_GROUP
-CP_GROUP, DP_CP_GROUP = CommGroup.CP_GROUP, CommGroup.DP_CP_GROUP
-
-DIMS = ("pp", "dp", "cp", "tp")
-"""The world mesh's dimensions, in the order of its axes."""
-
-EXPERT_DIMS = ("pp", "edp", "ep", "cp", "tp")
-"""The expert mesh's dimensions: ``DIMS`` with "dp" split into replicas of one expert ("edp")
-and the ranks sharing the experts between them ("ep", the inner part: consecutive dp ranks)."""
-
-GROUP_DIMS: dict[CommGroup, tuple[str, ...]] = {
-    WORLD: DIMS,
-    TP_GROUP: ("tp",),
-    PP_GROUP: ("pp",),
-    RDP_GROUP: ("dp",),
-    DP_GROUP: ("dp", "cp", "tp"),
-    MP_GROUP: ("pp", "tp"),
-    EP_GROUP: ("ep",),
-    EDP_GROUP: ("edp",),
-    CP_GROUP: ("cp",),
-    DP_CP_GROUP: ("dp", "cp"),
-}
-"""The mesh dimensions along which a group's members differ from each other (of ``DIMS``, or of
-``EXPERT_DIMS`` for the expert groups)."""
 
 _RUNTIME: Runtime | None = None
 
@@ -170,10 +108,10 @@ class Runtime:
     def group(self, name: str | CommGroup) -> dist.ProcessGroup:
         """The process group for one of ``CommGroup``'s members (or its string value)."""
         mesh = self._mesh_of(GROUP_DIMS[_group_name(name)])
-        dims = _spanned(GROUP_DIMS[_group_name(name)], mesh)
+        dims = spanned(GROUP_DIMS[_group_name(name)], mesh)
         if len(dims) == 1:
             return mesh.get_group(dims[0])
-        if set(dims) == set(_spanned(DIMS, self.world_mesh)):
+        if set(dims) == set(spanned(DIMS, self.world_mesh)):
             return dist.group.WORLD
         return self._groups[dims]
 
@@ -201,50 +139,6 @@ def _group_name(name: str | CommGroup) -> CommGroup:
         raise ValueError(f"unknown group {name!r}; use one of {[g.value for g in CommGroup]}") from None
 
 
-def _spanned(dims: tuple[str, ...], mesh: DeviceMesh) -> tuple[str, ...]:
-    """The dimensions of ``dims`` with more than one rank (those a group actually spans); the
-    first one if none has, so a trivial group is a one-rank mesh dimension's group."""
-    wide = tuple(d for d in dims if mesh.size(mesh.mesh_dim_names.index(d)) > 1)
-    return wide or dims[:1]
-
-
-def members(grid: torch.Tensor, dims: tuple[str, ...], rank: int, names: tuple[str, ...] = DIMS) -> list[int]:
-    """Global ranks of ``grid`` (axes named ``names``: the ``[pp, dp, cp, tp]`` grid by default)
-    that differ from ``rank`` only along ``dims``, ascending."""
-    where = (grid == rank).nonzero()[0].tolist()
-    index = tuple(slice(None) if d in dims else where[i] for i, d in enumerate(names))
-    return sorted(grid[index].flatten().tolist())
-
-
-def _partition(mesh: DeviceMesh, dims: tuple[str, ...]) -> list[list[int]]:
-    """Every group spanning ``dims``: the world cut into member lists."""
-    seen, groups = set(), []
-    for rank in mesh.mesh.flatten().tolist():
-        if rank not in seen:
-            group = members(mesh.mesh, dims, rank)
-            seen.update(group)
-            groups.append(group)
-    return groups
-
-
-def _multi_dim_groups(mesh: DeviceMesh) -> dict[tuple[str, ...], dist.ProcessGroup]:
-    """Process groups for the groups spanning several (non-trivial) mesh dimensions short of the
-    whole world; every rank creates every one of them, in the same order."""
-    groups = {}
-    for dims in dict.fromkeys(_spanned(d, mesh) for d in GROUP_DIMS.values() if set(d) <= set(DIMS)):
-        if len(dims) > 1 and set(dims) != set(_spanned(DIMS, mesh)):
-            mine, _ = dist.new_subgroups_by_enumeration(_partition(mesh, dims))
-            groups[dims] = mine
-    return groups
-
-
-def _build_meshes(device: torch.device, layout: torch.Tensor, dp: int, ep: int) -> meshes.Meshes:
-    """The world mesh, its expert form and its multi-dimension groups (collectives of every rank)."""
-    world = DeviceMesh(device.type, layout, mesh_dim_names=DIMS)
-    expert = unflatten_mesh(world, "dp", (dp // ep, ep), EXPERT_DIMS[1:3])
-    return meshes.Meshes(world, expert, _multi_dim_groups(world))
-
-
 def _device() -> torch.device:
     if torch.cuda.is_available():
         index = int(os.environ.get("LOCAL_RANK", 0))
@@ -262,29 +156,6 @@ def _ensure_process_group(timeout: timedelta) -> None:
         dist.init_process_group(backend, timeout=timeout)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-
-
-def mesh_layout(config: Config) -> torch.Tensor:
-    """Global ranks arranged as a ``[pp, dp, cp, tp]`` grid according to ``placement_strategy``.
-
-    The strategy is an order of the letters D, P, T, slowest-varying first: "cluster" is "DPT"
-    (a TP group on consecutive ranks, so on one node), "spread" is "TPD" (TP ranks strided).
-    Context-parallel ranks (C) sit just outside the tensor-parallel ones, as SageMaker v2 lays
-    them out: a rank's data-parallel index is its global rank // (tp x cp) under "cluster".
-    """
-    order = PLACEMENTS.get(config.placement_strategy, config.placement_strategy.upper()).replace("T", "CT")
-    sizes = {"D": config.dp_degree, "P": config.pipeline_parallel_degree,
-             "C": config.context_parallel_degree, "T": config.tensor_parallel_degree}
-    grid = torch.arange(config.world_size).reshape([sizes[c] for c in order])
-    return grid.permute([order.index(c) for c in "PDCT"]).contiguous()
-
-
-def expert_layout(config: Config) -> torch.Tensor:
-    """The ``[pp, edp, ep, cp, tp]`` grid: ``mesh_layout`` with the data-parallel axis split into
-    replicas (outer) and expert-parallel ranks (inner), so an expert group is consecutive
-    data-parallel ranks."""
-    ep = config.expert_parallel_degree
-    return mesh_layout(config).unflatten(1, (config.dp_degree // ep, ep))
 
 
 def configure_logging(global_rank: int) -> None:
@@ -326,7 +197,7 @@ def init(config: dict | str | None = None, *, timeout_s: float = 300.0) -> Runti
     device = _device()
     layout, ep = mesh_layout(cfg), cfg.expert_parallel_degree
     cache = meshes.carried(_RUNTIME.mesh_cache if _RUNTIME is not None else None)
-    built = cache.get(device, layout, ep, lambda: _build_meshes(device, layout, cfg.dp_degree, ep))
+    built = cache.get(device, layout, ep, lambda: meshes.build(device, layout, cfg.dp_degree, ep))
     world_mesh = built.world
     torch.manual_seed(cfg.random_seed)
     random.seed(cfg.random_seed)

@@ -1,0 +1,167 @@
+"""A synchronous partial save against the disk's write limit and DCP, in one run.
+
+Two ranks (TP=2, one thread each) hold a GPT-2 with AdamW state (``bench_checkpoint``'s presets;
+``medium`` is gpt2-medium's shape, about 4.3 GB per checkpoint). Per repeat, in an order that
+rotates so no method always follows another:
+
+* ``disk``: each rank writes as many bytes as this rank's part of the checkpoint, in 64 MiB
+  writes from memory, then fsyncs; twice, once plain and once starting write-back every 32 MiB
+  (``sync_file_range``). The faster of the two is the disk's limit for that repeat: the best a
+  writer of these bytes does on this disk, whatever the pattern;
+* ``sync``: ``smp.save_checkpoint(partial=True)`` (serialization, checksums, fsync, commit);
+* ``dcp``: ``torch.distributed.checkpoint.save`` of the same state, fsynced as DCP does;
+* ``retention``: deleting the previous checkpoint, which a save with ``num_kept_partial_checkpoints``
+  does after its commit (timed apart: DCP deletes nothing, the disk measure neither).
+
+Every timing starts with nothing left for the disk to write (``os.sync``) and is the slowest
+rank's. Reported: per method the min/median/max seconds and MB/s; ``sync_vs_disk`` is the disk's
+median time over the save's median time (1.0: the save writes at the disk's speed), also per
+repeat. A virtual disk's speed varies between repeats: hence the repeats and the spread.
+Usage: ``python bench/bench_checkpoint_disk.py [--preset medium|small|tiny] [--repeats 5]``;
+writes ``bench/results/checkpoint_disk.json`` with the load average before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import bench_checkpoint as base  # noqa: E402
+import common  # noqa: E402
+
+BLOCK = 64 << 20
+WRITEBACK = 32 << 20
+
+
+def _disk(work: Path, nbytes: int, writeback: bool) -> float:
+    """Seconds for every rank to write and fsync ``nbytes`` (slowest rank)."""
+    import torch.distributed as dist
+
+    block = memoryview(bytearray(os.urandom(1 << 20)) * (BLOCK >> 20))
+    start_writeback = ctypes.CDLL(None, use_errno=True).sync_file_range if writeback else None
+    path = work / f"disk{dist.get_rank()}.bin"
+
+    def write():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            done = synced = 0
+            while done < nbytes:
+                done += os.write(fd, block[:min(nbytes - done, BLOCK)])
+                if start_writeback is not None and done - synced >= WRITEBACK:
+                    start_writeback(fd, ctypes.c_int64(synced), ctypes.c_int64(done - synced), 2)
+                    synced = done
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    seconds = base._timed(write)
+    path.unlink()
+    return seconds
+
+
+def _methods(model, optimizer, work: Path, r: int, nbytes: int) -> dict:
+    import modelparallel as smp
+
+    def sync():
+        return base._timed(lambda: smp.save_checkpoint(work / "sync", f"r{r}"))
+
+    def dcp():
+        t = base._timed(lambda: base._dcp_save(model, optimizer, work / f"dcp{r}"))
+        if smp.rank() == 0:
+            shutil.rmtree(work / f"dcp{r}")
+        return t
+
+    runs = {"sync": sync, "dcp": dcp, "disk_plain": lambda: _disk(work, nbytes, False),
+            "disk_writeback": lambda: _disk(work, nbytes, True)}
+    names = list(runs)
+    shift = r % len(names)
+    return {name: runs[name]() for name in names[shift:] + names[:shift]}
+
+
+def _retention(work: Path, r: int) -> float:
+    """Seconds to delete the previous repeat's checkpoint (rank 0 deletes, as a save does)."""
+    import modelparallel as smp
+
+    def delete():
+        if smp.rank() == 0 and (work / "sync" / f"r{r - 1}_partial").exists():
+            shutil.rmtree(work / "sync" / f"r{r - 1}_partial")
+    return base._timed(delete)
+
+
+def _spread(values: list[float], nbytes: int) -> dict:
+    return {"seconds": values, "min_s": min(values), "median_s": statistics.median(values), "max_s": max(values),
+            "median_mb_s": nbytes / 1e6 / statistics.median(values)}
+
+
+def worker(args) -> None:
+    import torch.distributed as dist
+
+    import modelparallel as smp
+
+    common.one_thread()
+    model, optimizer = base._build(args.preset)
+    work = Path(args.work)
+    smp.save_checkpoint(work / "sync", "warm")  # first-touch costs (page cache, planner) out of the timings
+    nbytes = base._dir_bytes(work / "sync" / "warm_partial")
+    shutil.rmtree(work / "sync" / "warm_partial") if smp.rank() == 0 else None
+    rows: dict[str, list[float]] = {"sync": [], "dcp": [], "disk_plain": [], "disk_writeback": [], "retention": []}
+    for r in range(args.repeats):
+        for name, seconds in _methods(model, optimizer, work, r, nbytes // dist.get_world_size()).items():
+            rows[name].append(seconds)
+        rows["retention"].append(_retention(work, r))
+        if smp.rank() == 0:
+            print(f"repeat {r + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in rows.items()),
+                  file=sys.stderr, flush=True)
+    rows["disk"] = [min(a, b) for a, b in zip(rows["disk_plain"], rows["disk_writeback"])]
+    result = {"preset": args.preset, "checkpoint_bytes": nbytes, "repeats": args.repeats,
+              **{k: _spread(v, nbytes) for k, v in rows.items()},
+              "sync_vs_disk": statistics.median(rows["disk"]) / statistics.median(rows["sync"]),
+              "sync_vs_disk_per_repeat": [d / s for d, s in zip(rows["disk"], rows["sync"])],
+              "sync_vs_dcp": statistics.median(rows["dcp"]) / statistics.median(rows["sync"])}
+    if smp.rank() == 0:
+        common.report(result)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", choices=sorted(base.PRESETS), default="medium")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--dir", default=None, help="where the checkpoints are written (default: the temp dir)")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--work", help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "checkpoint_disk.json")
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    load_before = os.getloadavg()[0]
+    work = Path(tempfile.mkdtemp(prefix="bench-ckpt-disk-", dir=args.dir))
+    try:
+        argv = ["--worker", "--work", str(work), "--preset", args.preset, "--repeats", str(args.repeats)]
+        result = common.torchrun(__file__, 2, argv)[0]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    result.update(load_average_before=load_before, load_average_after=os.getloadavg()[0])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    s, d, c = result["sync"], result["disk"], result["dcp"]
+    print(f"{result['preset']}: {result['checkpoint_bytes'] / 1e9:.2f} GB; disk {d['median_mb_s']:.0f} MB/s "
+          f"({d['min_s']:.2f}-{d['max_s']:.2f} s); sync save {s['median_mb_s']:.0f} MB/s ({s['min_s']:.2f}-"
+          f"{s['max_s']:.2f} s) = {result['sync_vs_disk']:.2f}x the disk (per repeat "
+          f"{min(result['sync_vs_disk_per_repeat']):.2f}-{max(result['sync_vs_disk_per_repeat']):.2f}); DCP "
+          f"{c['median_mb_s']:.0f} MB/s; retention {result['retention']['median_s']:.2f} s; load average "
+          f"{result['load_average_before']:.1f} -> {result['load_average_after']:.1f}")
+
+
+if __name__ == "__main__":
+    main()

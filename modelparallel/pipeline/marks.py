@@ -14,21 +14,16 @@ from __future__ import annotations
 import contextlib
 
 from torch import nn
-from torch.nn.modules.module import register_module_module_registration_hook
 
-_STACK: list[int] = []
-_HANDLE: list = []
+from ..utils.creation_marks import CreationMarks
+
+_MARKS = CreationMarks("_mp_partition")
 
 
 def _check_index(index, where: str) -> int:
     if isinstance(index, bool) or not isinstance(index, int) or index < 0:
         raise ValueError(f"{where}: a partition index is an integer >= 0, got {index!r}")
     return index
-
-
-def _tag(parent: nn.Module, name: str, child: nn.Module):
-    if child is not None and _STACK and "_mp_partition" not in child.__dict__:
-        child._mp_partition = _STACK[-1]
 
 
 @contextlib.contextmanager
@@ -40,15 +35,8 @@ def partition(index: int):
     Raises:
         ValueError: if ``index`` is not an integer >= 0.
     """
-    _STACK.append(_check_index(index, "smp.partition"))
-    if len(_STACK) == 1:
-        _HANDLE.append(register_module_module_registration_hook(_tag))
-    try:
+    with _MARKS.marking(_check_index(index, "smp.partition")):
         yield
-    finally:
-        _STACK.pop()
-        if not _STACK:
-            _HANDLE.pop().remove()
 
 
 def set_partition(module: nn.Module, index: int) -> None:

@@ -15,8 +15,8 @@ from typing import Any, Callable
 
 from torch import nn
 from torch.distributed.tensor.parallel.style import ParallelStyle
-from torch.nn.modules.module import register_module_module_registration_hook
 
+from ..utils.creation_marks import CreationMarks
 from .plan import ModulePlan
 
 
@@ -72,13 +72,7 @@ def _split_options(owner: str, kwargs: dict) -> tuple[tuple, tuple]:
     return tuple(sorted(overrides.items())), tuple(sorted(options.items()))
 
 
-_STACK: list[Mark] = []
-_HANDLE: list = []
-
-
-def _tag(parent: nn.Module, name: str, child: nn.Module):
-    if child is not None and _STACK and "_mp_tp" not in child.__dict__:
-        child._mp_tp = _STACK[-1]
+_MARKS = CreationMarks("_mp_tp")
 
 
 @contextlib.contextmanager
@@ -100,15 +94,8 @@ def tensor_parallelism(enabled: bool = True, strict: bool = False, **kwargs: Any
         NotImplementedError: for a creation option this block cannot honour.
     """
     overrides, options = _split_options("tensor_parallelism", kwargs)
-    _STACK.append(Mark(enabled, strict, overrides, options))
-    if len(_STACK) == 1:
-        _HANDLE.append(register_module_module_registration_hook(_tag))
-    try:
+    with _MARKS.marking(Mark(enabled, strict, overrides, options)):
         yield
-    finally:
-        _STACK.pop()
-        if not _STACK:
-            _HANDLE.pop().remove()
 
 
 def set_tensor_parallelism(module: nn.Module, enabled: bool = True, strict: bool = False, **kwargs: Any) -> None:

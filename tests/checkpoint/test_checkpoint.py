@@ -8,11 +8,12 @@ checkpoint must reproduce the uninterrupted run's losses exactly (fp32, same dat
 """
 
 import torch
-from torch.distributed.tensor import DTensor
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import harness
+import state_helpers
 import modelparallel as smp
+from state_helpers import train_steps
 
 
 def cfg():
@@ -42,30 +43,15 @@ def build(tp: int, seed: int, arch: str = "gpt2"):
 
 
 def train(model, optimizer, steps: range) -> list[float]:
-    losses = []
-    for step in steps:
-        ids = batch(step)
-        half = ids[smp.rdp_rank()::smp.rdp_size()]  # each replica (both its TP ranks) its half
-        loss = model(half, labels=half).loss
-        model.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
-def _full(t):
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+    # each replica (both its TP ranks) its half of every batch
+    return train_steps(model, optimizer, [batch(step)[smp.rdp_rank()::smp.rdp_size()] for step in steps])
 
 
 def gathered_state(model, optimizer) -> dict[str, torch.Tensor]:
-    """Every model tensor and optimizer state slot at its global shape, by name (a collective)."""
-    out = {f"model/{k}": _full(v) for k, v in model.module.state_dict().items()}
-    names = {id(p): n for n, p in model.module.named_parameters()}
-    for p, slots in optimizer.optimizer.state.items():
-        out.update({f"optim/{names[id(p)]}/{k}": _full(v) for k, v in slots.items()})
-    out["scaler/loss_scale"] = torch.tensor(optimizer.loss_scaler.loss_scale)
-    return out
+    """Every model tensor, optimizer state slot and the loss scale at its global shape, by name
+    (a collective)."""
+    return {**state_helpers.gathered_state(model, optimizer),
+            "scaler/loss_scale": torch.tensor(optimizer.loss_scaler.loss_scale)}
 
 
 def save_after_training(tp: int, path: str, tag: str, arch: str = "gpt2"):

@@ -12,11 +12,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import harness
 import modelparallel as smp
+from state_helpers import gathered_state
 
 VOCAB = 96
 
@@ -43,17 +43,7 @@ def train(model, optimizer, steps: int) -> None:
         optimizer.zero_grad()
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-
-
-def state(model, optimizer) -> dict[str, torch.Tensor]:
-    """Every model tensor and AdamW slot at its global shape, by name."""
-    out = {f"model/{k}": _full(v) for k, v in model.module.state_dict().items()}
-    names = {id(p): n for n, p in model.module.named_parameters()}
-    for p, slots in optimizer.optimizer.state.items():
-        out.update({f"optim/{names[id(p)]}/{k}": _full(v) for k, v in slots.items()})
-    return out
+state = gathered_state  # every model tensor and AdamW slot at its global shape, by name
 
 
 def save(cp: int, path: str) -> dict:

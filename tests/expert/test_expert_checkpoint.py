@@ -11,10 +11,10 @@ models/mixtral.py or qwen2_moe.py ``TABLE``.
 import pytest
 import torch
 from safetensors.torch import load_file
-from torch.distributed.tensor import DTensor
 
 import harness
 import modelparallel as smp
+from state_helpers import gathered_state, train_steps
 from moe_reference import ARCHS, reference_model, replica_batches
 
 
@@ -26,28 +26,8 @@ def build(arch: str, ep: int, seed: int, tp: int = 1):
 
 
 def train(model, optimizer, steps: range) -> list[float]:
-    losses = []
-    data = replica_batches(max(steps.stop, 1), 4)
-    for step in steps:
-        ids = torch.cat(data[step])[smp.rdp_rank()::smp.rdp_size()]  # the same global batch at every layout
-        loss = model(ids, labels=ids).loss
-        model.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
-def _full(t):
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-
-
-def gathered_state(model, optimizer) -> dict[str, torch.Tensor]:
-    out = {f"model/{k}": _full(v) for k, v in model.module.state_dict().items()}
-    names = {id(p): n for n, p in model.module.named_parameters()}
-    for p, slots in optimizer.optimizer.state.items():
-        out.update({f"optim/{names[id(p)]}/{k}": _full(v) for k, v in slots.items()})
-    return out
+    data = replica_batches(max(steps.stop, 1), 4)  # the same global batch at every layout
+    return train_steps(model, optimizer, [torch.cat(data[step])[smp.rdp_rank()::smp.rdp_size()] for step in steps])
 
 
 def save_after_training(arch: str, path: str, ep: int, tp: int = 1):

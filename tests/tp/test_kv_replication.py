@@ -15,6 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import harness
 import modelparallel as smp
+from state_helpers import train_steps
 from modelparallel.tp.replicated import heads_for_rank
 from reference import assert_close, assert_grads_match, build_pair, training_rtol
 
@@ -83,15 +84,7 @@ def _batch(step):
 
 
 def _train(model, optimizer, steps):
-    losses = []
-    for step in steps:
-        ids = _batch(step)
-        loss = model(ids, labels=ids).loss
-        model.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_steps(model, optimizer, [_batch(step) for step in steps])
 
 
 def _init(tp):

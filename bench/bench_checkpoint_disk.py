@@ -6,8 +6,10 @@ rotates so no method always follows another:
 
 * ``disk``: each rank writes as many bytes as this rank's part of the checkpoint, in 64 MiB
   writes from memory, then fsyncs; twice, once plain and once starting write-back every 32 MiB
-  (``sync_file_range``). The faster of the two is the disk's limit for that repeat: the best a
-  writer of these bytes does on this disk, whatever the pattern;
+  (``sync_file_range``; ``--sweep`` adds 8 and 128 MiB, and two files per rank written by two
+  threads). The fastest is the disk's limit for that repeat: the best a writer of these bytes
+  does on this disk, whatever the pattern (the save's writer uses the 32 MiB pattern, one file
+  per rank and part, from this measurement);
 * ``sync``: ``smp.save_checkpoint(partial=True)`` (serialization, checksums, fsync, commit);
 * ``dcp``: ``torch.distributed.checkpoint.save`` of the same state, fsynced as DCP does;
 * ``retention``: deleting the previous checkpoint, which a save with ``num_kept_partial_checkpoints``
@@ -41,33 +43,50 @@ BLOCK = 64 << 20
 WRITEBACK = 32 << 20
 
 
-def _disk(work: Path, nbytes: int, writeback: bool) -> float:
-    """Seconds for every rank to write and fsync ``nbytes`` (slowest rank)."""
+def _disk(work: Path, nbytes: int, writeback: int | None, files: int = 1) -> float:
+    """Seconds for every rank to write and fsync ``nbytes`` (slowest rank), split over ``files``
+    files written by as many threads, starting write-back every ``writeback`` bytes (None: never)."""
+    import threading
+
     import torch.distributed as dist
 
     block = memoryview(bytearray(os.urandom(1 << 20)) * (BLOCK >> 20))
-    start_writeback = ctypes.CDLL(None, use_errno=True).sync_file_range if writeback else None
-    path = work / f"disk{dist.get_rank()}.bin"
+    start_writeback = ctypes.CDLL(None, use_errno=True).sync_file_range
+    paths = [work / f"disk{dist.get_rank()}_{i}.bin" for i in range(files)]
 
-    def write():
+    def write_one(path: Path, n: int):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             done = synced = 0
-            while done < nbytes:
-                done += os.write(fd, block[:min(nbytes - done, BLOCK)])
-                if start_writeback is not None and done - synced >= WRITEBACK:
+            while done < n:
+                done += os.write(fd, block[:min(n - done, BLOCK)])
+                if writeback is not None and done - synced >= writeback:
                     start_writeback(fd, ctypes.c_int64(synced), ctypes.c_int64(done - synced), 2)
                     synced = done
             os.fsync(fd)
         finally:
             os.close(fd)
 
+    def write():
+        threads = [threading.Thread(target=write_one, args=(path, nbytes // files)) for path in paths]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
     seconds = base._timed(write)
-    path.unlink()
+    for path in paths:
+        path.unlink()
     return seconds
 
 
-def _methods(model, optimizer, work: Path, r: int, nbytes: int) -> dict:
+SWEEP = {"disk_writeback_8mib": dict(writeback=8 << 20), "disk_writeback_128mib": dict(writeback=128 << 20),
+         "disk_writeback_2files": dict(writeback=WRITEBACK, files=2)}
+"""Other write patterns ``--sweep`` adds: the write-back interval and the number of files (threads)
+per rank the save's writer could use."""
+
+
+def _methods(model, optimizer, work: Path, r: int, nbytes: int, sweep: bool) -> dict:
     import modelparallel as smp
 
     def sync():
@@ -79,8 +98,10 @@ def _methods(model, optimizer, work: Path, r: int, nbytes: int) -> dict:
             shutil.rmtree(work / f"dcp{r}")
         return t
 
-    runs = {"sync": sync, "dcp": dcp, "disk_plain": lambda: _disk(work, nbytes, False),
-            "disk_writeback": lambda: _disk(work, nbytes, True)}
+    runs = {"sync": sync, "dcp": dcp, "disk_plain": lambda: _disk(work, nbytes, None),
+            "disk_writeback": lambda: _disk(work, nbytes, WRITEBACK)}
+    if sweep:
+        runs.update({name: (lambda kw=kw: _disk(work, nbytes, **kw)) for name, kw in SWEEP.items()})
     names = list(runs)
     shift = r % len(names)
     return {name: runs[name]() for name in names[shift:] + names[:shift]}
@@ -112,15 +133,16 @@ def worker(args) -> None:
     smp.save_checkpoint(work / "sync", "warm")  # first-touch costs (page cache, planner) out of the timings
     nbytes = base._dir_bytes(work / "sync" / "warm_partial")
     shutil.rmtree(work / "sync" / "warm_partial") if smp.rank() == 0 else None
-    rows: dict[str, list[float]] = {"sync": [], "dcp": [], "disk_plain": [], "disk_writeback": [], "retention": []}
+    rows: dict[str, list[float]] = {}
     for r in range(args.repeats):
-        for name, seconds in _methods(model, optimizer, work, r, nbytes // dist.get_world_size()).items():
-            rows[name].append(seconds)
+        for name, seconds in _methods(model, optimizer, work, r, nbytes // dist.get_world_size(), args.sweep).items():
+            rows.setdefault(name, []).append(seconds)
+        rows.setdefault("retention", [])
         rows["retention"].append(_retention(work, r))
         if smp.rank() == 0:
             print(f"repeat {r + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in rows.items()),
                   file=sys.stderr, flush=True)
-    rows["disk"] = [min(a, b) for a, b in zip(rows["disk_plain"], rows["disk_writeback"])]
+    rows["disk"] = [min(times) for times in zip(*(v for k, v in rows.items() if k.startswith("disk_")))]
     result = {"preset": args.preset, "checkpoint_bytes": nbytes, "repeats": args.repeats,
               **{k: _spread(v, nbytes) for k, v in rows.items()},
               "sync_vs_disk": statistics.median(rows["disk"]) / statistics.median(rows["sync"]),
@@ -136,6 +158,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=sorted(base.PRESETS), default="medium")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--sweep", action="store_true", help="also other write-back intervals and two files per rank")
     ap.add_argument("--dir", default=None, help="where the checkpoints are written (default: the temp dir)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
@@ -148,6 +171,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-ckpt-disk-", dir=args.dir))
     try:
         argv = ["--worker", "--work", str(work), "--preset", args.preset, "--repeats", str(args.repeats)]
+        argv += ["--sweep"] if args.sweep else []
         result = common.torchrun(__file__, 2, argv)[0]
     finally:
         shutil.rmtree(work, ignore_errors=True)

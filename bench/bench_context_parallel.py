@@ -17,8 +17,11 @@ context rank its part of it). Per rank:
 C = 1 is Hugging Face's own model (``sdpa`` attention, PyTorch's fused CPU kernel), one process.
 Ratios are against it (context parallelism) or against TP = 2 alone (sequence parallelism).
 
-Usage: ``python bench/bench_context_parallel.py [--seq 8192] [--steps 3] [--warmup 1] [--only V ...]
-[--merge]``; writes ``bench/results/context_parallel.json`` (``--merge`` keeps the variants measured
+Every variant is run ``--repeats`` times in turn; ``spread`` gives the min / median / max of each
+ratio over the repeats, ``summary`` and ``variants`` are the last repeat's.
+
+Usage: ``python bench/bench_context_parallel.py [--seq 8192] [--steps 3] [--warmup 1] [--repeats 3]
+[--only V ...] [--merge]``; writes ``bench/results/context_parallel.json`` (``--merge`` keeps the variants measured
 earlier with the same settings, so a run can be split into parts). Needs a quiet machine: the load
 averages are recorded, at the start of the run and after each variant.
 """
@@ -136,6 +139,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3, help="every variant of --only, this many times in turn")
     parser.add_argument("--only", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--merge", action="store_true",
                         help="keep the variants already in the results file (same shape, --seq, "
@@ -145,17 +149,27 @@ def main() -> None:
            "threads_per_rank": 1, "load_average_at_start": common.load_average(), "variants": {}}
     if args.merge:
         out["variants"] = _earlier_variants(out)
-    for variant in args.only:
-        ranks = VARIANTS[variant][0]
-        before = common.load_average()[0]
-        out["variants"][variant] = {"load_average_1min_before": before,
-                                    "ranks": common.spawn(run_worker, ranks, variant, args.seq, args.steps,
-                                                          args.warmup),
-                                    "load_average_1min_after": common.load_average()[0]}
-        print(variant, json.dumps(out["variants"][variant]), flush=True)
-    if {"c1", "tp2"} <= set(out["variants"]):
-        out["summary"] = _summary(out)
+    summaries = []
+    for r in range(args.repeats):
+        for variant in args.only:
+            ranks = VARIANTS[variant][0]
+            before = common.load_average()[0]
+            out["variants"][variant] = {"load_average_1min_before": before,
+                                        "ranks": common.spawn(run_worker, ranks, variant, args.seq, args.steps,
+                                                              args.warmup),
+                                        "load_average_1min_after": common.load_average()[0]}
+            print(f"repeat {r + 1}/{args.repeats}", variant, json.dumps(out["variants"][variant]), flush=True)
+        if {"c1", "tp2"} <= set(out["variants"]):
+            summaries.append(_summary(out))
+    if summaries:
+        out["summary"] = summaries[-1]
+        out["repeats"] = len(summaries)
+        out["spread"] = {name: {m: common.spread(s[name][m] for s in summaries)
+                                for m in ("step_time_ratio", "saved_ratio", "peak_rise_ratio") if row[m] is not None}
+                         for name, row in summaries[-1].items()}
         print(json.dumps(out["summary"], indent=2))
+        for name, metrics in out["spread"].items():
+            print(name, ", ".join(f"{m} {v['median']:.3f} ({v['min']:.3f}-{v['max']:.3f})" for m, v in metrics.items()))
     common.write_result("context_parallel", out)
 
 

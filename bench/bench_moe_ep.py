@@ -12,7 +12,10 @@ rows of hidden values sent out and as many back, 2 x tokens x top_k x hidden x d
 which (E - 1) / E leave the rank when routing is balanced; the backward moves the same again), and
 the share of the step spent inside the all-to-alls (waiting for the slower rank included).
 
-Usage: ``python bench/bench_moe_ep.py [--steps 5] [--warmup 2] [--quick]``; writes
+Both runs are repeated ``--repeats`` times; ``spread`` gives min / median / max over the repeats
+of the tokens/s ratio and the all-to-all share, the other fields are the last repeat's.
+
+Usage: ``python bench/bench_moe_ep.py [--steps 5] [--warmup 2] [--repeats 3] [--quick]``; writes
 ``bench/results/moe_ep.json`` (``BENCH_RESULTS_DIR`` to write elsewhere).
 """
 
@@ -127,17 +130,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="a smaller model, for trying the script")
     args = parser.parse_args()
     shape = QUICK if args.quick else SHAPE
-    runs = {}
-    for ep in (1, 2):
-        print(f"E={ep}: 2 ranks, one thread each ...", flush=True)
-        runs[ep] = common.spawn(run, 2, ep, shape, args.warmup, args.steps)
+    repeats = []
+    for r in range(args.repeats):
+        runs = {}
+        for ep in (1, 2):
+            print(f"repeat {r + 1}/{args.repeats}, E={ep}: 2 ranks, one thread each ...", flush=True)
+            runs[ep] = common.spawn(run, 2, ep, shape, args.warmup, args.steps)
+        repeats.append(runs)
+    tokens = [{ep: r[0]["tokens_per_step"] / r[0]["median_step_s"] for ep, r in runs.items()} for runs in repeats]
     one, two = runs[1][0], runs[2][0]
     result = {
         "shape": shape, "batch_per_rank": [BATCH, SEQ], "steps": args.steps, "warmup": args.warmup,
+        "repeats": args.repeats,
         "runs": {f"E={ep}": r for ep, r in runs.items()},
+        "spread": {"tokens_per_s_E2_over_E1": common.spread(t[2] / t[1] for t in tokens),
+                   "all_to_all_share_E2": common.spread(rs[2][0]["all_to_all_share"] for rs in repeats)},
         "tokens_per_s": {f"E={ep}": r[0]["tokens_per_step"] / r[0]["median_step_s"] for ep, r in runs.items()},
         "expert_bytes_ratio_E2_over_E1": two["expert_param_bytes"] / one["expert_param_bytes"],
         "all_to_all_forward_bytes_per_layer_theory": theory_bytes(shape),
@@ -153,6 +164,9 @@ def main() -> None:
               f"all-to-all {100 * r[0]['all_to_all_share']:.1f}% of the step, first loss {r[0]['first_loss']:.4f}")
     print(f"all-to-all bytes per MoE layer at E=2, mean over ranks: {result['all_to_all_bytes_per_layer_mean_over_ranks']} "
           f"(forward theory {theory_bytes(shape)}); {100 * result['remote_share']:.0f}% of it leaves the rank")
+    sp = result["spread"]["tokens_per_s_E2_over_E1"]
+    print(f"tokens/s E=2 over E=1 over {args.repeats} repeats: {sp['median']:.2f} ({sp['min']:.2f}-{sp['max']:.2f}); "
+          "the rest above is the last repeat's")
     common.write_result("moe_ep", result)
 
 

@@ -18,7 +18,10 @@ bytes against the whole model's / P. Derived: the bubble bound on throughput,
 ``P x p1 x M / (M + P - 1)``, and measured / bound (goal >= 0.95); stage balance = max / mean busy
 time over the stages (goal <= 1.1).
 
-Usage: ``python bench/bench_pipeline.py [--steps 4] [--warmup 1] [--p4]``; writes
+Every run is repeated ``--repeats`` times (all runs once, then again), each repeat's ratios
+against that repeat's ``p1``; ``spread`` gives min / median / max over the repeats.
+
+Usage: ``python bench/bench_pipeline.py [--steps 4] [--warmup 1] [--repeats 3] [--p4]``; writes
 ``bench/results/pipeline.json``. About 1 minute per run on an idle 2-core machine.
 """
 
@@ -128,16 +131,27 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--p4", action="store_true", help="also P=4 (1F1B) on 4 ranks")
     args = ap.parse_args()
     runs = [("p1", 1, "simple"), ("p2_simple", 2, "simple"), ("p2_interleaved", 2, "interleaved")]
     if args.p4:
         runs.append(("p4_interleaved", 4, "interleaved"))
-    result, p1 = {"batch": BATCH, "seq": SEQ, "microbatches": MICROBATCHES, "runs": {}}, None
-    for name, pp, schedule in runs:
-        ranks = common.spawn(rank_run, pp, pp, schedule, args.steps, args.warmup)
-        result["runs"][name] = summarize(name, pp, ranks, p1)
-        p1 = result["runs"]["p1"]["tokens_per_s"]
+    repeats = []
+    for r in range(args.repeats):
+        print(f"repeat {r + 1}/{args.repeats}", flush=True)
+        one, p1 = {}, None
+        for name, pp, schedule in runs:
+            ranks = common.spawn(rank_run, pp, pp, schedule, args.steps, args.warmup)
+            one[name] = summarize(name, pp, ranks, p1)
+            p1 = one["p1"]["tokens_per_s"]
+        repeats.append(one)
+    metrics = ("tokens_per_s", "measured_over_bound", "balance_max_over_mean")
+    result = {"batch": BATCH, "seq": SEQ, "microbatches": MICROBATCHES, "repeats": repeats,
+              "spread": {name: {m: common.spread(rep[name][m] for rep in repeats) for m in metrics if m in repeats[0][name]}
+                         for name, _, _ in runs}}
+    for name, metrics_of in result["spread"].items():
+        print(name, ", ".join(f"{m} {v['median']:.3g} ({v['min']:.3g}-{v['max']:.3g})" for m, v in metrics_of.items()))
     path = common.write_result("pipeline", result)
     print(f"written {path}")
 

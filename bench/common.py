@@ -29,6 +29,7 @@ import json
 import os
 import platform
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -242,6 +243,13 @@ def machine() -> dict[str, Any]:
     return {"cpu": cpu or platform.processor() or platform.machine(), "cores": os.cpu_count(),
             "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "load_average": load_average()}
+
+
+def spread(values: Sequence[float]) -> dict[str, Any]:
+    """Min, median and max of one quantity measured in several repeats (and the values): on a
+    shared virtual machine a ratio varies from run to run, so a single run is not a result."""
+    values = list(values)
+    return {"min": min(values), "median": statistics.median(values), "max": max(values), "values": values}
 
 
 def write_result(name: str, result: dict[str, Any], out: Path | None = None) -> Path:

@@ -212,12 +212,26 @@ class BucketPlanner(SafeLoadPlanner):
             self.journal.add(super().resolve_tensor(read_item), tensor)
 
 
-def describe(mode: str, in_memory: int, journaled: int, where: Path | None = None) -> str:
-    """One line of what a load's protection cost."""
-    if mode == "memory":
-        return f"staged {_size(in_memory)} in memory"
-    return f"undo journal: {_size(in_memory)} in memory at most, {_size(journaled)} journaled" + \
-        (f" in {where}" if where else "")
+@dataclass(frozen=True)
+class Cost:
+    """What protecting the live values during one part's load cost on this rank: ``mode``
+    "memory" (``in_memory``: the staged copy's bytes) or "journal" (``in_memory``: the most
+    held in buckets at once; ``journaled``: bytes written to the journal in ``where``)."""
+
+    mode: str
+    in_memory: int
+    journaled: int = 0
+    where: Path | None = None
+
+    def __str__(self) -> str:
+        if self.mode == "memory":
+            return f"staged {_size(self.in_memory)} in memory"
+        return f"undo journal: {_size(self.in_memory)} in memory at most, {_size(self.journaled)} journaled" + \
+            (f" in {self.where}" if self.where else "")
+
+    @staticmethod
+    def of(journal: "Journal") -> "Cost":
+        return Cost("journal", journal.peak, journal.journaled, journal.directory)
 
 
 def _size(n: int) -> str:

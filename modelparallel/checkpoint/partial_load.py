@@ -25,7 +25,7 @@ from ..pipeline.split import elsewhere
 from . import commit, model_config, optim_part, parts, staging
 from .errors import run_phase, single_error
 from .files import CheckpointFiles, fstat, open_inside
-from .journal import BucketPlanner, Journal, Policy, describe
+from .journal import BucketPlanner, Cost, Journal, Policy
 from .parts import LoadReport
 from .partial import MODEL, OPTIMIZER, check_architecture
 
@@ -114,7 +114,7 @@ class OptimizerLoad:
     report: LoadReport
     change: Callable[[], None]
     journal: Journal | None = None
-    cost: str = ""
+    cost: Cost | None = None
 
     def apply(self) -> None:
         try:
@@ -183,21 +183,21 @@ def prepare_optimizer(files: CheckpointFiles, model, optimizer, strict: bool,
             journal.abort(e)
         raise
     if journal is not None:
-        cost = describe("journal", journal.peak, journal.journaled, journal.directory)
+        cost = Cost.of(journal)
     change = (lambda: None) if other_class else \
         (lambda: optim_part.apply_optimizer_state(model.module, optimizer, planned.nested))
     return OptimizerLoad(report, change, journal, cost)
 
 
-def _protect(planned: optim_part.Planned, policy: Policy | None) -> tuple[Journal | None, str]:
+def _protect(planned: optim_part.Planned, policy: Policy | None) -> tuple[Journal | None, Cost | None]:
     """Journal mode if ``policy`` says the live slots' second copy would not fit; else each
     live slot planned as a target gets a fresh tensor (staging in memory)."""
     state = planned.nested["optimizer"]["state"]
     live = {key: state[name][slot] for key, (name, slot) in planned.reused.items()}
     need = staging.nbytes(live)
     if policy is not None and policy.use_journal(need):
-        return Journal(policy.bucket), ""
+        return Journal(policy.bucket), None
     for key, (name, slot) in planned.reused.items():
         state[name][slot] = staging.like(live[key])
     planned.reused = {}
-    return None, describe("memory", need, 0)
+    return None, Cost("memory", need)

@@ -51,7 +51,7 @@ class PendingResume:
     model_load: Any = None
     armed: bool = True
     reports: dict[str, LoadReport] = field(default_factory=dict)
-    costs: dict[str, str] = field(default_factory=dict)
+    costs: dict[str, Any] = field(default_factory=dict)
 
     def on_model(self, model, optimizer=None) -> None:
         """Called when a ``DistributedModel`` exists (with the optimizer too, if it exists):
@@ -115,7 +115,7 @@ class _disarm_on_error:
         return False
 
 
-def _cost(part: str, cost: str) -> str:
+def _cost(part: str, cost):
     """Log (each rank: each decides for its own memory) how the live values were protected."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     logger.info("resume_from_checkpoint, %s part, rank %d: %s", part, rank, cost)

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from ..materialize.state_dict import LoadReport
 from ..tp.layout import from_local_like, local_part
 from .errors import run_phase
-from .journal import Journal, Policy, describe
+from .journal import Cost, Journal, Policy
 
 
 def like(t: torch.Tensor) -> torch.Tensor:
@@ -82,12 +82,12 @@ class ModelLoad:
     swapped: bool = False
     keys: list[str] = field(default_factory=list)
     journal: Journal | None = None
-    cost: str = ""
+    cost: Cost | None = None
 
     def __post_init__(self):
         if not self.keys:
             self.keys = sorted(self.staged)
-        self.cost = describe("memory", nbytes(self.staged), 0)
+        self.cost = Cost("memory", nbytes(self.staged))
 
     @property
     def nbytes(self) -> int:
@@ -122,11 +122,11 @@ class ModelLoad:
             raise
         self.cost = self.journal_cost()
 
-    def journal_cost(self) -> str:
+    def journal_cost(self) -> Cost:
         """What the load cost so far: the staged bytes, or the journal's bucket peak and size."""
         if self.journal is None:
             return self.cost
-        return describe("journal", self.journal.peak, self.journal.journaled, self.journal.directory)
+        return Cost.of(self.journal)
 
     def apply(self, keep_old: bool = False) -> None:
         """Copy the staged values into the live tensors. ``keep_old``: exchange them instead,

@@ -92,13 +92,14 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
 
 
 class Journal:
-    """The undo journal of one load on this rank (see the module docstring)."""
+    """The undo journal of one load on this rank (see the module docstring). Its file is made
+    at the first write, inside the load's read phase, so that failing to make it is an error
+    every rank agrees on like any other."""
 
     def __init__(self, bucket: int = DEFAULT_BUCKET):
         self.bucket = bucket
-        self.directory = Path(tempfile.mkdtemp(prefix="mp-journal-"))
-        self.path = self.directory / "undo"
-        self.fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self.directory: Path | None = None
+        self.fd: int | None = None
         self.records: list[tuple[torch.Tensor, int]] = []  # (live view written, offset of its old bytes)
         self.journaled = 0
         self.held, self.peak = 0, 0
@@ -123,9 +124,19 @@ class Journal:
         """Journal and overwrite ``live`` with ``new`` at once (a bucket of one piece)."""
         self._apply(live, new, new.numel() * new.element_size())
 
+    @property
+    def path(self) -> Path | None:
+        return self.directory / "undo" if self.directory is not None else None
+
+    def _open(self) -> None:
+        self.directory = Path(tempfile.mkdtemp(prefix="mp-journal-"))
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+
     def _apply(self, live: torch.Tensor, new: torch.Tensor, held: int) -> None:
         """Append ``live``'s current bytes to the journal, then copy ``new`` into it; ``held``:
         the bytes read and not yet applied, for the peak."""
+        if self.fd is None:
+            self._open()
         old = live.detach().to("cpu").contiguous()
         data = _bytes_of(old)
         self.peak = max(self.peak, held + (len(data) if old.data_ptr() != live.data_ptr() else 0))
@@ -171,9 +182,10 @@ class Journal:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
-        shutil.rmtree(self.directory, ignore_errors=True)
-        if self.directory.exists():
-            logger.warning("could not delete the resume's undo journal %s", self.directory)
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            if self.directory.exists():
+                logger.warning("could not delete the resume's undo journal %s", self.directory)
 
     def abort(self, error: BaseException) -> None:
         """The load failed with ``error``: roll back and delete the journal. Raises

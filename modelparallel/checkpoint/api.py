@@ -173,6 +173,9 @@ def resume_from_checkpoint(path: str | Path, tag: str | None = None, partial: bo
     rt = runtime.current()
     if rt.resume is not None:  # a new resume replaces one still waiting, even if it fails
         rt.resume.armed = False
+        if rt.resume.model_load is not None:  # the model's previous values it kept (memory or journal)
+            rt.resume.model_load.release()
+            rt.resume.model_load = None
     path = Path(path)
     name = tag if tag is not None or partial else run_phase("resume (locate)", lambda: commit.read_newest(path)
                                                            if path.is_dir() else None)[0]

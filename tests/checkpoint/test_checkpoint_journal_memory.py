@@ -15,10 +15,11 @@ import tempfile
 from pathlib import Path
 
 import torch
+from transformers import GPT2LMHeadModel
 
 import harness
 import modelparallel as smp
-from ckpt_helpers import build, changed, error_of, snapshot
+from ckpt_helpers import build, cfg, changed, error_of, snapshot
 from modelparallel import runtime
 from modelparallel.checkpoint import journal
 from test_checkpoint_journal import BUCKET, _journals
@@ -158,10 +159,6 @@ def test_a_journal_that_cannot_be_read_back_is_reported_loudly(tmp_path):
 def deferred_then_refused(path: str) -> dict:
     """Resume before the model exists, through the journal; the model loads when created; the
     optimizer part is refused (another number of parameter groups): the model must be back."""
-    from transformers import GPT2LMHeadModel
-
-    from ckpt_helpers import cfg
-
     build()
     smp.save_checkpoint(path, "a")
     smp.init({"tensor_parallel_degree": 2, "random_seed": 5})
@@ -180,3 +177,39 @@ def test_deferred_journal_resume_puts_the_model_back_when_the_optimizer_is_refus
         assert r["loaded"], "the deferred resume loaded the model when it was created"
         assert "param_groups: checkpoint has 1, this optimizer 2" in r["msg"], r["msg"]
         assert r["changed"] == [], f"the model kept the refused checkpoint's values: {r['changed'][:5]}"
+
+
+def from_config(path: str, journal_dir: str) -> dict:
+    """The v1-style config keys choose the mode and bucket; a bad keyword is refused before
+    anything runs; a resume waiting for its optimizer and replaced by another drops its journal."""
+    build()
+    smp.save_checkpoint(path, "a")
+    smp.init({"tensor_parallel_degree": 2, "checkpoint_staging": "journal", "checkpoint_staging_bucket": 4096})
+    model, optimizer = build(seed=1, init=False)
+    tempfile.tempdir = journal_dir
+    try:
+        smp.resume_from_checkpoint(path, "a")
+        cost = runtime.current().resume.costs["model"]
+        bad = error_of(smp.resume_from_checkpoint, path, "a", staging="disk", staging_bucket=0)
+        smp.init({"tensor_parallel_degree": 2, "checkpoint_staging": "journal"})
+        smp.resume_from_checkpoint(path, "a")  # armed: waits for the model, then for the optimizer
+        smp.DistributedModel(GPT2LMHeadModel(cfg()))
+        smp.barrier()
+        waiting = _journals(journal_dir)
+        smp.barrier()  # every rank listed before any drops its journal
+        smp.resume_from_checkpoint(path, "a", load_optimizer=False)  # replaces the waiting one
+        smp.barrier()
+        left = _journals(journal_dir)
+    finally:
+        tempfile.tempdir = None
+    return {"mode": cost.mode, "peak": cost.in_memory, "bad": bad, "waiting": waiting, "left": left}
+
+
+def test_config_keys_choose_the_journal_and_bad_values_are_refused(tmp_path):
+    (tmp_path / "j").mkdir()
+    for r in harness.run(2, from_config, str(tmp_path / "ck"), str(tmp_path / "j")):
+        assert r["mode"] == "journal" and r["peak"] <= 4096 + 16 * 48 * 4, r
+        assert r["bad"].startswith("ValueError: resume_from_checkpoint: staging must be one of"), r["bad"]
+        assert "staging bucket must be a number of bytes >= 1, got 0" in r["bad"], r["bad"]
+        assert len(r["waiting"]) == 2, f"each rank's model journal while the optimizer waits: {r['waiting']}"
+        assert r["left"] == [], f"a replaced resume left its journal: {r['left']}"

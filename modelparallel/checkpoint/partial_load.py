@@ -190,14 +190,13 @@ def prepare_optimizer(files: CheckpointFiles, model, optimizer, strict: bool,
 
 
 def _protect(planned: optim_part.Planned, policy: Policy | None) -> tuple[Journal | None, Cost | None]:
-    """Journal mode if ``policy`` says the live slots' second copy would not fit; else each
-    live slot planned as a target gets a fresh tensor (staging in memory)."""
-    state = planned.nested["optimizer"]["state"]
-    live = {key: state[name][slot] for key, (name, slot) in planned.reused.items()}
+    """Journal mode if ``policy`` says the second copy of the live slots (and masters) would not
+    fit; else each live tensor planned as a target gets a fresh one (staging in memory)."""
+    live = {key: holder[slot] for key, (holder, slot) in planned.reused.items()}
     need = staging.nbytes(live)
     if policy is not None and policy.use_journal(need):
         return Journal(policy.bucket), None
-    for key, (name, slot) in planned.reused.items():
-        state[name][slot] = staging.like(live[key])
+    for key, (holder, slot) in planned.reused.items():
+        holder[slot] = staging.like(live[key])
     planned.reused = {}
     return None, Cost("memory", need)

@@ -174,3 +174,40 @@ def test_a_fault_after_buckets_were_applied_changes_nothing(tmp_path, capsys, op
               f"{after} calls after the first bucket ({failed} failed the resume)")
     assert failed > 0, "no fault failed the resume"
     assert not bad, "\n".join(f"call {n} ({fired}): {p}" for n, fired, p in bad[:15])
+
+
+def _resume_fp16(path: str, journal_dir: str) -> dict:
+    """An fp16 job (half-precision weights, fp32 master weights): resumed staged in memory and
+    through the journal, the results compared with everything the optimizer holds."""
+    from test_checkpoint_side_effects import build as build_half, step
+
+    model, optimizer = build_half(0, True)
+    step(model, optimizer, 0)
+    smp.save_checkpoint(path, "a")
+    out = {"masters": len(optimizer.master_weights)}
+    for mode in ("memory", "journal"):
+        model, optimizer = build_half(1, True)
+        step(model, optimizer, 1)
+        tempfile.tempdir = journal_dir
+        try:
+            smp.resume_from_checkpoint(path, "a", staging=mode, staging_bucket=BUCKET)
+        finally:
+            tempfile.tempdir = None
+        masters = {f"master{i}": (m.to_local() if hasattr(m, "to_local") else m).detach().clone()
+                   for i, (p, m) in enumerate(optimizer.master_weights.params_and_masters()) if m is not p}
+        out[mode] = {**snapshot(model, optimizer), **masters}
+        out[f"{mode} cost"] = runtime.current().resume.costs
+    slots = [t for s in optimizer.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in slots] + list(masters.values())
+    out["live bytes"] = sum(t.numel() * t.element_size() for t in local)
+    return out
+
+
+def test_fp16_journal_resume_equals_staged_resume(tmp_path):
+    for r in harness.run(2, _resume_fp16, str(tmp_path / "ck"), str(tmp_path)):
+        assert r["masters"] > 0, "the fp16 job has no master weights: the test would not cover them"
+        assert changed(r["memory"], r["journal"]) == [], changed(r["memory"], r["journal"])[:5]
+        assert r["journal cost"]["optimizer"].mode == "journal", r["journal cost"]
+        journaled = r["journal cost"]["optimizer"].journaled
+        assert journaled == r["live bytes"], f"the journal must take every live slot and master: {journaled} " \
+            f"bytes journaled, {r['live bytes']} live"

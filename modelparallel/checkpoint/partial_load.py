@@ -12,6 +12,10 @@ raises everywhere before anything live changes:
 
 Only then does the caller apply them (``staging.ModelLoad.apply``, ``OptimizerLoad.apply``):
 local copies and pointer swaps that cannot fail half-way for I/O reasons.
+
+In journal mode (``journal.Policy``: the staged copy would not fit) steps 2 and 3 read through
+buckets into the live tensors (the optimizer's own slots and masters), their old values in an
+undo journal; a failure in any later phase on any rank puts them back before it is raised.
 """
 
 from __future__ import annotations

@@ -194,9 +194,12 @@ def _check_degrees(cfg: Config, problems: list[str]) -> None:
 
 
 PIPELINE_SCHEDULES = ("interleaved", "simple")
+STAGING_MODES = ("auto", "memory", "journal")
 
 
 def _check_pipeline(cfg: Config, problems: list[str]) -> None:
+    if cfg.checkpoint_staging not in STAGING_MODES:
+        problems.append(f"checkpoint_staging must be one of {STAGING_MODES}, got {cfg.checkpoint_staging!r}")
     if cfg.pipeline not in PIPELINE_SCHEDULES:
         problems.append(f"pipeline must be one of {PIPELINE_SCHEDULES}, got {cfg.pipeline!r}")
     if cfg.pipeline_parallel_degree > 1 and cfg.default_partition >= cfg.pipeline_parallel_degree:

@@ -100,6 +100,14 @@ KEYS: tuple[Key, ...] = (
     Key("activation_loading_horizon", int, 4, IMPLEMENTED,
         "How many checkpointed modules ahead activations are brought back.", "v1+v2", minimum=1),
     Key("sm_activation_offloading", bool, False, IMPLEMENTED, "v2 name of offload_activations.", "v2"),
+    # --- checkpoints ---------------------------------------------------------------------------
+    Key("checkpoint_staging", str, "auto", IMPLEMENTED,
+        "Ours: how ``resume_from_checkpoint`` keeps a failed load from changing anything: \"memory\" "
+        "(a staged copy of what each rank loads), \"journal\" (buckets written through an undo journal "
+        "on local disk, put back on failure), \"auto\" (memory if it fits in MemAvailable).", "ours"),
+    Key("checkpoint_staging_bucket", int, 64 << 20, IMPLEMENTED,
+        "Ours: the journal's bucket, in bytes: what a journal-mode load holds in memory at most "
+        "(plus the piece being read).", "ours", minimum=1),
     # --- SageMaker's tracer and pipeline scheduler -------------------------------------------
     Key("pipeline", str, "interleaved", IMPLEMENTED,
         "Pipeline schedule: \"interleaved\" = one forward, one backward (1F1B; with fewer microbatches "

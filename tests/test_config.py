@@ -60,7 +60,8 @@ def test_accepts_sagemaker_names():
 # A valid value other than the default, for keys where "default + 1" or "not default" is not one.
 _OTHER = {"placement_strategy": "spread", "pipeline": "simple", "optimize": "speed",
           "ddp_dist_backend": "nccl", "tensor_parallel_degree": 2, "pipeline_parallel_degree": 2,
-          "sharded_data_parallel_degree": 2, "hybrid_shard_degree": 2, "fp16": True}
+          "sharded_data_parallel_degree": 2, "hybrid_shard_degree": 2, "fp16": True,
+          "checkpoint_staging": "journal"}
 
 
 def _other_value(key):

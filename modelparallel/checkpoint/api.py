@@ -17,6 +17,7 @@ from .async_save import AsyncSaver
 from . import partial as partial_ckpt
 from .errors import run_phase
 from .files import CheckpointFiles
+from .journal import Policy, check_policy
 from .parts import USER_CONTENT, LoadReport, read_user_content
 from .pending import PendingResume
 
@@ -130,7 +131,8 @@ def _check_save_args(tag, keep, model, partial: bool) -> None:
 
 def resume_from_checkpoint(path: str | Path, tag: str | None = None, partial: bool = True,
                            strict: bool = True, load_optimizer: bool = True,
-                           translate_function: Callable | None = None, trust_user_content: bool = False) -> Any:
+                           translate_function: Callable | None = None, trust_user_content: bool = False,
+                           staging: str | None = None, staging_bucket: int | None = None) -> Any:
     """Load a checkpoint into this job's model and optimizer; returns the saved user content.
 
     Args:
@@ -147,30 +149,41 @@ def resume_from_checkpoint(path: str | Path, tag: str | None = None, partial: bo
             (default: the architecture's own translation).
         trust_user_content: read user content saved with ``trust_user_content=True`` (full
             pickle: this runs whatever code the file names; only for files you wrote).
+        staging: ours, how a failed load is kept from changing anything: "memory" (a staged
+            copy of what this rank loads), "journal" (buckets written through an undo journal
+            on local disk, put back on failure), "auto" (memory if it fits); None: the config's
+            ``checkpoint_staging``.
+        staging_bucket: the journal's bucket in bytes; None: ``checkpoint_staging_bucket``.
 
     If the ``DistributedModel`` (or optimizer) does not exist yet, its load happens when it is
-    created. Every part is read into staging, each file verified against the manifest's checksum
-    as it is read, and checked (keys, shapes, config) before any tensor changes: a failed resume
-    changes nothing and leaves no load pending.
+    created. Every part is read into staging (or through the undo journal), each file verified
+    against the manifest's checksum as it is read, and checked (keys, shapes, config): a failed
+    resume changes nothing and leaves no load pending.
 
     Raises:
         CheckpointError (on every rank; also a ``FileNotFoundError`` / ``ValueError`` when every
             failing rank raised that type): missing path, unknown tag, ``newest`` naming a
             missing checkpoint; another architecture; strict mismatches (all listed); a missing,
             truncated, corrupted or unlisted file (named); content a checkpoint may not hold.
+        JournalError (a CheckpointError): the load failed and the undo journal (named) could not
+            put everything back: this rank's model or optimizer is not as it was.
     """
+    policy = _policy(staging, staging_bucket)
     wait_for_checkpoints()  # never read what a save in flight is writing
     rt = runtime.current()
     if rt.resume is not None:  # a new resume replaces one still waiting, even if it fails
         rt.resume.armed = False
+        if rt.resume.model_load is not None:  # the model's previous values it kept (memory or journal)
+            rt.resume.model_load.release()
+            rt.resume.model_load = None
     path = Path(path)
     name = tag if tag is not None or partial else run_phase("resume (locate)", lambda: commit.read_newest(path)
                                                            if path.is_dir() else None)[0]
     if not partial and name is not None and single_file.is_single_file(path, name):
-        content, pending = single_file.prepare(path, name, strict, translate_function, trust_user_content)
+        content, pending = single_file.prepare(path, name, strict, translate_function, trust_user_content, policy)
     else:
         content, pending = _prepare(path, tag, partial, strict, load_optimizer, translate_function,
-                                    trust_user_content)
+                                    trust_user_content, policy)
     model, optimizer = _defaults(None, None)
     rt.resume = pending
     if model is not None:
@@ -178,30 +191,42 @@ def resume_from_checkpoint(path: str | Path, tag: str | None = None, partial: bo
     return content
 
 
+def _policy(mode: str | None, bucket: int | None) -> Policy:
+    """The staging policy: the arguments, else the job's config (checked before any collective)."""
+    cfg = runtime.current().config
+    mode = cfg.checkpoint_staging if mode is None else mode
+    bucket = cfg.checkpoint_staging_bucket if bucket is None else bucket
+    problems = check_policy(mode, bucket)
+    if problems:
+        raise ValueError("resume_from_checkpoint: " + "; ".join(problems))
+    return Policy(mode, bucket, runtime.local_size())
+
+
 def _prepare(path: Path, tag, partial: bool, strict: bool, load_optimizer: bool, translate_function,
-             trusted: bool):
+             trusted: bool, policy: Policy):
     """Locate the checkpoint, check its structure, read its user content: (content, PendingResume)."""
     directory = Path(locate(path, tag, partial))
     files = CheckpointFiles(directory, run_phase("resume (manifest)", lambda: _manifest(directory, trusted))[0])
     if not partial:
         content = full.resume(path, files, trusted)
-        return content, PendingResume(lambda model: _full_model(files, model, strict, translate_function))
+        return content, PendingResume(lambda model: _full_model(files, model, strict, translate_function, policy))
     prefixes = (partial_ckpt.MODEL + "/", USER_CONTENT) + ((partial_ckpt.OPTIMIZER + "/",) if load_optimizer else ())
     partial_load.verify(files, prefixes)
     found: dict[str, Any] = {}
     run_phase("resume (user content)",
               lambda: found.update(content=read_user_content(files.read(USER_CONTENT), directory / USER_CONTENT,
                                                              trusted)))
-    pending = PendingResume(lambda model: partial_load.prepare_model(files, model, strict))
+    pending = PendingResume(lambda model: partial_load.prepare_model(files, model, strict, policy))
     if load_optimizer:
         pending.check_optimizer_names = lambda model: partial_load.check_optimizer_names(files, model, strict)
-        pending.prepare_optimizer = lambda model, opt: partial_load.prepare_optimizer(files, model, opt, strict)
+        pending.prepare_optimizer = lambda model, opt: partial_load.prepare_optimizer(files, model, opt, strict,
+                                                                                       policy)
     return found["content"], pending
 
 
-def _full_model(files: CheckpointFiles, model, strict: bool, translate_function):
+def _full_model(files: CheckpointFiles, model, strict: bool, translate_function, policy: Policy):
     run_phase("full load (architecture)", lambda: partial_ckpt.check_architecture(files.manifest, model))
-    return full_load.prepare(files, model, strict, translate_function)
+    return full_load.prepare(files, model, strict, translate_function, policy)
 
 
 def _manifest(directory: Path, trusted: bool) -> dict:

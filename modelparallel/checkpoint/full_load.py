@@ -6,7 +6,9 @@ A full checkpoint is planned from its safetensors headers (keys, shapes, dtype k
 with the model before anything is read), then every file is read front to back and verified
 against the manifest (``files.VerifiedReader``), one whole tensor at a time: each rank keeps only
 its shard of it, in staging tensors (``staging``); the caller applies them once every rank read
-everything. Peak memory: the staged shards plus one full tensor. No communication.
+everything. Peak memory: the staged shards plus one full tensor (in journal mode, see
+``journal``: one full tensor, each shard applied through the undo journal as it is read). No
+communication.
 
 A user ``translate_function`` (SageMaker's whole-state-dict translators, e.g.
 ``translate_hf_state_dict_to_smdistributed_gpt2``) needs the whole state dict at once: every
@@ -27,6 +29,7 @@ from ..tp.layout import local_part, shard_of
 from . import layouts, model_config, parts, staging
 from .errors import run_phase
 from .files import CheckpointFiles, CorruptFileError
+from .journal import Policy
 from .parts import LoadReport
 
 Source = tuple[str, str, tuple, torch.dtype | str]  # (file, stored key, global shape, dtype or name)
@@ -103,19 +106,18 @@ def _check(model, report: LoadReport, strict: bool, manifest: dict | None, what:
     return report
 
 
-def _copy(staged: dict[str, torch.Tensor], key: str, tensor: torch.Tensor) -> None:
-    """This rank's piece of ``tensor`` (global or already local shape) into ``staged[key]``."""
-    target = staged[key]
+def _copy(load: staging.ModelLoad, key: str, tensor: torch.Tensor) -> None:
+    """This rank's piece of ``tensor`` (global or already local shape) into ``load``'s ``key``."""
+    target = load.live[key]
     piece = shard_of(tensor.to(target.dtype), target) if tuple(tensor.shape) == tuple(target.shape) \
         else tensor.to(target.dtype)
-    with torch.no_grad():
-        local_part(target).copy_(piece)
+    load.put(key, piece)
 
 
 def _read_file(files: CheckpointFiles, name: str, header: dict, wanted: dict[str, list[str]],
-               staged: dict[str, torch.Tensor], from_hf) -> None:
-    """Read safetensors file ``name`` front to back (verified), copying the shards of the
-    ``wanted`` stored keys (stored key -> distributed keys) into ``staged``."""
+               load: staging.ModelLoad, from_hf) -> None:
+    """Read safetensors file ``name`` front to back (verified), putting the shards of the
+    ``wanted`` stored keys (stored key -> distributed keys) into ``load``."""
     with files.reader(name) as reader:
         (n,) = struct.unpack("<Q", bytes(reader.read(8)))
         try:
@@ -136,21 +138,23 @@ def _read_file(files: CheckpointFiles, name: str, header: dict, wanted: dict[str
             reader.read_into(memoryview(tensor.view(-1).view(torch.uint8).numpy()))
             items = dict(from_hf(key, tensor) if from_hf else [(key, tensor)])
             for dist_key in wanted[key]:
-                _copy(staged, dist_key, items.get(dist_key, next(iter(items.values()))))
+                _copy(load, dist_key, items.get(dist_key, next(iter(items.values()))))
             del tensor, items
         reader.finish()
 
 
 def prepare(files: CheckpointFiles, model, strict: bool,
-            translate_function: Callable | None = None) -> staging.ModelLoad:
-    """Check the full checkpoint in ``files`` against ``model`` and read it into staging
-    (phases every rank agrees on; nothing live changes)."""
+            translate_function: Callable | None = None, policy: Policy | None = None) -> staging.ModelLoad:
+    """Check the full checkpoint in ``files`` against ``model`` and read it into staging, or
+    through an undo journal where ``policy`` says so (phases every rank agrees on; a failure
+    leaves the model as it was)."""
     names = [f for f in files.manifest["weights"] if f.endswith(".safetensors")]
     if translate_function is not None:
         found: dict = {}
         run_phase("full load (weights)", lambda: found.update(whole=_read_whole(files, names)))
-        return stage_whole(model, translate_function(found.pop("whole")), strict, None, str(files.directory),
-                           files.manifest)
+        whole = found.pop("whole")
+        return staging.agreed("full load (translate)", lambda: stage_whole(
+            model, translate_function(whole), strict, None, str(files.directory), files.manifest, policy))
     layout = files.manifest.get("layout") or (layouts.HF if files.manifest["translated"] else layouts.DISTRIBUTED)
     from_hf = layouts.for_load(model.module, layout, files.manifest.get("model_type"))
     state = parts.model_state(model.module)
@@ -165,18 +169,18 @@ def prepare(files: CheckpointFiles, model, strict: bool,
         return report
 
     report = run_phase("full load (keys)", plan)[_rank()]
-    staged = staging.stage(state, set(state) & set(found["sources"]) - report.mismatched_keys)
+    load = staging.begin(report, state, set(state) & set(found["sources"]) - report.mismatched_keys, policy)
     by_file: dict[str, dict[str, list[str]]] = {}
-    for key in staged:
+    for key in load.keys:
         name, stored, _, _ = found["sources"][key]
         by_file.setdefault(name, {}).setdefault(stored, []).append(key)
 
     def read():
         for name, wanted in sorted(by_file.items()):
-            _read_file(files, name, found["headers"][name], wanted, staged, from_hf)
+            _read_file(files, name, found["headers"][name], wanted, load, from_hf)
 
-    run_phase("full load (weights)", read)
-    return staging.ModelLoad(report, state, staged)
+    load.run("full load (weights)", read)
+    return load
 
 
 def _read_whole(files: CheckpointFiles, names: list[str]) -> dict[str, torch.Tensor]:
@@ -186,7 +190,7 @@ def _read_whole(files: CheckpointFiles, names: list[str]) -> dict[str, torch.Ten
         wanted = {k: [k] for k in header if k != "__metadata__"}
         staged = {k: torch.empty(v["shape"], dtype=DTYPES[v["dtype"]]) for k, v in header.items()
                   if k != "__metadata__"}
-        _read_file(files, name, header, wanted, staged, None)
+        _read_file(files, name, header, wanted, staging.ModelLoad(LoadReport([], []), staged, staged), None)
         whole.update(staged)
     return whole
 
@@ -198,10 +202,11 @@ def _rank() -> int:
 
 
 def stage_whole(model, whole: dict[str, torch.Tensor], strict: bool, from_hf, what: str,
-                manifest: dict | None = None) -> staging.ModelLoad:
-    """Stage a dict of full (or this rank's local) tensors for ``model``: keys translated with
-    ``from_hf`` if given, checked (keys, shapes, dtype kinds) before anything is copied. No
-    collective: the caller runs it in a phase."""
+                manifest: dict | None = None, policy: Policy | None = None) -> staging.ModelLoad:
+    """Stage a dict of full (or this rank's local) tensors for ``model`` (or, in journal mode,
+    write them through the undo journal): keys translated with ``from_hf`` if given, checked
+    (keys, shapes, dtype kinds) before anything is copied. No collective: the caller runs it in
+    a phase (``staging.agreed``, which undoes it if any rank failed)."""
     state = parts.model_state(model.module)
     sources: dict[str, Source] = {}
     for key, t in whole.items():
@@ -209,9 +214,14 @@ def stage_whole(model, whole: dict[str, torch.Tensor], strict: bool, from_hf, wh
         for dist_key, m in (from_hf(key, meta) if from_hf else [(key, meta)]):
             sources[dist_key] = (what, key, tuple(m.shape), t.dtype)
     report = _check(model, _compare(state, sources, model.module), strict, manifest, what)
-    staged = staging.stage(state, set(state) & set(sources) - report.mismatched_keys)
-    for key in staged:
-        stored = sources[key][1]
-        items = dict(from_hf(stored, whole[stored]) if from_hf else [(stored, whole[stored])])
-        _copy(staged, key, items.get(key, next(iter(items.values()))))
-    return staging.ModelLoad(report, state, staged)
+    load = staging.begin(report, state, set(state) & set(sources) - report.mismatched_keys, policy)
+    try:
+        for key in load.keys:
+            stored = sources[key][1]
+            items = dict(from_hf(stored, whole[stored]) if from_hf else [(stored, whole[stored])])
+            _copy(load, key, items.get(key, next(iter(items.values()))))
+    except BaseException as e:
+        load.restore(e)
+        raise
+    load.cost = load.journal_cost()
+    return load

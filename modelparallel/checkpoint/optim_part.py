@@ -15,6 +15,9 @@ slots, which changes AdamW's step count and, in half precision, the weights). Lo
 the target tensors from the checkpoint's metadata (shape, dtype; placement from the parameter),
 reads into them (verified while read), and only then replaces the optimizer's state and
 hyperparameters: the new tensors are the staging, the old state is freed when they replace it.
+An optimizer that has stepped thus holds two copies of its state (and of its fp32 master weights)
+until then; a load through an undo journal (``plan_load(reuse=True)``) targets the live slots and
+masters instead, read through buckets.
 
 To add another per-parameter tensor to this part (e.g. fp32 master weights), put it under a key
 prefix listed in ``PARAM_KEYED`` (``{prefix}{param name}.{slot}``) in ``optimizer_state`` and
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import copy
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -122,6 +125,9 @@ class Planned:
     ours: int
     others: set[str] = frozenset()
     """Parameters other pipeline stages hold: listed in the groups, not unexpected here."""
+    reused: dict[str, tuple[dict, str]] = field(default_factory=dict)
+    """Entries whose target is the live optimizer's own tensor (``plan_load(reuse=True)``):
+    flattened key -> (the dict of ``nested`` holding it, its key there)."""
 
     def report(self) -> LoadReport:
         """Missing: this optimizer's parameters that the checkpoint's groups do not list;
@@ -136,13 +142,16 @@ class Planned:
                           sorted(self.unexpected | (listed - self.live - self.others)), mismatched)
 
 
-def plan_load(module: nn.Module, optimizer, metadata) -> Planned:
+def plan_load(module: nn.Module, optimizer, metadata, reuse: bool = False) -> Planned:
     """Targets for every saved entry of the part whose DCP ``metadata`` is given (no collective,
-    nothing read)."""
+    nothing read). ``reuse``: a state slot the optimizer already holds at the saved shape, dtype
+    and placement is its own target (the caller then must read through an undo journal)."""
     saved = metadata.state_dict_metadata
     params = _params(module)
     names = param_names(module)
     others = elsewhere(module)
+    slots_now = _live_slots(optimizer, names) if reuse else {}
+    reused = {}
     live = {names[id(p)] for g in optimizer.optimizer.param_groups for p in g["params"]}
     state: dict[str, dict] = {}
     masters: dict[str, dict] = {}
@@ -162,6 +171,9 @@ def plan_load(module: nn.Module, optimizer, metadata) -> Planned:
                 bucket.setdefault(name, {})[slot] = None
             elif tuple(md.size) not in ((), tuple(param.shape)):
                 mismatched.append(f"{key}: checkpoint {tuple(md.size)}, model {tuple(param.shape)}")
+            elif _reusable(existing := slots_now.get(prefix, {}).get(name, {}).get(slot), param, md):
+                bucket.setdefault(name, {})[slot] = existing
+                reused[key] = (bucket[name], slot)
             else:
                 bucket.setdefault(name, {})[slot] = _target(param, md)
         elif key.startswith(GROUPS):
@@ -176,7 +188,26 @@ def plan_load(module: nn.Module, optimizer, metadata) -> Planned:
     if masters:
         nested[MASTERS.rstrip(".")] = masters
     group_keys = {f"{GROUPS}{i}.{f}" for i, g in groups.items() for f in g}
-    return Planned(nested, group_keys, live, unexpected, mismatched, len(optimizer.optimizer.param_groups), others)
+    return Planned(nested, group_keys, live, unexpected, mismatched, len(optimizer.optimizer.param_groups), others,
+                   reused)
+
+
+def _live_slots(optimizer, names: dict[int, str]) -> dict[str, dict[str, dict[str, torch.Tensor]]]:
+    """prefix -> parameter name -> slot -> the live tensor a saved entry would replace: the
+    optimizer's state slots and the fp32 master weights of half-precision parameters."""
+    masters = {names[id(p)]: {"master": m} for p, m in optimizer.master_weights.params_and_masters() if m is not p}
+    return {STATE: {names[id(p)]: slots for p, slots in optimizer.optimizer.state.items()}, MASTERS: masters}
+
+
+def _reusable(existing, param: torch.Tensor | None, md: TensorStorageMetadata) -> bool:
+    """Whether the live slot ``existing`` is exactly what ``_target`` would make for ``md``."""
+    size, dtype = tuple(md.size), md.properties.dtype
+    if not isinstance(existing, torch.Tensor) or tuple(existing.shape) != size or existing.dtype != dtype:
+        return False
+    if isinstance(param, DTensor) and tuple(param.shape) == size:
+        return isinstance(existing, DTensor) and existing.placements == param.placements \
+            and existing.device_mesh == param.device_mesh and existing.to_local().shape == param.to_local().shape
+    return not isinstance(existing, DTensor)
 
 
 def _placeholder(md) -> Any:

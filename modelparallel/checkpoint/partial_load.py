@@ -12,6 +12,10 @@ raises everywhere before anything live changes:
 
 Only then does the caller apply them (``staging.ModelLoad.apply``, ``OptimizerLoad.apply``):
 local copies and pointer swaps that cannot fail half-way for I/O reasons.
+
+In journal mode (``journal.Policy``: the staged copy would not fit) steps 2 and 3 read through
+buckets into the live tensors (the optimizer's own slots and masters), their old values in an
+undo journal; a failure in any later phase on any rank puts them back before it is raised.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from ..pipeline.split import elsewhere
 from . import commit, model_config, optim_part, parts, staging
 from .errors import run_phase, single_error
 from .files import CheckpointFiles, fstat, open_inside
+from .journal import BucketPlanner, Cost, Journal, Policy
 from .parts import LoadReport
 from .partial import MODEL, OPTIMIZER, check_architecture
 
@@ -71,8 +76,9 @@ def _strict(part: str, report: LoadReport, strict: bool, extra: list[str] = ()) 
         raise ValueError("checkpoint does not fit (strict=True):\n  - " + "\n  - ".join(problems))
 
 
-def prepare_model(files: CheckpointFiles, model, strict: bool) -> staging.ModelLoad:
-    """Check the model part against ``model`` and read it into staging (collectives)."""
+def prepare_model(files: CheckpointFiles, model, strict: bool, policy: Policy | None = None) -> staging.ModelLoad:
+    """Check the model part against ``model`` and read it into staging, or through an undo
+    journal where ``policy`` says so (collectives; a failure leaves the model as it was)."""
     run_phase("load (model: architecture)", lambda: check_architecture(files.manifest, model))
     state = parts.model_state(model.module)
 
@@ -84,9 +90,10 @@ def prepare_model(files: CheckpointFiles, model, strict: bool) -> staging.ModelL
         return report
 
     report = run_phase("load (model: keys)", check)[_rank_world()[0]]
-    staged = staging.stage(state, parts.loadable(state, report))
-    run_phase("load (model: read)", lambda: parts.read_part(staged, files, MODEL, set(staged)))
-    return staging.ModelLoad(report, state, staged)
+    load = staging.begin(report, state, parts.loadable(state, report), policy)
+    planner = BucketPlanner(load.journal, set(load.keys)) if load.journal is not None else None
+    load.run("load (model: read)", lambda: parts.read_part(load.targets(), files, MODEL, set(load.keys), planner))
+    return load
 
 
 def check_optimizer_names(files: CheckpointFiles, model, strict: bool) -> None:
@@ -104,10 +111,30 @@ def check_optimizer_names(files: CheckpointFiles, model, strict: bool) -> None:
 
 @dataclass
 class OptimizerLoad:
-    """An optimizer part read and checked; ``apply`` replaces the optimizer's state with it."""
+    """An optimizer part read and checked; ``apply`` replaces the optimizer's state with it. In
+    journal mode the live slots already hold the loaded values and ``journal`` their old ones
+    until ``apply`` succeeded (``discard`` puts them back)."""
 
     report: LoadReport
-    apply: Callable[[], None]
+    change: Callable[[], None]
+    journal: Journal | None = None
+    cost: Cost | None = None
+
+    def apply(self) -> None:
+        try:
+            self.change()
+        except BaseException as e:
+            self.discard(e)
+            raise
+        if self.journal is not None:
+            self.journal.close()
+            self.journal = None
+
+    def discard(self, error: BaseException) -> None:
+        """Put back the live slots a journal-mode read overwrote (nothing to do otherwise)."""
+        if self.journal is not None:
+            journal, self.journal = self.journal, None
+            journal.abort(error)
 
 
 def _class_problem(files: CheckpointFiles, optimizer) -> str | None:
@@ -117,8 +144,10 @@ def _class_problem(files: CheckpointFiles, optimizer) -> str | None:
     return None
 
 
-def prepare_optimizer(files: CheckpointFiles, model, optimizer, strict: bool) -> OptimizerLoad:
-    """Plan, read (verified) and check the optimizer part (collectives); nothing live changes."""
+def prepare_optimizer(files: CheckpointFiles, model, optimizer, strict: bool,
+                      policy: Policy | None = None) -> OptimizerLoad:
+    """Plan, read (verified) and check the optimizer part (collectives); nothing live changes
+    (in journal mode, ``policy``: the live slots are overwritten and put back on failure)."""
     def present():
         if OPTIMIZER not in files.manifest["parts"]:
             raise ValueError(f"{files.directory} holds no optimizer state (saved without an optimizer); "
@@ -128,12 +157,19 @@ def prepare_optimizer(files: CheckpointFiles, model, optimizer, strict: bool) ->
 
     run_phase("load (optimizer: present)", present)
     found: dict[str, Any] = {}  # tensors stay local: a phase's result is sent to every rank
+    reuse = policy is not None and _class_problem(files, optimizer) is None
     run_phase("load (optimizer: plan)", lambda: found.update(
-        plan=optim_part.plan_load(model.module, optimizer, files.metadata(OPTIMIZER))))
+        plan=optim_part.plan_load(model.module, optimizer, files.metadata(OPTIMIZER), reuse)))
     planned = found["plan"]
-    run_phase("load (optimizer: read)",
-              lambda: parts.read_part(planned.nested, files, OPTIMIZER, set(parts.flatten(planned.nested))))
+    journal, cost = _protect(planned, policy)
+    keys = set(parts.flatten(planned.nested))
+    planner = BucketPlanner(journal, set(planned.reused)) if journal is not None else None
     other_class = _class_problem(files, optimizer)
+
+    def read():
+        parts.read_part(planned.nested, files, OPTIMIZER, keys, planner)
+        if journal is not None:
+            journal.flush()
 
     def check():
         report = planned.report()
@@ -143,7 +179,28 @@ def prepare_optimizer(files: CheckpointFiles, model, optimizer, strict: bool) ->
         optim_part.check_scaler(optimizer, planned.nested)
         return report
 
-    report = run_phase("load (optimizer: keys)", check)[_rank_world()[0]]
-    apply = (lambda: None) if other_class else \
+    try:
+        run_phase("load (optimizer: read)", read)
+        report = run_phase("load (optimizer: keys)", check)[_rank_world()[0]]
+    except BaseException as e:
+        if journal is not None:
+            journal.abort(e)
+        raise
+    if journal is not None:
+        cost = Cost.of(journal)
+    change = (lambda: None) if other_class else \
         (lambda: optim_part.apply_optimizer_state(model.module, optimizer, planned.nested))
-    return OptimizerLoad(report, apply)
+    return OptimizerLoad(report, change, journal, cost)
+
+
+def _protect(planned: optim_part.Planned, policy: Policy | None) -> tuple[Journal | None, Cost | None]:
+    """Journal mode if ``policy`` says the second copy of the live slots (and masters) would not
+    fit; else each live tensor planned as a target gets a fresh one (staging in memory)."""
+    live = {key: holder[slot] for key, (holder, slot) in planned.reused.items()}
+    need = staging.nbytes(live)
+    if policy is not None and policy.use_journal(need):
+        return Journal(policy.bucket), None
+    for key, (holder, slot) in planned.reused.items():
+        holder[slot] = staging.like(live[key])
+    planned.reused = {}
+    return None, Cost("memory", need)

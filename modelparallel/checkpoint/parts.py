@@ -100,15 +100,16 @@ def write_part(state: dict[str, Any], directory: Path, group=None) -> dict[str, 
         raise
 
 
-def read_part(state: dict[str, Any], files: CheckpointFiles, part: str, keys: set[str]) -> None:
+def read_part(state: dict[str, Any], files: CheckpointFiles, part: str, keys: set[str], planner=None) -> None:
     """One DCP load of the flattened ``keys`` of part ``part`` into ``state`` (a collective):
     tensors in place, other values (hyperparameters, loss scale) put back into the nesting. Every
     file read is verified while it is read (``fastread.FastReader``), so ``state`` must be
-    staging: its values are trustworthy only once this returns on every rank."""
+    staging: its values are trustworthy only once this returns on every rank. ``planner``: a
+    ``SafeLoadPlanner`` of the caller's (``journal.BucketPlanner``)."""
     flat, paths = flatten_state_dict(state)
     subset = {k: flat[k] for k in keys}
     contiguous = files.manifest.get("tensor_layout") == CONTIGUOUS
-    dcp.load(subset, storage_reader=FastReader(files, part, contiguous), planner=SafeLoadPlanner())
+    dcp.load(subset, storage_reader=FastReader(files, part, contiguous), planner=planner or SafeLoadPlanner())
     for key, value in subset.items():
         if not isinstance(value, torch.Tensor):
             set_element(state, paths[key], value)

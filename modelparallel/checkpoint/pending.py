@@ -41,6 +41,7 @@ class PendingResume:
             values kept (``ModelLoad.restore`` puts them back if the optimizer part is refused).
         armed: True while a load is still to come; False once done, failed or replaced.
         reports: per part ("model", "optimizer"), what the load skipped.
+        costs: per part, what protecting the live values cost (staged bytes, or the journal's).
     """
 
     prepare_model: Callable[[Any], Any]
@@ -50,6 +51,7 @@ class PendingResume:
     model_load: Any = None
     armed: bool = True
     reports: dict[str, LoadReport] = field(default_factory=dict)
+    costs: dict[str, Any] = field(default_factory=dict)
 
     def on_model(self, model, optimizer=None) -> None:
         """Called when a ``DistributedModel`` exists (with the optimizer too, if it exists):
@@ -58,17 +60,24 @@ class PendingResume:
             if optimizer is None and self.check_optimizer_names is not None:
                 self.check_optimizer_names(model)
             load = self.prepare_model(model)
-            opt = self.prepare_optimizer(model, optimizer) if optimizer is not None and self.prepare_optimizer \
-                else None
+            try:  # a model read through a journal is live already: put it back if the optimizer fails
+                opt = self.prepare_optimizer(model, optimizer) if optimizer is not None and self.prepare_optimizer \
+                    else None
+            except BaseException as e:
+                load.restore(e)
+                raise
             waiting = optimizer is None and self.prepare_optimizer is not None
             load.apply(keep_old=waiting)
             self.model_load = load if waiting else None
             self.reports.clear()
+            self.costs.clear()
             self.reports["model"] = _logged("model", load.report)
+            self.costs["model"] = _cost("model", load.cost)
             self.model = model
             if opt is not None:
                 opt.apply()
                 self.reports["optimizer"] = _logged("optimizer", opt.report)
+                self.costs["optimizer"] = _cost("optimizer", opt.cost)
             if not waiting:
                 self.armed = False
 
@@ -79,14 +88,15 @@ class PendingResume:
             return
         try:
             opt = self.prepare_optimizer(self.model, optimizer)
-        except BaseException:
-            if self.model_load is not None:
-                self.model_load.restore()
-            self.model_load, self.armed = None, False
+        except BaseException as e:
+            load, self.model_load, self.armed = self.model_load, None, False
             self.reports.clear()
+            if load is not None:
+                load.restore(e)
             raise
         opt.apply()
         self.reports["optimizer"] = _logged("optimizer", opt.report)
+        self.costs["optimizer"] = _cost("optimizer", opt.cost)
         if self.model_load is not None:
             self.model_load.release()
         self.model_load, self.armed = None, False
@@ -103,6 +113,13 @@ class _disarm_on_error:
         if kind is not None:
             self.pending.armed = False
         return False
+
+
+def _cost(part: str, cost):
+    """Log (each rank: each decides for its own memory) how the live values were protected."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    logger.info("resume_from_checkpoint, %s part, rank %d: %s", part, rank, cost)
+    return cost
 
 
 def _logged(part: str, report: LoadReport) -> LoadReport:

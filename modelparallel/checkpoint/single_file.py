@@ -28,6 +28,8 @@ from .files import open_inside
 from . import layouts
 from .layouts import translation
 from .full_load import stage_whole
+from .journal import Policy
+from .staging import agreed
 from .lock import job_lock
 from .pending import PendingResume
 from .safe_load import torch_load
@@ -61,8 +63,9 @@ def _read_plain(path: Path, name: str) -> bytes | None:
 
 
 def prepare(path: Path, tag: str, strict: bool, translate_function: Callable | None,
-            trusted: bool) -> tuple[Any, PendingResume]:
-    """(user content or None, the pending load of ``path/tag``)."""
+            trusted: bool, policy: Policy | None = None) -> tuple[Any, PendingResume]:
+    """(user content or None, the pending load of ``path/tag``; ``policy``: staging in memory
+    or through an undo journal)."""
     def content():
         commit.safe_name(path, tag, "the tag")
         name = f"user_content_{tag}"
@@ -73,9 +76,7 @@ def prepare(path: Path, tag: str, strict: bool, translate_function: Callable | N
     run_phase("resume (user content)", lambda: found.update(content=content()))
 
     def load(model):
-        run_phase("full load (weights)", lambda: found.update(load=stage_file(path, tag, model, strict,
-                                                                                translate_function)))
-        return found.pop("load")
+        return agreed("full load (weights)", lambda: stage_file(path, tag, model, strict, translate_function, policy))
 
     return found["content"], PendingResume(load)
 
@@ -94,7 +95,8 @@ def _translation(whole: dict[str, Any], model) -> Callable | None:
                             model_type)
 
 
-def stage_file(path: Path, tag: str, model, strict: bool, translate_function: Callable | None = None):
+def stage_file(path: Path, tag: str, model, strict: bool, translate_function: Callable | None = None,
+               policy: Policy | None = None):
     """Read the state dict in ``path/tag`` and stage it for ``model`` (no collectives).
 
     Raises:
@@ -109,8 +111,8 @@ def stage_file(path: Path, tag: str, model, strict: bool, translate_function: Ca
                                               for k, v in whole.items()):
         raise ValueError(f"{file}: expected a state dict (parameter name -> tensor), got {type(whole).__name__}")
     if translate_function is not None:
-        return stage_whole(model, translate_function(whole), strict, None, str(file))
-    return stage_whole(model, whole, strict, _translation(whole, model), str(file))
+        return stage_whole(model, translate_function(whole), strict, None, str(file), policy=policy)
+    return stage_whole(model, whole, strict, _translation(whole, model), str(file), policy=policy)
 
 
 FILE_SUFFIXES = (".pt", ".pth", ".bin")

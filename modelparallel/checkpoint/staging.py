@@ -9,11 +9,12 @@ in (``ModelLoad.apply``), which allocates nothing and cannot fail half-way for I
 
 The price is memory: one staged copy of what this rank loads (its shards of the loaded
 parameters and buffers), held from the read until the swap; ``ModelLoad.nbytes`` says how much.
-The optimizer part needs no second copy of the same kind: its state is read into new tensors
-that replace the old state when applied, so the old state is freed then. A resume armed before
-the optimizer exists keeps the model's previous values in the staging tensors
-(``apply(keep_old=True)``) until the optimizer part is applied, so a refused optimizer part can
-put the model back (``restore``).
+Where that copy would not fit (``journal.Policy``), ``begin`` starts the load in journal mode
+instead: the read goes through buckets that overwrite the live tensors, their old values kept in
+an undo journal on disk, and a failure anywhere puts them back (``fail``). A resume armed before
+the optimizer exists keeps the model's previous values (in the staging tensors, or in the
+journal) until the optimizer part is applied, so a refused optimizer part can put the model back
+(``restore``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from torch.distributed.tensor import DTensor
 
 from ..materialize.state_dict import LoadReport
 from ..tp.layout import from_local_like, local_part
+from .errors import run_phase
+from .journal import Cost, Journal, Policy
 
 
 def like(t: torch.Tensor) -> torch.Tensor:
@@ -45,22 +48,95 @@ def nbytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(local_part(t).numel() * local_part(t).element_size() for t in tensors.values())
 
 
+def begin(report: LoadReport, live: dict[str, torch.Tensor], keys, policy: Policy | None) -> "ModelLoad":
+    """A load of ``keys`` into ``live``: staged in memory, or through an undo journal when
+    ``policy`` says the staged copy would not fit."""
+    keys = sorted(keys)
+    need = nbytes({k: live[k] for k in keys})
+    if policy is not None and policy.use_journal(need):
+        return ModelLoad(report, live, keys=keys, journal=Journal(policy.bucket))
+    return ModelLoad(report, live, stage(live, keys), keys=keys)
+
+
+def agreed(phase: str, make) -> "ModelLoad":
+    """Run ``make()`` (no collectives; returns a ``ModelLoad`` it filled) as a phase every rank
+    agrees on: if it failed anywhere, this rank's load is undone before raising."""
+    made: list[ModelLoad] = []
+    try:
+        run_phase(phase, lambda: made.append(make()))
+    except BaseException as e:
+        if made:
+            made[0].restore(e)
+        raise
+    return made[0]
+
+
 @dataclass
 class ModelLoad:
-    """A model load read and verified into ``staged``; ``apply`` makes it live."""
+    """A model load read and verified into ``staged`` (``apply`` makes it live), or, in journal
+    mode, already written into ``live`` with the old values in ``journal``."""
 
     report: LoadReport
     live: dict[str, torch.Tensor]
     staged: dict[str, torch.Tensor] = field(default_factory=dict)
     swapped: bool = False
+    keys: list[str] = field(default_factory=list)
+    journal: Journal | None = None
+    cost: Cost | None = None
+
+    def __post_init__(self):
+        if not self.keys:
+            self.keys = sorted(self.staged)
+        self.cost = Cost("memory", nbytes(self.staged))
 
     @property
     def nbytes(self) -> int:
         return nbytes(self.staged)
 
+    def targets(self) -> dict[str, torch.Tensor]:
+        """Where a read puts each key's values: the staged tensors, or in journal mode the live
+        ones (a ``journal.BucketPlanner`` then reads through buckets)."""
+        return self.staged if self.journal is None else {k: self.live[k] for k in self.keys}
+
+    def put(self, key: str, piece: torch.Tensor) -> None:
+        """This rank's values of ``key`` (its local shape): staged, or journaled and written."""
+        if self.journal is None:
+            with torch.no_grad():
+                local_part(self.staged[key]).copy_(piece)
+        else:
+            self.journal.write(local_part(self.live[key]), piece)
+
+    def run(self, phase: str, fn) -> None:
+        """Run the read ``fn`` as a phase every rank agrees on; on failure anywhere, put back
+        what it wrote (journal mode) before raising. The journal's last bucket is applied
+        inside the phase, so its errors are agreed too."""
+        def read():
+            fn()
+            if self.journal is not None:
+                self.journal.flush()
+
+        try:
+            run_phase(phase, read)
+        except BaseException as e:
+            self.restore(e)
+            raise
+        self.cost = self.journal_cost()
+
+    def journal_cost(self) -> Cost:
+        """What the load cost so far: the staged bytes, or the journal's bucket peak and size."""
+        if self.journal is None:
+            return self.cost
+        return Cost.of(self.journal)
+
     def apply(self, keep_old: bool = False) -> None:
         """Copy the staged values into the live tensors. ``keep_old``: exchange them instead,
-        so ``restore`` can put the previous values back (one tensor of scratch at a time)."""
+        so ``restore`` can put the previous values back (one tensor of scratch at a time). In
+        journal mode the values are live already; ``keep_old`` keeps the journal."""
+        if self.journal is not None:
+            self.swapped = keep_old
+            if not keep_old:
+                self.release()
+            return
         with torch.no_grad():
             for key, new in self.staged.items():
                 dst, src = local_part(self.live[key]), local_part(new)
@@ -74,8 +150,14 @@ class ModelLoad:
         if not keep_old:
             self.staged = {}
 
-    def restore(self) -> None:
-        """Undo ``apply(keep_old=True)``."""
+    def restore(self, error: BaseException | None = None) -> None:
+        """Undo what the load changed (``apply(keep_old=True)``, or a journal's writes); raises
+        ``journal.JournalError`` if the journal could not put everything back."""
+        if self.journal is not None:
+            journal, self.journal = self.journal, None
+            self.staged, self.swapped = {}, False
+            journal.abort(error or RuntimeError("the resume was refused"))
+            return
         if self.swapped:
             with torch.no_grad():
                 for key, old in self.staged.items():
@@ -84,4 +166,7 @@ class ModelLoad:
 
     def release(self) -> None:
         """Forget the previous values (the load is final)."""
+        if self.journal is not None:
+            self.journal.close()
+            self.journal = None
         self.staged, self.swapped = {}, False

@@ -11,12 +11,13 @@ single-process ``sum |g|^p`` (for the infinity norm: the max, which needs no wei
 arithmetic lives in ``training/grad_clip.py`` (shared with ``DistributedOptimizer.
 clip_master_grads``), FSDP1's pieces in ``training/fsdp1_grads.py``; this module adds the
 user-facing forms: SageMaker v2 scripts call ``clip_grad_norm_(model, max_norm)`` with the FSDP
-model itself, v1-style code passes parameters.
+model itself, v1-style code passes parameters. Under pipeline parallelism a rank holds only its
+stage: both forms weight each parameter by the ranks holding it (``pipeline.ties.norm_holders``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -26,15 +27,30 @@ from torch.distributed.tensor import DTensor
 from . import runtime
 from .pipeline.ties import norm_holders
 from .training.fsdp1_grads import flattened_by_fsdp1, fsdp1_units, unit_pieces
-from .training.grad_clip import clip_by_global_norm, clip_pieces, grad_pieces
+from .training.grad_clip import clip_by_global_norm, clip_pieces, grad_pieces, norm_of_pieces
 
 
-def _pieces_of_module(model: nn.Module) -> list[tuple[torch.Tensor, int]]:
-    """Every gradient block of ``model``: its FSDP1 units' flat shards, then the parameters no
-    FSDP1 unit manages."""
+def _stage_holders(modules) -> Callable[[torch.Tensor], int] | None:
+    """How many ranks hold each parameter of pipelined ``modules`` (a stage's parameters are on
+    world / stages ranks; a weight tied across stages is counted on its first stage only), or
+    None when nothing is pipelined (every rank holds every parameter)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    held = norm_holders(modules, world)
+    return (lambda p: held.get(id(p), world)) if held else None
+
+
+def _clip_module(model: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
+    """Clip every gradient block of ``model`` (its FSDP1 units' flat shards, then the parameters
+    no FSDP1 unit manages) by their global norm; under pipeline parallelism the norm weights each
+    parameter by the ranks holding its stage and counts a cross-stage tie once, while every
+    copy is scaled."""
     pieces = [piece for unit in fsdp1_units(model) for piece in unit_pieces(unit)]
     unmanaged = [p for p in model.parameters() if not flattened_by_fsdp1(p)]
-    return pieces + grad_pieces(unmanaged)
+    holders = _stage_holders(list(model.modules()))
+    norm = None
+    if holders is not None:
+        norm = norm_of_pieces(pieces + grad_pieces(unmanaged, holders), norm_type)
+    return clip_pieces(pieces + grad_pieces(unmanaged), max_norm, norm_type, norm=norm)
 
 
 def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
@@ -60,7 +76,7 @@ def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor] | torch.Tenso
         ValueError: for a gradient that is still a pending sum.
     """
     if isinstance(parameters, nn.Module):
-        return clip_pieces(_pieces_of_module(parameters), max_norm, norm_type)
+        return _clip_module(parameters, max_norm, norm_type)
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     flat = [p for p in params if flattened_by_fsdp1(p) and not isinstance(p, DTensor)]
     if flat:
@@ -68,7 +84,5 @@ def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor] | torch.Tenso
             f"clip_grad_norm_ over {len(flat)} parameters flattened by FSDP1 (FullyShardedDataParallel): "
             "their flat shards do not record which are tensor-parallel; pass the FSDP module itself, "
             "clip_grad_norm_(model, max_norm)")
-    held = norm_holders([m.module for m in runtime.current().models], dist.get_world_size()) \
-        if runtime.is_initialized() else {}  # pipeline stages: how many ranks hold each parameter
-    return clip_by_global_norm(params, max_norm, norm_type,
-                               holders=(lambda p: held.get(id(p), dist.get_world_size())) if held else None)
+    holders = _stage_holders([m.module for m in runtime.current().models]) if runtime.is_initialized() else None
+    return clip_by_global_norm(params, max_norm, norm_type, holders=holders)

@@ -111,9 +111,21 @@ class MeshCache:
     def get(self, device: torch.device, layout: torch.Tensor, expert_degree: int,
             build: Callable[[], Meshes]) -> Meshes:
         key = (device.type, tuple(layout.shape), tuple(layout.flatten().tolist()), expert_degree)
+        return self.keep(key, build)
+
+    def keep(self, key: tuple, build: Callable[[], Any]) -> Any:
+        """What ``build`` makes (a mesh or group other layers create: a pipeline's tied-weight
+        pairs, FSDP1's hybrid mesh), made once per ``key``: what it is and the ranks of every
+        group it creates. Every rank asks for the same keys in the same order, so every rank
+        builds (a collective) or reuses at the same calls."""
         if key not in self.built:
             self.built[key] = build()
         return self.built[key]
+
+
+def kept(cache: MeshCache | None, key: tuple, build: Callable[[], Any]) -> Any:
+    """``cache.keep(key, build)``, or ``build()`` without a cache (a layer used on its own)."""
+    return build() if cache is None else cache.keep(key, build)
 
 
 def carried(previous: MeshCache | None) -> MeshCache:

@@ -165,3 +165,54 @@ def test_restart_reuses_process_groups():
     for before, after, same, other, ok in harness.run(2, _restarts):
         assert after == before, "restarts created process groups"
         assert same and not other and ok
+
+
+def _gpt2_pipeline():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2})
+    torch.manual_seed(0)
+    smp.DistributedModel(GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=16)))
+
+
+def _fsdp1_hybrid():
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    smp.init({"hybrid_shard_degree": 2})
+    FSDP(torch.nn.Linear(8, 8), device_id=torch.device("cpu"))
+
+
+def _expert_fsdp1_hybrid():
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from modelparallel.moe.moe_config import MoEConfig
+
+    smp.init({"expert_parallel_degree": 2, "hybrid_shard_degree": 2})
+    torch.manual_seed(0)
+    config = MixtralConfig(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+                           num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=64,
+                           max_position_embeddings=16)
+    FSDP(smp.transform(MixtralForCausalLM(config), config=MoEConfig()), device_id=torch.device("cpu"))
+
+
+def _threads_per_round(build, rounds: int) -> list[int]:
+    """Threads of this process after each of ``rounds`` runtime restarts that build ``build``'s model."""
+    import os
+
+    counts = []
+    for _ in range(rounds):
+        build()
+        smp.barrier()
+        counts.append(len(os.listdir("/proc/self/task")))
+    return counts
+
+
+@pytest.mark.parametrize("world, build", [(2, _gpt2_pipeline), (4, _fsdp1_hybrid), (4, _expert_fsdp1_hybrid)],
+                         ids=["pipeline-ties", "fsdp1-hybrid", "expert-fsdp1-hybrid"])
+def test_rebuilding_models_reuses_their_process_groups(world, build):
+    """Restarting the runtime and building the same kind of model again makes no new process
+    group: the pipeline's tied-weight pairs, FSDP1's hybrid mesh and the experts' replica mesh
+    are kept with the runtime's meshes (each gloo group would keep three threads for good)."""
+    for counts in harness.run(world, _threads_per_round, build, 4):
+        assert counts[1:] == [counts[1]] * 3, f"threads after each rebuild: {counts}"

@@ -71,7 +71,7 @@ class Runner:
         self.stage: Stage = module._mp_stage
         self.boundary = Boundary(self.stage)
         self.tied = ties.tied_parameters(module, self.stage)
-        self.tie_groups = ties.pair_groups(self.stage, rt.world_mesh)
+        self.tie_groups = ties.pair_groups(self.stage, rt.world_mesh, rt.mesh_cache)
         self.schedules: OrderedDict = OrderedDict()
         self._step: _StepState | None = None
 

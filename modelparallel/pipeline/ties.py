@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..meshes import kept
 from ..tp.layout import from_local_like, local_grad, local_part
 from .split import Stage
 
@@ -35,15 +36,18 @@ def tied_parameters(module: nn.Module, stage: Stage) -> list[tuple[nn.Parameter,
     return out
 
 
-def pair_groups(stage: Stage, world_mesh) -> dict[tuple[int, int], dist.ProcessGroup | None]:
+def pair_groups(stage: Stage, world_mesh, cache=None) -> dict[tuple[int, int], dist.ProcessGroup | None]:
     """For each pair of stages sharing a weight, this rank's two-rank group (None if this rank's
-    stage is not in the pair). A collective: every rank creates every group, in one order."""
+    stage is not in the pair). A collective: every rank creates every group, in one order, or
+    takes it from ``cache`` (``meshes.MeshCache``: every model split the same way reuses them;
+    each gloo group keeps its threads for the life of the process)."""
     grid = world_mesh.mesh  # [pp, dp, cp, tp]
     groups = {}
     for a, b in sorted(_pairs(stage)):
-        enum = [[int(grid[a, d, c, t]), int(grid[b, d, c, t])]
+        enum = [(int(grid[a, d, c, t]), int(grid[b, d, c, t]))
                 for d in range(grid.shape[1]) for c in range(grid.shape[2]) for t in range(grid.shape[3])]
-        groups[(a, b)], _ = dist.new_subgroups_by_enumeration(enum)
+        groups[(a, b)] = kept(cache, ("pipeline tie pairs", tuple(enum)),
+                              lambda enum=enum: dist.new_subgroups_by_enumeration([list(e) for e in enum])[0])
     return groups
 
 

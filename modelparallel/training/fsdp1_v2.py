@@ -11,8 +11,8 @@ gets one shard group over all D ranks: ``FULL_SHARD`` (``SHARD_GRAD_OP``) over t
 mesh (PyTorch's own reading, groups of one node's ranks, would need a 2-D mesh the TP shards are
 not defined on, and on CPU shards over one rank).
 
-``install`` wraps FSDP1's constructor once; ``configure`` gives it the running layout (``init``
-calls it). The constructor also takes SageMaker's ``post_param_init_fn=`` (``DelayedParamIniter.
+``install`` wraps FSDP1's constructor once, with a function giving the running layout (``init``
+passes the runtime's: the layout is read from the job at each call, never kept here). The constructor also takes SageMaker's ``post_param_init_fn=`` (``DelayedParamIniter.
 get_post_param_init_fn()``): it runs on each unit right after FSDP materialized the unit's meta
 modules with ``param_init_fn``, before flattening. The outermost FSDP call is checked and completed before FSDP runs any collective: a
 ``device_mesh`` or ``process_group`` that is not the data-parallel one raises naming the
@@ -33,7 +33,9 @@ import ctypes
 import ctypes.util
 import functools
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -41,6 +43,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
 from ..compat import FlatParamHandle, fsdp_init_utils
 from ..expert import fsdp1 as expert_fsdp1
+from ..meshes import kept
 from . import fsdp1_dtensor_views
 
 _MARK = "_mp_v2_layout"
@@ -59,15 +62,9 @@ class Layout:
     expert_replicas: DeviceMesh | None = None
     """The ranks holding this rank's experts, over which expert-parallel experts are sharded
     (``expert.fsdp1``)."""
-
-
-_layout: list[Layout] = []
-_hsdp_meshes: dict[tuple, DeviceMesh] = {}
-
-
-def configure(layout: Layout | None) -> None:
-    """Set (or clear, with None) the layout FSDP1 calls are checked against."""
-    _layout[:] = [layout] if layout is not None else []
+    mesh_cache: Any = None
+    """The job's ``meshes.MeshCache``: the hybrid meshes made here are made once per process
+    and world (each gloo group keeps its threads for the life of the process)."""
 
 
 def _ranks(mesh: DeviceMesh) -> list[int]:
@@ -105,11 +102,16 @@ def _check_group(group, lay: Layout) -> None:
 def _hsdp_mesh(lay: Layout) -> DeviceMesh:
     """("replicate", "shard") over the data-parallel ranks, shard groups of consecutive ranks."""
     dp, n = _ranks(lay.dp_mesh), lay.hybrid_shard_degree
-    key = (tuple(dp), n)
-    if key not in _hsdp_meshes:
-        layout = lay.dp_mesh.mesh.reshape(len(dp) // n, n)
-        _hsdp_meshes[key] = DeviceMesh(lay.dp_mesh.device_type, layout, mesh_dim_names=("replicate", "shard"))
-    return _hsdp_meshes[key]
+    layout = lay.dp_mesh.mesh.reshape(len(dp) // n, n)
+    return kept(lay.mesh_cache, ("fsdp1 hybrid", lay.dp_mesh.device_type, tuple(dp), n),
+                lambda: DeviceMesh(lay.dp_mesh.device_type, layout, mesh_dim_names=("replicate", "shard")))
+
+
+def _expert_mesh(lay: Layout) -> DeviceMesh:
+    """The mesh the experts are sharded over (``expert.fsdp1.replica_mesh``), made once."""
+    replicas, n, dp = lay.expert_replicas, lay.hybrid_shard_degree, lay.dp_mesh.size()
+    return kept(lay.mesh_cache, ("fsdp1 expert replicas", replicas.device_type, tuple(_ranks(replicas)), n, dp),
+                lambda: expert_fsdp1.replica_mesh(replicas, n, dp))
 
 
 _ONE_SHARD_GROUP = {ShardingStrategy.HYBRID_SHARD: ShardingStrategy.FULL_SHARD,
@@ -232,10 +234,9 @@ def _install_post_init() -> None:
         setattr(fsdp_init_utils, name, then_post_init)
 
 
-def _outermost(init, signature, module, args, kwargs) -> None:
+def _outermost(init, signature, lay: Layout, module, args, kwargs) -> None:
     """The outermost FSDP1 call: checked and laid out, experts set apart and sharded on their own."""
     bound = signature.bind(module, *args, **kwargs)
-    lay = _layout[0]
     complete(bound.arguments, lay)
     dp, replicas = lay.dp_mesh.size(), lay.expert_replicas
     experts = expert_fsdp1.set_apart(bound.arguments, lay.hybrid_shard_degree, dp, dp // replicas.size())
@@ -245,12 +246,12 @@ def _outermost(init, signature, module, args, kwargs) -> None:
     finally:
         _inside.reset(token)
     if experts:
-        expert_fsdp1.shard(experts, expert_fsdp1.replica_mesh(replicas, lay.hybrid_shard_degree, dp),
-                           bound.arguments.get("mixed_precision"))
+        expert_fsdp1.shard(experts, _expert_mesh(lay), bound.arguments.get("mixed_precision"))
 
 
-def install() -> None:
-    """Wrap ``FullyShardedDataParallel.__init__`` (idempotent)."""
+def install(layout_of: Callable[[], Layout | None]) -> None:
+    """Wrap ``FullyShardedDataParallel.__init__`` (idempotent): outermost calls are checked
+    against ``layout_of()`` (None: no job running, FSDP1 as PyTorch has it)."""
     _install_release()
     _install_post_init()
     fsdp1_dtensor_views.install()
@@ -263,9 +264,10 @@ def install() -> None:
     def checked_init(self, *args, post_param_init_fn=None, **kwargs):
         post = _post_init.set(post_param_init_fn) if post_param_init_fn is not None else None
         try:
-            if _inside.get() or not _layout:
+            lay = None if _inside.get() else layout_of()
+            if lay is None:
                 return init(self, *args, **kwargs)
-            _outermost(init, signature, self, args, kwargs)
+            _outermost(init, signature, lay, self, args, kwargs)
         finally:
             if post is not None:
                 _post_init.reset(post)

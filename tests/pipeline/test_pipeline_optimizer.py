@@ -4,7 +4,8 @@ fp32 masters and loss scaling whose overflow skips agree on every stage.
 
 A clipping failure means the global norm counts a stage's gradients on the wrong number of ranks
 or counts GPT-2's tied ``wte`` / ``lm_head`` twice (modelparallel/training/grad_clip.py's
-``holders``, pipeline/ties.py's ``norm_holders``); a mixed-precision failure that half-precision
+``holders``, pipeline/ties.py's ``norm_holders``; for ``smp.clip_grad_norm_(model, ...)``, the
+module form in modelparallel/clip.py); a mixed-precision failure that half-precision
 training at pipeline degree 2 diverges from fp32 or that stages disagree on skipping a step.
 """
 
@@ -35,6 +36,8 @@ def _clip(pp, tp, norm_type, how):
     torch.nn.utils.clip_grad_norm_(list(ref.parameters()), max_norm, norm_type)
     if how == "optimizer":
         norm = opt.clip_master_grads(max_norm, norm_type)
+    elif how == "module":  # SageMaker v2's form: the model itself
+        norm = smp.clip_grad_norm_(model, max_norm, norm_type)
     else:
         norm = smp.clip_grad_norm_(model.parameters(), max_norm, norm_type)
     rtol = sum(g.numel() for g in grads) * 2.0 ** -24  # fp32 sums of that many positive terms
@@ -53,6 +56,8 @@ def _clip(pp, tp, norm_type, how):
     (4, 2, 2, 2.0, "optimizer"),
     (4, 4, 1, 2.0, "smp"),
     (4, 2, 1, 2.0, "smp"),
+    (2, 2, 1, 2.0, "module"),
+    (4, 2, 2, 2.0, "module"),
 ])
 def test_clipping_counts_every_stage_once(world, pp, tp, norm_type, how):
     norms = harness.run(world, _clip, pp, tp, norm_type, how)

@@ -1,18 +1,28 @@
-"""``smp.state.ranker``: which ranks hold the same shard under FSDP (replication groups).
+"""``smp.state.ranker``: which ranks hold the same data under FSDP (replication groups).
 
 A failure of the grid tests means ``training/replication.py`` groups the wrong ranks: a local
 (per-shard) checkpoint would then be shared by ranks holding different shards, or a sharded
-checkpoint written by ranks that are not one complete copy. The multi-rank test checks the
-``state`` attributes v2 scripts read against the running mesh.
+checkpoint written by ranks that are not one complete copy. The held-data tests build the FSDP
+layout a v2 script gets (its own FSDP1 call after ``init``/``transform``) at context parallelism
+2 and expert parallelism 2 and group the ranks by the tensors they actually hold: a failure
+there means the ranker disagrees with FSDP's real placement (context-parallel ranks left out of
+the shard groups, or ranks holding different experts put in one group). The multi-rank state
+test checks the ``state`` attributes v2 scripts read against the running mesh.
 """
 
+import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.tensor import DTensor
+from transformers import MixtralConfig, MixtralForCausalLM
 
 import harness
 import modelparallel as smp
+from modelparallel.config import build_config
+from modelparallel.moe.moe_config import MoEConfig
 from modelparallel.runtime import mesh_layout
 from modelparallel.training.replication import Ranker
-from modelparallel.config import build_config
 
 
 def grid(world, **cfg):
@@ -40,6 +50,32 @@ def test_no_shard_replicates_over_dp_per_tp_rank():
     assert [r.get_rep_rank(k) for k in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
 
 
+def test_context_parallel_ranks_are_shard_group_members():
+    # DP=2 x CP=2 (cluster: rank = 2 dp + cp): FSDP shards over all four in the order dp, cp;
+    # shard groups of 2 are {0,1} and {2,3}, so 0 and 2 hold the same half; degree 1 replicates all
+    r = Ranker(grid(4, context_parallel_degree=2), shard_degree=2)
+    assert r.get_rep_groups() == [[0, 2], [1, 3]] and [r.get_rep_rank(k) for k in range(4)] == [0, 0, 1, 1]
+    assert Ranker(grid(4, context_parallel_degree=2), shard_degree=1).get_rep_groups() == [[0, 1, 2, 3]]
+    # "spread" (rank = 2 cp + dp): FSDP's order is 0, 2, 1, 3, so shard groups {0,2} and {1,3}
+    r = Ranker(grid(4, context_parallel_degree=2, placement_strategy="spread"), shard_degree=2)
+    assert r.get_rep_groups() == [[0, 1], [2, 3]] and [r.get_rep_rank(k) for k in range(4)] == [0, 1, 0, 1]
+
+
+def test_expert_ranks_replicate_only_their_own_experts():
+    # DP=4, EP=2: experts 0..1 on dp ranks 0 and 2, experts 2..3 on 1 and 3
+    assert Ranker(grid(4), shard_degree=1, expert_degree=2).get_rep_groups() == [[0, 2], [1, 3]]
+    assert Ranker(grid(4), shard_degree=2, expert_degree=2).get_rep_groups() == [[0, 2], [1, 3]]
+    assert Ranker(grid(4), shard_degree=4, expert_degree=2).get_rep_groups() == [[0], [1], [2], [3]]
+    r = Ranker(grid(8), shard_degree=1, expert_degree=2)
+    assert r.get_rep_groups() == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert [r.get_rep_rank(k) for k in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]  # rank 0's: one ep group
+
+
+def test_expert_with_context_parallelism_refused():
+    with pytest.raises(NotImplementedError, match="expert_parallel_degree 2 with context_parallel_degree 2"):
+        Ranker(grid(8, context_parallel_degree=2), shard_degree=1, expert_degree=2)
+
+
 def test_unknown_rank_refused():
     r = Ranker(grid(2), shard_degree=2)
     try:
@@ -64,3 +100,59 @@ def test_state_attributes_of_a_running_job():
         assert info["groups"] == [[0, 2], [1, 3]]
         assert info["rep_rank"] == info["mine"] == rank // 2
         assert info["cp"] == (0, 1, 1) and info["ep"] == (0, 1, 1)
+
+
+# ---- the groups FSDP's real placement makes ------------------------------------------------
+
+def dense_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+
+
+def mixtral():
+    torch.manual_seed(0)
+    config = MixtralConfig(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+                           num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=64,
+                           max_position_embeddings=16)
+    return smp.transform(MixtralForCausalLM(config), config=MoEConfig())
+
+
+def held_groups(config: dict, build) -> dict:
+    """FSDP1-wrap ``build()`` as a v2 script does under ``config``; return the groups of ranks
+    holding equal tensors (every parameter's local shard) and what the ranker says."""
+    smp.init(config)
+    model = FSDP(build(), device_id=torch.device("cpu"))
+    mine = [(p.to_local() if isinstance(p, DTensor) else p).detach().clone() for p in model.parameters()]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    same = [[j for j, other in enumerate(every) if len(other) == len(held)
+             and all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(held, other))]
+            for held in every]
+    ranker = smp.state.ranker
+    return dict(held=sorted(map(list, {tuple(g) for g in same})), groups=ranker.get_rep_groups(),
+                rep_ranks=[ranker.get_rep_rank(k) for k in range(dist.get_world_size())])
+
+
+def check_groups(out):
+    for info in out:
+        assert info["groups"] == info["held"], info
+        for group in info["held"]:  # replication rank 0: exactly one per group, the copies numbered 0..n-1
+            assert sorted(info["rep_ranks"][k] for k in group) == list(range(len(group))), info
+
+
+def held_under(configs, build):
+    return [held_groups(c, build) for c in configs]
+
+
+@pytest.mark.parametrize("placement", ["cluster", "spread"])
+def test_context_parallel_groups_match_fsdp_placement(placement):
+    configs = [{"context_parallel_degree": 2, "hybrid_shard_degree": n, "placement_strategy": placement}
+               for n in (0, 1, 2)]
+    for out in zip(*harness.run(4, held_under, configs, dense_model)):
+        check_groups(out)
+
+
+def test_expert_parallel_groups_match_fsdp_placement():
+    configs = [{"expert_parallel_degree": 2, "hybrid_shard_degree": n} for n in (0, 1, 2)]
+    for out in zip(*harness.run(4, held_under, configs, mixtral)):
+        check_groups(out)

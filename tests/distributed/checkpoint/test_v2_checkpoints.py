@@ -90,3 +90,25 @@ def test_local_checkpoint_refused_at_another_sharding(tmp_path):
     """A local checkpoint saved with FSDP sharding over 2 ranks is refused, on every rank and before
     any tensor changes, by a job that does not shard (it would load half-parameters)."""
     harness.run(2, local_refused_at_other_sharding, str(tmp_path))
+
+
+def local_round_trip_at_context_parallelism(root):
+    tsm.init({"context_parallel_degree": 2, "hybrid_shard_degree": 2})  # shard groups {0,1} and {2,3}
+    model, optimizer = build()
+    groups = replication_group()
+    assert sorted(dist.get_process_group_ranks(groups[0])) == [dist.get_rank() % 2, dist.get_rank() % 2 + 2]
+    train_step(model, optimizer, 0)
+    save_local(model, optimizer, root, {"total_steps": 1}, groups)
+    after = [train_step(model, optimizer, s) for s in (1, 2)]
+    fresh, fresh_opt = build(seed=1)
+    loaded = load_local(fresh, fresh_opt, root, {"total_steps": 0}, replication_group())
+    assert loaded["total_steps"] == 1
+    resumed = [train_step(fresh, fresh_opt, s) for s in (1, 2)]
+    assert resumed == after, f"resumed {resumed} vs uninterrupted {after}"
+    return dist.get_rank()
+
+
+def test_local_checkpoint_at_context_parallelism_resumes_exactly(tmp_path):
+    """CP=2 x DP=2, hybrid_shard_degree 2: FSDP shards over the data x context ranks, so the
+    replication groups pair rank r with r + 2 (same half); each group shares one directory."""
+    harness.run(4, local_round_trip_at_context_parallelism, str(tmp_path))

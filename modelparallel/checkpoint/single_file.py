@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .. import runtime
-from . import commit, export_dtype, full, parts
+from . import async_full, commit, export_dtype, full, parts
 from .errors import cause, run_phase
 from .files import open_inside
 from . import layouts

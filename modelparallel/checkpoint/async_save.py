@@ -152,6 +152,7 @@ class Job:
     thread: threading.Thread | None = None
     error: BaseException | None = None
     hooks: list = field(default_factory=list)
+    result: Any = None
     held_s: float = 0.0
     """Seconds the steps held by this job waited for its staging (training time blocked)."""
 
@@ -225,7 +226,7 @@ class AsyncSaver:
     @staticmethod
     def _run(job: Job, fn: Callable[[], Any]) -> None:
         try:
-            fn()
+            job.result = fn()
         except BaseException as e:  # noqa: BLE001 - raised by wait() on this rank
             job.error = e
         finally:

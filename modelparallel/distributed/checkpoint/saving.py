@@ -143,6 +143,8 @@ class PlanCache:
     its final plan, and (on the coordinator) the metadata."""
 
     entries: dict = field(default_factory=dict)
+    hits: int = 0
+    """Saves that reused a plan."""
 
     @staticmethod
     def key(group: Group, writer: StorageWriter) -> tuple:
@@ -186,6 +188,7 @@ def _plan(state_dict, writer: StorageWriter, planner: SavePlanner, group: Group,
     reused = collective_outcome(group, error, "checkpoint save (planning)",
                                 payload=last is not None and last[0] == digest)
     if all(reused):
+        cache.hits += 1
         _, final, metadata = last
         return planner.finish_plan(final), copy.copy(metadata)
     plan, metadata = _global_plan(planner, writer, group, local)

@@ -97,6 +97,14 @@ def wait_for_checkpoints() -> None:
         rt.checkpoint_saver.wait()
 
 
+def wait_for_staging() -> None:
+    """Wait until the asynchronous save in flight has copied the live tensors (what a load into
+    the model or optimizer must wait for; not a collective, raises nothing)."""
+    rt = runtime.current() if runtime.is_initialized() else None
+    if rt is not None and rt.checkpoint_saver is not None:
+        rt.checkpoint_saver.wait_staged()
+
+
 def checkpoint_staging_bytes() -> int:
     """Host memory this rank holds for asynchronous saves (kept and reused between saves)."""
     rt = runtime.current() if runtime.is_initialized() else None

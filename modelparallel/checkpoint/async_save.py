@@ -223,6 +223,12 @@ class AsyncSaver:
             if self.job is not None:
                 self.job.staged.set()
 
+    def wait_staged(self) -> None:
+        """Wait until the save in flight no longer reads the live tensors (its background copy
+        is done); its errors are left for ``wait``. Not a collective."""
+        if self.job is not None:
+            self.job.hold()
+
     @staticmethod
     def _run(job: Job, fn: Callable[[], Any]) -> None:
         try:

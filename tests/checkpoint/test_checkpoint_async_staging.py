@@ -120,3 +120,29 @@ def synchronous_staging(path: str) -> dict:
 def test_synchronous_staging_copies_everything_in_the_call(tmp_path):
     for r in harness.run(2, synchronous_staging, str(tmp_path)):
         assert r == {"hooks": 0, "deferred": 0, "diff": []}, r
+
+
+def load_waits_for_staging(path: str) -> dict:
+    """``DistributedModel.load_state_dict`` / ``DistributedOptimizer.load_state_dict`` right after
+    a save wait for its background copy (released 0.3 s later): the save succeeds with the
+    values of the call, and the loads then take effect."""
+    model, optimizer = build()
+    other_model, other_opt = build(seed=3, init=False)
+    new_model, new_opt = other_model.state_dict(), other_opt.state_dict()
+    release = threading.Event()
+    _saver().stager.before_copy = release.wait
+    smp.save_checkpoint(path, "a", model=model, optimizer=optimizer, async_save=True)
+    want = snapshot(model, optimizer)
+    threading.Timer(0.3, release.set).start()
+    model.load_state_dict(new_model)
+    optimizer.load_state_dict(new_opt)
+    loaded = changed(snapshot(other_model, other_opt), snapshot(model, optimizer))
+    smp.wait_for_checkpoints()
+    fresh, fresh_opt = build(seed=5)
+    smp.resume_from_checkpoint(path)
+    return {"saved": changed(want, snapshot(fresh, fresh_opt)), "loaded": loaded}
+
+
+def test_our_loads_wait_for_background_staging(tmp_path):
+    for r in harness.run(2, load_waits_for_staging, str(tmp_path)):
+        assert r == {"saved": [], "loaded": []}, r

@@ -8,9 +8,10 @@ and forks a 2-rank job (TP=2, gloo) per trial, so a trial costs well under a sec
 A trial job resumes from ``newest`` (if any, checking the resumed state against what was saved),
 then twice: trains one AdamW step, writes the expected gathered state aside, saves with
 ``num_kept_partial_checkpoints=2`` (with ``--async``: ``async_save=True``, so the kills land in
-the background writer while training goes on; the job waits for its last save at the end). One rank dies by SIGKILL either at its n-th file-system
-event (mkdir, fsync, rename, replace, unlink, rmtree; n seeded and drawn over the events a
-calibration trial counted) or after a seeded random delay sent by the driver. The driver then
+the background writer while training goes on; the job waits for its last save at the end; with
+``--full``: full checkpoints, ``partial=False``, model weights only). One rank dies by SIGKILL
+either at its n-th file-system event (mkdir, fsync, rename, replace, unlink, rmtree; n seeded and
+drawn over the events a calibration trial counted) or after a seeded random delay sent by the driver. The driver then
 requires the other rank to exit within ``SURVIVOR_LIMIT_S`` and, without any process group,
 verifies every visible checkpoint's checksums and loads the newest with DCP, comparing every
 tensor with ``torch.equal``.

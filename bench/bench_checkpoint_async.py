@@ -8,15 +8,20 @@ Two ranks (TP=2, one thread each) hold a GPT-2 with AdamW state (``bench_checkpo
 * ``sync``: ``smp.save_checkpoint(partial=True)`` (fsync, checksums, commit); MB/s and its ratio
   to the disk limit;
 * ``dcp``: ``torch.distributed.checkpoint.save`` of the same state, fsynced as DCP does;
-* ``async``: ``save_checkpoint(..., async_save=True)``: the time training is blocked (the call),
-  then training steps while the background write runs (their time against steps without a save:
-  the slowdown), then ``wait_for_checkpoints`` (the time to commit after the call);
-* the staging bytes of the asynchronous saver and the peak RSS above the process's RSS before
-  the saves (VmHWM reset through ``/proc/self/clear_refs``).
+* ``async``: ``save_checkpoint(..., async_save=True)`` (background staging, the default): the
+  time training is blocked is the call plus what the first step after it waits in its step
+  pre-hook for the background copy (``hook_wait_s``, recorded by the save's ``Job``); then
+  training steps while the background write runs (their time against steps without a save: the
+  slowdown), then ``wait_for_checkpoints`` (the time to commit after the call);
+* ``async_sync_staging``: the same with ``async_staging=False`` (everything copied in the call);
+* the staging bytes of the asynchronous saver (copied in the call / left to the background) and
+  the peak RSS above the process's RSS before the saves (VmHWM reset through
+  ``/proc/self/clear_refs``).
 
-Times are the slowest rank's, medians over the repeats after a warm-up. Usage:
-``python bench/bench_checkpoint_async.py [--preset medium|small|tiny] [--repeats 3]``; writes
-``bench/results/checkpoint_async.json`` with the load average. Needs a quiet machine.
+Times are the slowest rank's; medians (and min / max: ``spread``) over the repeats after a
+warm-up. Usage: ``python bench/bench_checkpoint_async.py [--preset medium|small|tiny]
+[--repeats 3]``; writes ``bench/results/checkpoint_async.json`` with the load average before and
+after. Needs a quiet machine.
 """
 
 from __future__ import annotations
@@ -67,20 +72,31 @@ def _step(model, optimizer) -> None:
     optimizer.zero_grad()
 
 
-def _async_round(model, optimizer, work: Path, tag: str, steps: int) -> dict:
+def _async_round(model, optimizer, work: Path, tag: str, steps: int, background: bool) -> dict:
     import modelparallel as smp
+    from modelparallel import runtime
 
-    blocked = base._timed(lambda: smp.save_checkpoint(work / "async", tag, async_save=True,
-                                                      num_kept_partial_checkpoints=1))
+    call = base._timed(lambda: smp.save_checkpoint(work / "async", tag, async_save=True, async_staging=background,
+                                                   num_kept_partial_checkpoints=1))
+    saver = runtime.current().checkpoint_saver
+    job, copied, deferred = saver.job, saver.stager.copied_bytes, saver.stager.deferred_bytes
     start = time.perf_counter()
     during = []
     for _ in range(steps):
         t = time.perf_counter()
         _step(model, optimizer)
         during.append(time.perf_counter() - t)
+    hook_wait = job.held_s  # the first step's wait for staging: training time blocked too
     smp.wait_for_checkpoints()
-    committed = common.slowest([time.perf_counter() - start])[0] + blocked
-    return {"blocked_s": blocked, "committed_s": committed, "step_s_during": statistics.median(during)}
+    committed = common.slowest([time.perf_counter() - start])[0] + call
+    return {"call_s": call, "hook_wait_s": common.slowest([hook_wait])[0],
+            "blocked_s": common.slowest([call + hook_wait])[0], "committed_s": committed,
+            "step_s_during": statistics.median(during[1:] or during), "first_step_s": during[0],
+            "staged_in_call_bytes": copied, "staged_in_background_bytes": deferred}
+
+
+def _spread(values: list[float]) -> dict:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
 def worker(args) -> None:
@@ -92,7 +108,7 @@ def worker(args) -> None:
     model, optimizer = base._build(args.preset)
     work = Path(args.work)
     quiet = [base._timed(lambda: _step(model, optimizer)) for _ in range(3)]
-    rows: dict[str, list] = {"disk": [], "sync": [], "dcp": [], "async": []}
+    rows: dict[str, list] = {"disk": [], "sync": [], "dcp": [], "async": [], "async_sync_staging": []}
     rss_base = common.reset_peak()
     for r in range(-1, args.repeats):
         rows["sync"].append(base._timed(lambda: smp.save_checkpoint(work / "sync", f"r{r}",
@@ -102,19 +118,30 @@ def worker(args) -> None:
         rows["dcp"].append(base._timed(lambda: base._dcp_save(model, optimizer, work / f"dcp{r}")))
         if smp.rank() == 0:
             shutil.rmtree(work / f"dcp{r}")
-        rows["async"].append(_async_round(model, optimizer, work, f"r{r}", args.steps))
+        rows["async"].append(_async_round(model, optimizer, work, f"r{r}", args.steps, True))
+        rows["async_sync_staging"].append(_async_round(model, optimizer, work, f"s{r}", args.steps, False))
         if r < 0:
             rows = {k: [] for k in rows}
     peak = common.slowest([(common.status_mb("VmHWM") - rss_base) * 2**20])[0]
-    med = {k: statistics.median(v) for k, v in rows.items() if k != "async"}
+    med = {k: statistics.median(v) for k, v in rows.items() if not k.startswith("async")}
     asy = {k: statistics.median(x[k] for x in rows["async"]) for k in rows["async"][0]}
+    quiet_s = statistics.median(quiet)
+    spread = {f"{mode}.{k}": _spread([x[k] / (med["sync"] if k == "blocked_s" else 1) for x in rows[mode]])
+              for mode in ("async", "async_sync_staging") for k in ("blocked_s", "call_s", "hook_wait_s")}
+    spread.update({f"{mode}.step_slowdown": _spread([x["step_s_during"] / quiet_s for x in rows[mode]])
+                   for mode in ("async", "async_sync_staging")})
     result = {"preset": args.preset, "checkpoint_bytes": size, "steps_during_async": args.steps,
               "seconds": rows, "disk_mb_s": size / 1e6 / med["disk"], "sync_mb_s": size / 1e6 / med["sync"],
               "dcp_mb_s": size / 1e6 / med["dcp"], "sync_vs_disk": med["disk"] / med["sync"],
               "async_blocked_s": asy["blocked_s"], "async_blocked_vs_sync": asy["blocked_s"] / med["sync"],
-              "async_committed_s": asy["committed_s"], "step_s_quiet": statistics.median(quiet),
-              "step_s_during_async": asy["step_s_during"],
-              "step_slowdown_during_async": asy["step_s_during"] / statistics.median(quiet),
+              "async_call_s": asy["call_s"], "async_hook_wait_s": asy["hook_wait_s"],
+              "async_sync_staging_blocked_vs_sync": statistics.median(x["blocked_s"] for x in rows["async_sync_staging"])
+              / med["sync"],
+              "spread": spread, "spread_note": "blocked_s entries are fractions of the median sync save",
+              "async_committed_s": asy["committed_s"], "step_s_quiet": quiet_s,
+              "step_s_during_async": asy["step_s_during"], "step_slowdown_during_async": asy["step_s_during"] / quiet_s,
+              "staged_in_call_bytes": asy["staged_in_call_bytes"],
+              "staged_in_background_bytes": asy["staged_in_background_bytes"],
               "staging_bytes": smp.checkpoint_staging_bytes(), "peak_rss_above_baseline_bytes": peak}
     if smp.rank() == 0:
         common.report(result)
@@ -125,7 +152,7 @@ def worker(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=sorted(base.PRESETS), default="medium")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="measured rounds after a warm-up (>= 3 for a spread)")
     ap.add_argument("--steps", type=int, default=3, help="training steps run while each async save is written")
     ap.add_argument("--dir", default=None, help="where the checkpoints are written (default: the temp dir)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -135,6 +162,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    load_before = os.getloadavg()[0]
     work = Path(tempfile.mkdtemp(prefix="bench-ckpt-async-", dir=args.dir))
     try:
         argv = ["--worker", "--work", str(work), "--preset", args.preset, "--repeats", str(args.repeats),
@@ -142,15 +170,23 @@ def main() -> None:
         result = common.torchrun(__file__, 2, argv)[0]
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    result["load_average_after"] = os.getloadavg()[0]
+    result["load_average_before"], result["load_average_after"] = load_before, os.getloadavg()[0]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(f"{result['preset']}: {result['checkpoint_bytes'] / 1e9:.2f} GB per checkpoint; disk {result['disk_mb_s']:.0f} "
           f"MB/s; sync save {result['sync_mb_s']:.0f} MB/s ({result['sync_vs_disk']:.2f}x the disk), DCP "
           f"{result['dcp_mb_s']:.0f} MB/s; async: blocked {result['async_blocked_s']:.2f} s "
-          f"({100 * result['async_blocked_vs_sync']:.1f}% of a sync save), committed after "
+          f"({100 * result['async_blocked_vs_sync']:.1f}% of a sync save: call {result['async_call_s']:.3f} s + "
+          f"step hook {result['async_hook_wait_s']:.3f} s; spread {_pct(result['spread']['async.blocked_s'])}; "
+          f"staging in the call {100 * result['async_sync_staging_blocked_vs_sync']:.1f}%), committed after "
           f"{result['async_committed_s']:.2f} s, steps {result['step_slowdown_during_async']:.2f}x slower meanwhile; "
-          f"staging {result['staging_bytes'] / 1e6:.0f} MB; load average {result['load_average_after']:.1f}")
+          f"staging {result['staging_bytes'] / 1e6:.0f} MB ({result['staged_in_background_bytes'] / 1e6:.0f} MB in the "
+          f"background); load average {result['load_average_before']:.1f} before, "
+          f"{result['load_average_after']:.1f} after")
+
+
+def _pct(spread: dict) -> str:
+    return "/".join(f"{100 * spread[k]:.1f}" for k in ("min", "median", "max")) + "% (min/median/max)"
 
 
 if __name__ == "__main__":

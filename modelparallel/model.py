@@ -256,8 +256,12 @@ class DistributedModel(TensorParallelMethods, nn.Module):
         """Load a full state dict (any TP degree saved it) or this rank's local one.
 
         ``same_partition_load=True`` takes the fast path for a local state dict saved with the
-        same layout and raises if the layout differs.
+        same layout and raises if the layout differs. Waits for an asynchronous save still
+        copying the parameters first.
         """
+        from .checkpoint.api import wait_for_staging
+
+        wait_for_staging()
         self._mp_partition_now()
         return load_state_dict(self.module, state_dict, strict=strict, same_partition_load=same_partition_load)
 

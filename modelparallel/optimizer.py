@@ -230,7 +230,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Load what ``state_dict()`` or ``local_state_dict()`` returned, or ``smp.load`` of it at
         another TP degree (plain tensors become DTensors like their parameters); a plain torch
         optimizer state dict (no loss scaler entry) is also accepted and keeps the current scale.
-        Without saved fp32 masters, the masters are recreated from the model's weights (logged)."""
+        Without saved fp32 masters, the masters are recreated from the model's weights (logged).
+        Waits for an asynchronous save still copying the optimizer state first."""
+        from .checkpoint.api import wait_for_staging
+
+        wait_for_staging()
         optimizer_state.load_state_dict(self, state_dict)
         self._grads_ready = False
 

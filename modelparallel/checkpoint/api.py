@@ -25,7 +25,7 @@ from .pending import PendingResume
 def save_checkpoint(path: str | Path, tag: str, partial: bool = True, model=None, optimizer=None,
                     user_content: Any = None, translate_if_full: bool = True,
                     num_kept_partial_checkpoints: int | None = None, trust_user_content: bool = False,
-                    dtype=None, async_save: bool = False) -> None:
+                    dtype=None, async_save: bool = False, async_staging: bool = True) -> None:
     """Save a checkpoint (a collective: call it on every rank).
 
     Args:
@@ -47,11 +47,16 @@ def save_checkpoint(path: str | Path, tag: str, partial: bool = True, model=None
             then needs ``trust_user_content=True`` and runs whatever code the file names.
         dtype: full checkpoints only: export in ``torch.float32`` (a half-precision run's fp32
             master weights), ``torch.float16`` or ``torch.bfloat16``; None: the training dtype.
-        async_save: partial checkpoints only: return once this rank's state is copied to host
-            staging buffers; a background thread writes, fsyncs and commits it (see
-            ``async_save``). Its error is raised on every rank by the next save,
+        async_save: return once the state is captured; a background thread writes, fsyncs and
+            commits it (see ``async_save``). Its error is raised on every rank by the next save,
             ``wait_for_checkpoints()`` or ``resume_from_checkpoint``; at exit the library waits
-            for it.
+            for it. A full checkpoint gathers the model to rank 0 in the call (a collective),
+            then writes in the background.
+        async_staging: with ``async_save`` (partial): True (the default) copies the parameters
+            and optimizer slots to host memory in the background too, and the optimizer's next
+            ``step()`` waits until they are copied; a parameter changed in place another way
+            before then fails that save on every rank, naming it. False copies everything in
+            the call.
 
     Raises:
         ValueError: for bad arguments, before anything is written.
@@ -64,18 +69,18 @@ def save_checkpoint(path: str | Path, tag: str, partial: bool = True, model=None
     if partial and dtype is not None:
         raise ValueError("dtype= applies to full checkpoints (partial=False); a partial checkpoint keeps the "
                          "training dtype and the fp32 master weights")
-    if async_save and not partial:
-        raise ValueError("async_save=True applies to partial checkpoints; a full checkpoint is written synchronously")
+    if not isinstance(async_staging, bool):
+        raise ValueError(f"save_checkpoint: async_staging must be True or False, got {async_staging!r}")
     wait_for_checkpoints()  # at most one save in flight; its error surfaces here
+    saver = _saver() if async_save else None
     if partial:
-        saver = _saver() if async_save else None
         partial_ckpt.save(Path(path), tag, model, optimizer, user_content, num_kept_partial_checkpoints,
-                          trust_user_content, saver)
+                          trust_user_content, saver, async_staging)
     elif single_file.is_file_tag(tag):
-        single_file.save(Path(path), tag, model, user_content, translate_if_full, trust_user_content, dtype)
+        single_file.save(Path(path), tag, model, user_content, translate_if_full, trust_user_content, dtype, saver)
     else:
         full.save(Path(path), tag, model, user_content, translate_if_full, trust_user_content=trust_user_content,
-                  dtype=dtype)
+                  dtype=dtype, saver=saver)
 
 
 def _saver() -> AsyncSaver:
@@ -91,6 +96,14 @@ def wait_for_checkpoints() -> None:
     rt = runtime.current() if runtime.is_initialized() else None
     if rt is not None and rt.checkpoint_saver is not None:
         rt.checkpoint_saver.wait()
+
+
+def wait_for_staging() -> None:
+    """Wait until the asynchronous save in flight has copied the live tensors (what a load into
+    the model or optimizer must wait for; not a collective, raises nothing)."""
+    rt = runtime.current() if runtime.is_initialized() else None
+    if rt is not None and rt.checkpoint_saver is not None:
+        rt.checkpoint_saver.wait_staged()
 
 
 def checkpoint_staging_bytes() -> int:

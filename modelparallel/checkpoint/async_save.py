@@ -1,21 +1,30 @@
 """Checkpoints that do not stop training: stage to host memory, write in the background.
 
-``smp.save_checkpoint(..., async_save=True)`` returns once this rank's state is copied into
-host staging buffers (``Stager``: one buffer per tensor, reused by the next save when shapes and
-dtypes match, pinned when a GPU is present); a background thread (``AsyncSaver``) then runs the
-save's write, checksum and commit phases exactly as a synchronous save does, so every guarantee
-holds: the checkpoint becomes ``newest`` only when every rank's part is durable, a crash at any
-moment leaves the previous newest intact, an error on any rank is an error on every rank.
+``smp.save_checkpoint(..., async_save=True)`` copies this rank's state into host staging
+buffers (``Stager``: one buffer per tensor, reused by the next save when shapes and dtypes
+match, pinned when a GPU is present); a background thread (``AsyncSaver``) then runs the save's
+write, checksum and commit phases exactly as a synchronous save does, so every guarantee holds:
+the checkpoint becomes ``newest`` only when every rank's part is durable, a crash at any moment
+leaves the previous newest intact, an error on any rank is an error on every rank.
+
+Staging itself can run in the background too (``defer``): the tensors only an optimizer step
+changes (parameters, optimizer slots, fp32 masters) are copied by the background thread before
+it writes, while the call copies at once what a forward can change (buffers, the loss scaler,
+step counters, anything else). The call registers a step pre-hook on the optimizers the save
+covers that waits until staging is done, so the step after a save cannot change a tensor not
+yet copied. Anything else that changes a deferred tensor in place is caught: each tensor's
+version counter is recorded at the call and compared after its copy and once more when all
+copies are done; a changed tensor fails that save on every rank, naming it.
 
 The background phases are collectives. They run on their own gloo process group, created at the
 first asynchronous save by every rank (so never interleaved with the training's collectives on
 the default group). At most one save is in flight per job: the next save (synchronous or not),
 ``wait()`` and the interpreter's exit wait for it first, and raise its error, if it failed, on
-every rank. Values are captured when ``save_checkpoint`` is called: training may change the
-model at once.
+every rank.
 
-``AsyncSaver`` and ``Stager`` know nothing of partial checkpoints: they run any collective
-callable on a staged state, so another checkpoint surface can reuse them.
+``AsyncSaver`` and ``Stager`` know nothing of partial checkpoints: they run any callable on a
+staged state, so the other checkpoint surfaces (full checkpoints, ``distributed.checkpoint``)
+reuse them.
 """
 
 from __future__ import annotations
@@ -24,7 +33,9 @@ import atexit
 import copy
 import logging
 import threading
+import time
 import weakref
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -36,40 +47,132 @@ from ..tp.layout import from_local_like
 logger = logging.getLogger("modelparallel")
 
 
+class StagedTensorChanged(RuntimeError):
+    """A tensor staged in the background was changed in place before its copy was complete."""
+
+
+@dataclass
+class _Deferred:
+    """A copy left to the background: the live tensor (a DTensor's local shard in ``local``),
+    its staging buffer, and the version counters seen at the call."""
+
+    name: str
+    source: torch.Tensor
+    local: torch.Tensor
+    buffer: torch.Tensor
+    versions: tuple[int, int] = (0, 0)
+
+    def changed(self) -> bool:
+        return (self.source._version, self.local._version) != self.versions
+
+
 class Stager:
     """Host copies of a nested state (dicts, lists, tensors, DTensors, plain values), in buffers
     kept between saves: the same tensors at the same shapes are copied into the same memory."""
 
     def __init__(self):
         self.buffers: dict[tuple, torch.Tensor] = {}
+        self.deferred: list[_Deferred] = []
+        self.before_copy: Callable[[], None] | None = None
+        """Called by ``copy_deferred`` before its first copy (tests pause staging with it)."""
+        self.copied_bytes = self.deferred_bytes = 0
+        """Bytes the last ``stage`` copied in the call / left to ``copy_deferred``."""
 
     @property
     def nbytes(self) -> int:
         """Bytes of staging memory held on this rank."""
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
-    def _buffer(self, path: tuple, t: torch.Tensor) -> torch.Tensor:
-        buf = self.buffers.get(path)
+    def buffer(self, key: tuple, t: torch.Tensor) -> torch.Tensor:
+        """The buffer kept under ``key`` for a tensor like ``t`` (a new one if none fits)."""
+        buf = self.buffers.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
             buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=torch.cuda.is_available())
-            self.buffers[path] = buf
-        buf.copy_(t.detach(), non_blocking=False)
+            self.buffers[key] = buf
         return buf
 
-    def stage(self, state: Any, path: tuple = ()) -> Any:
+    def _copy(self, path: tuple, t: torch.Tensor, source: torch.Tensor, defer) -> torch.Tensor:
+        buf = self.buffer(path, t)
+        if defer is not None and defer(t):
+            name = ".".join(map(str, path))
+            self.deferred.append(_Deferred(name, source, t, buf, (source._version, t._version)))
+            self.deferred_bytes += buf.numel() * buf.element_size()
+        else:
+            buf.copy_(t.detach())
+            self.copied_bytes += buf.numel() * buf.element_size()
+        return buf
+
+    def stage(self, state: Any, defer: Callable[[torch.Tensor], bool] | None = None, path: tuple = ()) -> Any:
         """A copy of ``state`` whose tensors live in this stager's buffers (DTensors keep their
-        mesh, placements and global shape around a host copy of their shard)."""
+        mesh, placements and global shape around a host copy of their shard). Tensors whose
+        local part ``defer`` accepts are only recorded: ``copy_deferred`` fills them."""
+        if not path:
+            self.copied_bytes = self.deferred_bytes = 0
         if isinstance(state, DTensor):
-            return from_local_like(self._buffer(path, state.to_local()), state)
+            return from_local_like(self._copy(path, state.to_local(), state, defer), state)
         if isinstance(state, torch.Tensor):
-            return self._buffer(path, state)
+            return self._copy(path, state, state, defer)
         if isinstance(state, dict):
             out = copy.copy(state)  # keeps the type (OrderedDict, defaultdict)
-            out.update((k, self.stage(v, (*path, k))) for k, v in state.items())
+            out.update((k, self.stage(v, defer, (*path, k))) for k, v in state.items())
             return out
         if isinstance(state, (list, tuple)):
-            return type(state)(self.stage(v, (*path, i)) for i, v in enumerate(state))
+            return type(state)(self.stage(v, defer, (*path, i)) for i, v in enumerate(state))
         return copy.deepcopy(state)
+
+    def copy_deferred(self) -> None:
+        """Fill the deferred buffers; raise ``StagedTensorChanged`` naming every tensor changed
+        in place since ``stage`` (checked after its copy, and again after the last copy, which
+        catches a change that overlapped a copy)."""
+        pending, self.deferred = self.deferred, []
+        if self.before_copy is not None and pending:
+            self.before_copy()
+        changed = []
+        with torch.no_grad():
+            for d in pending:
+                d.buffer.copy_(d.local.detach())
+                if d.changed():
+                    changed.append(d.name)
+        changed += [d.name for d in pending if d.changed() and d.name not in changed]
+        if changed:
+            raise StagedTensorChanged(
+                f"{len(changed)} tensor(s) changed in place after save_checkpoint(async_save=True) returned and "
+                f"before they were staged: {', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''}. This save "
+                "is abandoned (the previous newest checkpoint is intact). Change parameters only in the "
+                "optimizer's step (which waits for staging), call smp.wait_for_checkpoints() first, or save "
+                "with async_staging=False")
+
+
+@dataclass
+class Job:
+    """One background save: its thread, its error, and the event that says staging is done."""
+
+    tag: str
+    staged: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+    hooks: list = field(default_factory=list)
+    result: Any = None
+    held_s: float = 0.0
+    """Seconds the steps held by this job waited for its staging (training time blocked)."""
+
+    def hold(self, *_) -> None:
+        """A step pre-hook: wait until staging is done."""
+        if not self.staged.is_set():
+            start = time.perf_counter()
+            self.staged.wait()
+            self.held_s += time.perf_counter() - start
+
+    def done(self) -> bool:
+        return self.thread is None or not self.thread.is_alive()
+
+    def join(self) -> None:
+        """Wait for the thread, and drop the step hooks (safe here: no step is running)."""
+        if self.thread is not None:
+            self.thread.join()
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks.clear()
 
 
 class AsyncSaver:
@@ -79,10 +182,12 @@ class AsyncSaver:
     def __init__(self):
         self.stager = Stager()
         self.group: dist.ProcessGroup | None = None
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self.tag: str | None = None
+        self.job: Job | None = None
         self._registered = False
+
+    @property
+    def tag(self) -> str | None:
+        return self.job.tag if self.job is not None else None
 
     def process_group(self) -> dist.ProcessGroup | None:
         """The background group (a collective the first time: call it on every rank)."""
@@ -92,32 +197,55 @@ class AsyncSaver:
 
     @property
     def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self.job is not None and not self.job.done()
 
-    def submit(self, tag: str, fn: Callable[[], Any]) -> None:
-        """Run ``fn`` (the save's collective phases on ``self.group``) in the background, after
-        the save in flight (if any) finished."""
-        self.wait()
-        self.tag = tag
-        self._thread = threading.Thread(target=self._run, args=(fn,), name=f"modelparallel-save-{tag}", daemon=True)
-        self._thread.start()
-        if not self._registered:
+    def submit(self, tag: str, fn: Callable[[], Any], hold: tuple = (), at_exit: bool = True) -> Job:
+        """Run ``fn`` in the background, after the save in flight (if any) finished (its error
+        stays with its ``Job``). ``hold``: optimizers whose ``step`` waits until ``staging_done``
+        is called from ``fn`` (or ``fn`` ends). ``at_exit``: the interpreter's exit waits for
+        it and logs its error."""
+        if self.job is not None:
+            self.job.join()
+        job = self.job = Job(tag)
+        job.hooks = [opt.register_step_pre_hook(job.hold) for opt in hold]
+        job.thread = threading.Thread(target=self._run, args=(job, fn), name=f"modelparallel-save-{tag}", daemon=True)
+        job.thread.start()
+        if at_exit and not self._registered:
             atexit.register(_finish_at_exit, weakref.ref(self))
             self._registered = True
+        return job
 
-    def _run(self, fn: Callable[[], Any]) -> None:
+    def stage_deferred(self) -> None:
+        """In the background thread: fill the deferred buffers, then release the steps held."""
         try:
-            fn()
+            self.stager.copy_deferred()
+        finally:
+            if self.job is not None:
+                self.job.staged.set()
+
+    def wait_staged(self) -> None:
+        """Wait until the save in flight no longer reads the live tensors (its background copy
+        is done); its errors are left for ``wait``. Not a collective."""
+        if self.job is not None:
+            self.job.hold()
+
+    @staticmethod
+    def _run(job: Job, fn: Callable[[], Any]) -> None:
+        try:
+            job.result = fn()
         except BaseException as e:  # noqa: BLE001 - raised by wait() on this rank
-            self._error = e
+            job.error = e
+        finally:
+            job.staged.set()
 
     def wait(self) -> None:
         """Wait for the save in flight; raise its error (every rank's background save raises the
         same ``CheckpointError``, so every rank raises it here)."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        error, self._error = self._error, None
+        job = self.job
+        if job is None:
+            return
+        job.join()
+        error, job.error = job.error, None
         if error is not None:
             raise error
 
@@ -126,7 +254,7 @@ def _finish_at_exit(ref) -> None:
     """At interpreter exit: wait for the save in flight, or say which checkpoint is not
     committed."""
     saver = ref()
-    if saver is None or saver._thread is None:
+    if saver is None or saver.job is None or saver.job.thread is None:
         return
     tag = saver.tag
     try:

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import runtime
 from ..tp.layout import block_slices, local_block
-from . import commit, export_dtype, layouts, parts
+from . import async_full, commit, export_dtype, layouts, parts
 from .errors import run_phase
 from .files import CheckpointFiles, read_verified
 from .layouts import Items
@@ -156,10 +156,12 @@ def _config_copy(model, dtype: torch.dtype | None = None):
 
 def save(path: Path, tag: str, model, user_content: Any, translate_if_full: bool,
          max_shard_bytes: int | None = None, trust_user_content: bool = False,
-         dtype: torch.dtype | None = None) -> Path:
+         dtype: torch.dtype | None = None, saver=None) -> Path:
     """Write ``path/{tag}/`` and ``path/user_content_{tag}`` (a collective), in ``dtype`` (None:
     the parameters' own; see ``export_dtype``). Rank 0 holds the directory's writer lock
-    throughout (see ``commit.DirectoryLock``)."""
+    throughout (see ``commit.DirectoryLock``). With an ``async_save.AsyncSaver``, the tensors
+    are gathered to rank 0's memory here (``async_full.Collected``) and written, fsynced and committed by
+    its background thread on its own process group."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     layout, translate = layouts.for_save(model.module, translate_if_full)
     prefix = HF_PREFIX if layout == layouts.HF else PLAIN_PREFIX
@@ -178,26 +180,42 @@ def save(path: Path, tag: str, model, user_content: Any, translate_if_full: bool
         return staged
 
     staging = path / run_phase("full save (prepare)", prepare)[0]
+    about = (_config_copy(model, dtype), describe(model, None))
+
+    def write(items, error):
+        writer = ShardWriter(staging, found["shards"], {"modelparallel_format": layout})
+        for key, t in items:
+            writer.write(key, t)
+        _finish(path, staging, tag, about, writer, prefix, found.get("content"), trust_user_content, layout, error)
+
     try:
-        writer = ShardWriter(staging, found["shards"], {"modelparallel_format": layout}) if rank == 0 else None
-        error = stream(state, translate, writer, entries)
-        run_phase("full save (write)", lambda: _finish(path, staging, tag, model, writer, prefix, found.get("content"),
-                                                      trust_user_content, layout, error, dtype) if rank == 0 else None)
+        if saver is None:
+            writer = ShardWriter(staging, found["shards"], {"modelparallel_format": layout}) if rank == 0 else None
+            error = stream(state, translate, writer, entries)
+            run_phase("full save (write)", lambda: _finish(path, staging, tag, about, writer, prefix,
+                                                          found.get("content"), trust_user_content, layout, error)
+                      if rank == 0 else None)
+            return path / tag
+        collected = async_full.Collected(state) if rank == 0 else None
+        error = stream(state, translate, collected, entries)
+        run_phase("full save (gather)", lambda: async_full.raise_error(error))
     except Exception:
         if rank == 0:
             commit.clean_leftovers(path)
         raise
+    async_full.in_background(saver, tag, path, lambda: write(async_full.drain(collected.items), None) if rank == 0 else None)
     return path / tag
 
 
-def _finish(path: Path, staging: Path, tag: str, model, writer: ShardWriter, prefix: str, content: bytes,
-            trusted: bool, layout: str, error: Exception | None, dtype: torch.dtype | None = None) -> None:
-    """Rank 0: close the shards, write config, user content and manifest, commit, point newest."""
+def _finish(path: Path, staging: Path, tag: str, about: tuple, writer: ShardWriter, prefix: str, content: bytes,
+            trusted: bool, layout: str, error: Exception | None) -> None:
+    """Rank 0: close the shards, write config, user content and manifest, commit, point newest.
+    ``about``: (``_config_copy``, ``describe``) of the model, taken at the call."""
     if error is not None:
         raise error
     weights = writer.close(prefix)
     sums = writer.checksums()  # computed while writing (and fsynced): the weights are not re-read
-    config = _config_copy(model, dtype)
+    config, described = about
     if config is not None:
         config.save_pretrained(staging)
     content_name = f"user_content_{tag}"
@@ -208,7 +226,7 @@ def _finish(path: Path, staging: Path, tag: str, model, writer: ShardWriter, pre
                 "files": {f: sums[f] if f in sums else commit.file_checksum(staging / f, fsync=True)
                           for f in commit.data_files(staging)},
                 "user_content": {"file": content_name, **commit.file_checksum(content_tmp)},
-                "user_content_trusted": trusted, "saved_at_ns": time.time_ns(), **describe(model, None)}
+                "user_content_trusted": trusted, "saved_at_ns": time.time_ns(), **described}
     commit.write_manifest(staging, manifest)
     commit.commit_dir(staging, path / tag)
     commit.check_committed(path / tag, manifest)

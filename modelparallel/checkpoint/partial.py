@@ -12,12 +12,13 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from .. import runtime
+from ..tp.layout import local_part
 from . import commit, model_config, optim_part, parts
 from .errors import run_phase
 from .parts import CONTIGUOUS
@@ -49,7 +50,7 @@ def describe(model, optimizer) -> dict[str, Any]:
 
 
 def save(path: Path, tag: str, model, optimizer, user_content: Any, keep: int | None,
-         trust_user_content: bool = False, saver=None) -> Path:
+         trust_user_content: bool = False, saver=None, background_staging: bool = True) -> Path:
     """Write ``path/{tag}_partial`` (a collective). Returns the committed directory (with a
     ``saver``: the directory it will be committed as, once the background save finishes).
 
@@ -58,7 +59,9 @@ def save(path: Path, tag: str, model, optimizer, user_content: Any, keep: int | 
     Retention runs after the commit; a checkpoint it cannot delete is logged, not raised: the
     save itself succeeded. With an ``async_save.AsyncSaver``, the states are copied into its
     staging buffers here and the write, checksum and commit phases run in its background thread
-    on its own process group."""
+    on its own process group; with ``background_staging``, the tensors only the optimizer's step
+    changes are copied by that thread (``async_save.Stager.stage``'s ``defer``), and the
+    optimizer's step waits for it."""
     rank, world = _rank_world()
     name = f"{tag}_partial"
     states: dict[str, Any] = {}
@@ -85,14 +88,29 @@ def save(path: Path, tag: str, model, optimizer, user_content: Any, keep: int | 
         phases.run(states)
         return path / name
     group = saver.process_group()
+    defer = step_only(optimizer) if background_staging and optimizer is not None else None
     found: dict[str, Any] = {}
     try:
-        run_phase("save (stage)", lambda: found.update(states=saver.stager.stage(states)))
+        run_phase("save (stage)", lambda: found.update(states=saver.stager.stage(states, defer)))
     except Exception:
+        saver.stager.deferred.clear()
         phases.discard()
         raise
-    saver.submit(tag, lambda: phases.run(found.pop("states"), group))
+    before = saver.stage_deferred if defer is not None else None
+    saver.submit(tag, lambda: phases.run(found.pop("states"), group, before),
+                 hold=(optimizer.optimizer,) if defer is not None else ())
     return path / name
+
+
+def step_only(optimizer) -> Callable[[torch.Tensor], bool]:
+    """Which local tensors only ``optimizer``'s step changes (its parameters, slots and fp32
+    masters): those may be staged in the background while the step waits for it. Scalars
+    (step counters) are not: they are copied at once."""
+    tensors = [p for group in optimizer.optimizer.param_groups for p in group["params"]]
+    tensors += [v for slots in optimizer.optimizer.state.values() for v in slots.values() if isinstance(v, torch.Tensor)]
+    tensors += [m for _, m in optimizer.master_weights.pairs]
+    ptrs = {local_part(t).data_ptr() for t in tensors if t.dim() > 0 and t.numel() > 0}
+    return lambda t: t.dim() > 0 and t.numel() > 0 and t.data_ptr() in ptrs
 
 
 class _Phases:
@@ -107,9 +125,12 @@ class _Phases:
         if _rank_world()[0] == 0:
             shutil.rmtree(self.staging, ignore_errors=True)
 
-    def run(self, states: dict, group=None) -> None:
+    def run(self, states: dict, group=None, stage: Callable[[], None] | None = None) -> None:
+        """``stage``: the background part of staging, run (and agreed on) first."""
         rank, world = _rank_world()
         try:
+            if stage is not None:
+                run_phase("save (stage)", stage, group)
             known: dict[str, dict] = {}
             written = run_phase("save (write)", lambda: _write(states, self.staging, self.content, rank, known, group),
                                 group)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .. import runtime
-from . import commit, export_dtype, full, parts
+from . import async_full, commit, export_dtype, full, parts
 from .errors import cause, run_phase
 from .files import open_inside
 from . import layouts
@@ -124,12 +124,13 @@ def is_file_tag(tag) -> bool:
 
 
 def save(path: Path, tag: str, model, user_content: Any, translate_if_full: bool, trusted: bool = False,
-         dtype: torch.dtype | None = None) -> Path:
+         dtype: torch.dtype | None = None, saver=None) -> Path:
     """SageMaker's single-file full checkpoint (a collective): ``path/tag``, a ``torch.save``d
     state dict (Hugging Face keys for a built-in architecture, else the unsharded module's), and
     ``path/user_content_{tag}``. Tensors are streamed to rank 0 like a directory export, but the
     format holds them in one pickle, so rank 0 holds the whole model once. Written to a temporary
-    file, fsynced, renamed; ``newest`` last."""
+    file, fsynced, renamed; ``newest`` last. With an ``async_save.AsyncSaver`` the writing runs in
+    its background thread (as ``full.save``'s)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     layout, translate = layouts.for_save(model.module, translate_if_full)
     state = export_dtype.export_state(model, dtype)
@@ -143,6 +144,12 @@ def save(path: Path, tag: str, model, user_content: Any, translate_if_full: bool
             commit.clean_leftovers(path)
 
     run_phase("full save (prepare)", prepare)
+    if saver is not None:
+        held = async_full.Collected(state) if rank == 0 else None
+        run_phase("full save (gather)", lambda: async_full.raise_error(full.stream(state, translate, held)))
+        async_full.in_background(saver, tag, path, lambda: _commit(path, tag, _Collector(dict(held.items)),
+                                                               found["content"], None) if rank == 0 else None)
+        return path / tag
     collected = _Collector() if rank == 0 else None
     error = full.stream(state, translate, collected)
     run_phase("full save (write)", lambda: _commit(path, tag, collected, found.get("content"), error)
@@ -153,8 +160,8 @@ def save(path: Path, tag: str, model, user_content: Any, translate_if_full: bool
 class _Collector:
     """What ``full.stream`` writes into on rank 0: the state dict to save."""
 
-    def __init__(self):
-        self.tensors: dict[str, torch.Tensor] = {}
+    def __init__(self, tensors: dict[str, torch.Tensor] | None = None):
+        self.tensors: dict[str, torch.Tensor] = tensors or {}
 
     def write(self, key: str, tensor: torch.Tensor) -> None:
         self.tensors[key] = tensor.detach().cpu().contiguous()

@@ -8,9 +8,10 @@ and forks a 2-rank job (TP=2, gloo) per trial, so a trial costs well under a sec
 A trial job resumes from ``newest`` (if any, checking the resumed state against what was saved),
 then twice: trains one AdamW step, writes the expected gathered state aside, saves with
 ``num_kept_partial_checkpoints=2`` (with ``--async``: ``async_save=True``, so the kills land in
-the background writer while training goes on; the job waits for its last save at the end). One rank dies by SIGKILL either at its n-th file-system
-event (mkdir, fsync, rename, replace, unlink, rmtree; n seeded and drawn over the events a
-calibration trial counted) or after a seeded random delay sent by the driver. The driver then
+the background writer while training goes on; the job waits for its last save at the end; with
+``--full``: full checkpoints, ``partial=False``, model weights only). One rank dies by SIGKILL
+either at its n-th file-system event (mkdir, fsync, rename, replace, unlink, rmtree; n seeded and
+drawn over the events a calibration trial counted) or after a seeded random delay sent by the driver. The driver then
 requires the other rank to exit within ``SURVIVOR_LIMIT_S`` and, without any process group,
 verifies every visible checkpoint's checksums and loads the newest with DCP, comparing every
 tensor with ``torch.equal``.
@@ -37,6 +38,8 @@ SURVIVOR_LIMIT_S = 45.0
 SAVES_PER_TRIAL = 2
 ASYNC_ENV = "MODELPARALLEL_KILL_ASYNC"
 """Set to 1 (``--async``): the trials save asynchronously, so kills land in the background writer."""
+FULL_ENV = "MODELPARALLEL_KILL_FULL"
+"""Set to 1 (``--full``): the trials save full checkpoints (``partial=False``), model weights only."""
 EVENTS = ((os, "fsync"), (os, "replace"), (os, "rename"), (os, "mkdir"), (os, "unlink"), (shutil, "rmtree"))
 
 
@@ -87,10 +90,13 @@ def _job(rank: int, root: Path, trial: int, kill_at: int, store: str) -> None:
     model = smp.DistributedModel(GPT2LMHeadModel(config))
     optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
     ckpt = root / "ckpt"
+    full = os.environ.get(FULL_ENV) == "1"
     if commit.read_newest(ckpt) is not None:
-        tag = smp.resume_from_checkpoint(ckpt)
+        tag = smp.resume_from_checkpoint(ckpt, partial=not full)
         expected = torch.load(root / "expected" / f"{tag}.pt")
         got = _gathered(model, optimizer)
+        if full:  # a full checkpoint holds the model's weights only
+            expected, got = ({k: v for k, v in d.items() if k.startswith("model/")} for d in (expected, got))
         bad = [k for k in expected if not torch.equal(expected[k], got[k])]
         assert not bad and got.keys() == expected.keys(), f"resumed {tag}: differs in {bad[:5]}"
     counter = [0]
@@ -105,7 +111,8 @@ def _job(rank: int, root: Path, trial: int, kill_at: int, store: str) -> None:
         if rank == 0:
             commit.write_file_atomic(root / "expected" / f"{tag}.pt", _to_bytes(state))
         smp.barrier()
-        smp.save_checkpoint(ckpt, tag, user_content=tag, num_kept_partial_checkpoints=2,
+        smp.save_checkpoint(ckpt, tag, user_content=tag, partial=not full,
+                            num_kept_partial_checkpoints=None if full else 2,
                             async_save=os.environ.get(ASYNC_ENV) == "1")
     smp.wait_for_checkpoints()
     (root / f"events.{rank}").write_text(str(counter[0]))
@@ -185,7 +192,8 @@ def _verify(root: Path) -> str | None:
     from modelparallel.checkpoint import commit
 
     ckpt = root / "ckpt"
-    for _, name in commit.saved_checkpoints(ckpt) if ckpt.is_dir() else []:
+    full = os.environ.get(FULL_ENV) == "1"
+    for _, name in commit.saved_checkpoints(ckpt, "" if full else "_partial") if ckpt.is_dir() else []:
         manifest = commit.read_manifest(ckpt / name)
         for rel, entry in manifest["files"].items():
             if (problem := commit.verify_file(ckpt / name, rel, entry)):
@@ -194,9 +202,12 @@ def _verify(root: Path) -> str | None:
     if newest is None:
         return None
     tag = newest.removesuffix("_partial")
-    expected = torch.load(root / "expected" / f"{tag}.pt")
-    got = {}
-    for part in ("model", "optimizer"):
+    expected, got = torch.load(root / "expected" / f"{tag}.pt"), {}
+    if full:
+        from kill_full import model_only, read_weights
+
+        expected, got = model_only(expected), read_weights(ckpt / newest)
+    for part in () if full else ("model", "optimizer"):
         reader = dcp.FileSystemReader(ckpt / newest / part)
         meta = reader.read_metadata().state_dict_metadata
         sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
@@ -293,11 +304,14 @@ def main(argv=None) -> int:
     p.add_argument("--trials", type=int, default=20)
     p.add_argument("--async", dest="asynchronous", action="store_true",
                    help="save with async_save=True (kills land in the background writer)")
+    p.add_argument("--full", action="store_true", help="save full checkpoints (partial=False)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write the trial records here")
     args = p.parse_args(argv)
     if args.asynchronous:
         os.environ[ASYNC_ENV] = "1"  # read by every forked job
+    if args.full:
+        os.environ[FULL_ENV] = "1"
     records = run_series(args.dir, args.trials, args.seed)
     failed = [r for r in records if not r["ok"]]
     killed = [r for r in records if r["mode"] != "none"]

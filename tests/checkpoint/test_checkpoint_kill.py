@@ -1,5 +1,5 @@
 """SIGKILL of one rank at seeded random points of checkpoint saves and retention (20 trials),
-synchronous and asynchronous.
+synchronous and asynchronous (partial checkpoints, and full ones saved asynchronously).
 
 A failure means a killed save left something visible that is not a complete checkpoint, the
 newest visible checkpoint no longer loads bit-exactly, a resumed job did not get back what was
@@ -19,14 +19,16 @@ import pytest
 TRIALS = 20
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "async-full"])
 def test_kill_a_rank_during_save_and_retention_leaves_newest_loadable(tmp_path, mode):
-    """``async``: the saves are asynchronous, so the kills land in the background writer."""
+    """``async``: the saves are asynchronous, so the kills land in the background writer;
+    ``async-full``: asynchronous full checkpoints (rank 0's background write)."""
     script = Path(__file__).with_name("checkpoint_kill.py")
     out = tmp_path / "summary.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, str(script), str(tmp_path / "work"), "--trials", str(TRIALS),
-                           "--seed", "0", "--json", str(out)] + (["--async"] if mode == "async" else []), env=env,
+                           "--seed", "0", "--json", str(out)] + (["--async"] if mode.startswith("async") else [])
+                          + (["--full"] if mode.endswith("full") else []), env=env,
                           capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     summary = json.loads(out.read_text())

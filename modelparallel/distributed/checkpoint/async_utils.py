@@ -2,7 +2,8 @@
 (SageMaker v2's ``torch.sagemaker.distributed.checkpoint.async_utils``).
 
 ``async_save(..., queue=q)`` returns once the save is planned and its tensors are copied to host
-memory; one background thread per queue writes the files, one save after another. A save is
+memory; the queue's ``AsyncSaver`` (the checkpoint package's background writer) writes the files
+in its thread, one save after another, into host buffers its ``Stager`` reuses. A save is
 *finalized* by ``q.maybe_finalize_async_calls(...)``, a collective over the group that saved it:
 every rank's files are written, then the coordinator writes the checkpoint's ``.metadata`` (until
 then the directory does not load). ``blocking=True`` waits for every pending save;
@@ -18,11 +19,11 @@ import atexit
 import logging
 import weakref
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
 
+from ...checkpoint.async_save import AsyncSaver
 from . import saving
 
 logger = logging.getLogger("modelparallel")
@@ -36,18 +37,23 @@ class AsyncCallsQueue:
     def __init__(self):
         self._pending: deque[tuple[int, saving.PendingSave]] = deque()
         self._next_index = 0
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="modelparallel-ckpt-writer")
-        self.buffers: dict = {}
-        """Host buffers of the last save, by DCP write item, reused when the next one matches."""
+        self.saver = AsyncSaver()
+        """The background writer; its ``stager`` keeps the host buffers, by DCP write item."""
+        self.plans = saving.PlanCache()
         _LIVE.add(self)
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host memory this queue holds for staging (kept and reused between saves)."""
+        return self.saver.stager.nbytes
 
     def schedule(self, state_dict, writer, planner, group: saving.Group, extra_files=None) -> int:
         """Plan and stage a save (collectives over ``group``) and queue its writing; returns its
         index. A save still writing from an earlier call is waited for first (its buffers are
-        about to be reused)."""
-        for _, pending in self._pending:
-            pending.future.exception()  # wait; its errors are raised when it is finalized
-        pending = saving.start(state_dict, writer, planner, group, self.buffers, self._executor)
+        about to be reused; its errors are raised when it is finalized)."""
+        if self.saver.job is not None:
+            self.saver.job.join()
+        pending = saving.start(state_dict, writer, planner, group, self.saver, self.plans)
         pending.extra_files.update(extra_files or {})
         index = self._next_index
         self._next_index += 1
@@ -56,7 +62,7 @@ class AsyncCallsQueue:
 
     def _all_done(self, pending: saving.PendingSave) -> bool:
         """Whether every rank of the save's group finished writing (a collective)."""
-        done = torch.tensor([1 if pending.future.done() else 0], dtype=torch.int32)
+        done = torch.tensor([1 if pending.job.done() else 0], dtype=torch.int32)
         dist.all_reduce(done, op=dist.ReduceOp.MIN, group=pending.group.pg)
         return bool(done.item())
 
@@ -91,8 +97,9 @@ class AsyncCallsQueue:
         return [p.path for _, p in self._pending]
 
     def close(self) -> None:
-        """Stop the writer thread (after the queued writes)."""
-        self._executor.shutdown(wait=True)
+        """Wait for the write in flight (its error stays for finalizing)."""
+        if self.saver.job is not None:
+            self.saver.job.join()
 
 
 @atexit.register

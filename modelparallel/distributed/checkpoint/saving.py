@@ -9,7 +9,18 @@ interleave differently on different ranks. So ``start`` runs the planning collec
 caller's thread, snapshots every tensor the plan writes into host buffers (later training steps
 cannot change what is saved), and hands only the file writing to a background thread;
 ``finish`` (a collective over the same group, again in the caller's thread) waits for it and lets
-the coordinator write the metadata. A failure on any rank, in any step, is raised on every rank.
+the coordinator write the metadata. A failure on any rank, in any step, is raised on every rank
+(a staging failure by ``finish``: it fails that rank's write).
+
+The background writing and the host buffers are the checkpoint package's own
+(``checkpoint.async_save``: one ``AsyncSaver`` per queue, its ``Stager`` holding the buffers).
+Staging stays in the call: ``async_save`` is handed state dicts, not the optimizer, so nothing
+could hold the next step until a background copy is done.
+
+Repeated saves of the same structure reuse their plan (``PlanCache``): each rank plans locally
+as usual and compares its plan with the one it sent last time; if every rank's is unchanged
+(one small collective, which also carries planning errors), the last global plan and metadata
+are reused and the plan gather / global planning / scatter are skipped.
 
 Built from DCP's own pieces (``DefaultSavePlanner``, ``FileSystemWriter``...): the files are the
 ones ``torch.distributed.checkpoint.save`` writes, loadable with ``load``. A save into a directory
@@ -19,9 +30,11 @@ directory that refuses to load rather than one that loads half-new files.
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import io
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
+import pickle
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +42,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter, SavePlanner, StorageWriter
 from torch.distributed.checkpoint.planner import WriteItemType
 
+from ...checkpoint.async_save import AsyncSaver, Job, Stager
 from .group_blocks import for_group
 
 METADATA = ".metadata"
@@ -72,14 +86,17 @@ def group_of(process_group: dist.ProcessGroup | None, coordinator_rank: int) -> 
     return group
 
 
-def collective_outcome(group: Group, error: BaseException | None, what: str) -> None:
-    """Raise on every rank of ``group`` if ``error`` happened on any (a collective)."""
-    errors: list = [None] * len(group.members)
-    dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}", group=group.pg)
-    failed = [(rank, e) for rank, e in zip(group.members, errors) if e is not None]
+def collective_outcome(group: Group, error: BaseException | None, what: str, payload=None) -> list:
+    """Raise on every rank of ``group`` if ``error`` happened on any (a collective); else every
+    rank's ``payload``."""
+    outcomes: list = [None] * len(group.members)
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    dist.all_gather_object(outcomes, (mine, payload), group=group.pg)
+    failed = [(rank, e) for rank, (e, _) in zip(group.members, outcomes) if e is not None]
     if failed:
         lines = "; ".join(f"rank {rank}: {e}" for rank, e in failed)
-        raise CheckpointSaveError(f"{what} failed on {len(failed)} of {len(errors)} ranks: {lines}") from error
+        raise CheckpointSaveError(f"{what} failed on {len(failed)} of {len(outcomes)} ranks: {lines}") from error
+    return [p for _, p in outcomes]
 
 
 class _StagedPlanner(SavePlanner):
@@ -105,9 +122,10 @@ class _StagedPlanner(SavePlanner):
         raise RuntimeError("a staged planner only resolves data")
 
 
-def stage(planner: SavePlanner, plan, buffers: dict) -> dict:
-    """A host copy of every item ``plan`` writes, reusing ``buffers`` (same index, shape, dtype)
-    from an earlier save: bytes for objects, tensors copied out of the model's memory."""
+def stage(planner: SavePlanner, plan, stager: Stager) -> dict:
+    """A host copy of every item ``plan`` writes, in ``stager``'s buffers (reused when an
+    earlier save had the same index, shape and dtype): bytes for objects, tensors copied out of
+    the model's memory."""
     staged = {}
     for item in plan.items:
         data = planner.resolve_data(item)
@@ -115,11 +133,26 @@ def stage(planner: SavePlanner, plan, buffers: dict) -> dict:
             staged[item.index] = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
             continue
         data = data.detach()
-        buf = buffers.get(item.index)
-        if buf is None or buf.shape != data.shape or buf.dtype != data.dtype:
-            buf = buffers[item.index] = torch.empty(data.shape, dtype=data.dtype, device="cpu")
-        staged[item.index] = buf.copy_(data)
+        staged[item.index] = stager.buffer((item.index,), data).copy_(data)
     return staged
+
+
+@dataclass
+class PlanCache:
+    """The last plan of each (group, coordinator, writer type): this rank's local plan digest,
+    its final plan, and (on the coordinator) the metadata."""
+
+    entries: dict = field(default_factory=dict)
+    hits: int = 0
+    """Saves that reused a plan."""
+
+    @staticmethod
+    def key(group: Group, writer: StorageWriter) -> tuple:
+        return tuple(group.members), group.coordinator, type(writer).__qualname__
+
+    @staticmethod
+    def digest(local) -> str:
+        return hashlib.sha256(pickle.dumps(local)).hexdigest()
 
 
 @dataclass
@@ -130,24 +163,44 @@ class PendingSave:
     group: Group
     writer: StorageWriter
     metadata: object
-    future: Future
+    job: Job
     extra_files: dict = field(default_factory=dict)
     """name -> bytes the coordinator writes next to the metadata (before it)."""
 
 
-def _plan(state_dict, writer: StorageWriter, planner: SavePlanner, group: Group):
+def _plan(state_dict, writer: StorageWriter, planner: SavePlanner, group: Group, cache: PlanCache | None):
     """DCP's planning steps as collectives over ``group``: (this rank's final plan, metadata on
-    the coordinator)."""
+    the coordinator). With a ``cache``, a plan every rank already sent last time is reused."""
     rank_in_group = group.members.index(dist.get_rank())
-    error, local, metadata = None, None, None
+    error, local, digest = None, None, None
+    key = PlanCache.key(group, writer) if cache is not None else None
     try:
         planner.set_up_planner(state_dict=state_dict, storage_meta=writer.storage_meta(),
                                is_coordinator=group.is_coordinator)
         writer.set_up_storage_writer(group.is_coordinator, rank=rank_in_group, use_collectives=True)
         local = writer.prepare_local_plan(planner.create_local_plan())
+        if group.is_coordinator:
+            _forget_old_metadata(writer)
+        digest = PlanCache.digest(local) if cache is not None else None
     except Exception as e:  # noqa: BLE001 - every rank must hear of it
         error = e
-    collective_outcome(group, error, "checkpoint save (planning)")
+    last = cache.entries.get(key) if cache is not None else None
+    reused = collective_outcome(group, error, "checkpoint save (planning)",
+                                payload=last is not None and last[0] == digest)
+    if all(reused):
+        cache.hits += 1
+        _, final, metadata = last
+        return planner.finish_plan(final), copy.copy(metadata)
+    plan, metadata = _global_plan(planner, writer, group, local)
+    if cache is not None:
+        cache.entries[key] = (digest, plan, metadata)
+        metadata = copy.copy(metadata)
+    return plan, metadata
+
+
+def _global_plan(planner: SavePlanner, writer: StorageWriter, group: Group, local):
+    """The coordinator merges every rank's plan; each rank gets its final plan back."""
+    metadata = None
     plans: list = [None] * len(group.members) if group.is_coordinator else None
     dist.gather_object(local, plans, dst=group.coordinator, group=group.pg)
     scatter: list = [None] * len(group.members)
@@ -155,7 +208,6 @@ def _plan(state_dict, writer: StorageWriter, planner: SavePlanner, group: Group)
         try:
             plans, metadata = planner.create_global_plan(plans)
             scatter = writer.prepare_global_plan(plans)
-            _forget_old_metadata(writer)
         except Exception as e:  # noqa: BLE001 - sent to every rank below
             scatter = [e] * len(group.members)
     mine: list = [None]
@@ -171,35 +223,37 @@ def _forget_old_metadata(writer: StorageWriter) -> None:
         os.remove(os.path.join(path, METADATA))
 
 
-def start(state_dict, writer: StorageWriter, planner: SavePlanner | None, group: Group, buffers: dict,
-          executor: ThreadPoolExecutor) -> PendingSave:
-    """Plan (collectively), stage, and start writing ``state_dict`` in ``executor``."""
+def start(state_dict, writer: StorageWriter, planner: SavePlanner | None, group: Group, saver: AsyncSaver,
+          cache: PlanCache) -> PendingSave:
+    """Plan (collectively; a default planner's plan is cached), stage into ``saver``'s buffers,
+    and start writing ``state_dict`` in its thread. A staging failure fails this rank's write
+    (raised on every rank by ``finish``)."""
+    custom = planner is not None
     planner = planner or DefaultSavePlanner()
     with for_group(state_dict, group.pg):
-        plan, metadata = _plan(state_dict, writer, planner, group)
+        plan, metadata = _plan(state_dict, writer, planner, group, None if custom else cache)
         error, staged = None, None
         try:
-            staged = stage(planner, plan, buffers)
-        except Exception as e:  # noqa: BLE001 - every rank must hear of it
+            staged = stage(planner, plan, saver.stager)
+        except Exception as e:  # noqa: BLE001 - raised by this rank's write, so by finish() on every rank
             error = e
-    collective_outcome(group, error, "checkpoint save (staging)")
     staged_planner = _StagedPlanner(staged)
 
     def write():
+        if error is not None:
+            raise error
         result = writer.write_data(plan, staged_planner)
         result.wait()
         return result.value()
 
-    return PendingSave(str(getattr(writer, "path", "")), group, writer, metadata, executor.submit(write))
+    path = str(getattr(writer, "path", ""))
+    return PendingSave(path, group, writer, metadata, saver.submit(path, write, at_exit=False))
 
 
 def finish(pending: PendingSave) -> None:
     """Wait for this rank's files, then (collectively) let the coordinator write the metadata."""
-    error, results = None, None
-    try:
-        results = pending.future.result()
-    except Exception as e:  # noqa: BLE001 - every rank must hear of it
-        error = e
+    pending.job.join()
+    error, results = pending.job.error, pending.job.result
     collective_outcome(pending.group, error, f"checkpoint save to {pending.path} (writing)")
     group = pending.group
     gathered: list = [None] * len(group.members) if group.is_coordinator else None

@@ -1,0 +1,148 @@
+"""Background staging of asynchronous partial saves (``async_staging=True``, the default): the
+parameters and optimizer slots are copied by the background thread, the optimizer's next step
+waits for that copy, and a parameter changed in place another way before its copy fails the save.
+
+A failure means modelparallel/checkpoint/async_save.py (``Stager.stage``'s deferred copies,
+``Stager.copy_deferred``'s version check, ``Job.hold``) or partial.py's ``step_only`` let a
+change after the call reach the checkpoint, let a step run before staging ended, or let a torn
+copy be committed. Staging is paused with the stager's ``before_copy`` hook, so the order of
+events is fixed, not left to timing. 2 ranks, TP=2.
+"""
+
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+import harness
+import modelparallel as smp
+from modelparallel import runtime
+from modelparallel.checkpoint import commit
+from modelparallel.checkpoint.api import _saver
+from ckpt_helpers import build, changed, error_of, snapshot
+
+
+def _step(model, optimizer) -> None:
+    ids = torch.arange(8).reshape(1, 8) % 64
+    model.backward(model(ids, labels=ids).loss)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def step_waits_for_staging(path: str) -> dict:
+    """Staging is held until 0.3 s after the call; the step right after the save must wait for
+    it (a step pre-hook registered after the save sees staging done), and the checkpoint holds
+    the values of the call."""
+    model, optimizer = build()
+    saver = _saver()
+    release = threading.Event()
+    saver.stager.before_copy = release.wait
+    seen = []
+    smp.save_checkpoint(path, "a", async_save=True)
+    want = snapshot(model, optimizer)
+    job = saver.job
+    deferred = saver.stager.deferred_bytes
+    late = optimizer.optimizer.register_step_pre_hook(lambda *_: seen.append(job.staged.is_set()))
+    threading.Timer(0.3, release.set).start()
+    _step(model, optimizer)
+    late.remove()
+    held = job.held_s
+    smp.wait_for_checkpoints()
+    hooks_left = len(optimizer.optimizer._optimizer_step_pre_hooks)
+    fresh, fresh_opt = build(seed=5)
+    smp.resume_from_checkpoint(path)
+    return {"seen": seen, "held": held, "deferred": deferred, "diff": changed(want, snapshot(fresh, fresh_opt)),
+            "hooks_left": hooks_left}
+
+
+def test_the_step_after_a_save_waits_for_background_staging(tmp_path):
+    for r in harness.run(2, step_waits_for_staging, str(tmp_path)):
+        assert r["deferred"] > 0, "parameters and optimizer slots were left to the background"
+        assert r["seen"] == [True], "the optimizer step ran before staging was done"
+        assert r["held"] > 0.05, r["held"]
+        assert r["diff"] == [], r["diff"]
+        assert r["hooks_left"] == 0, "the step hook is removed once the save is done"
+
+
+def change_during_staging(path: str) -> dict:
+    """A parameter changed in place (outside the optimizer) while staging is held: the save is
+    refused on every rank, naming the parameter; the previous newest stays and loads."""
+    model, optimizer = build()
+    smp.save_checkpoint(path, "a", async_save=True)
+    smp.wait_for_checkpoints()
+    want = snapshot(model, optimizer)
+    release = threading.Event()
+    runtime.current().checkpoint_saver.stager.before_copy = release.wait
+    smp.save_checkpoint(path, "b", async_save=True)
+    with torch.no_grad():
+        model.module.transformer.h[0].mlp.c_fc.weight.mul_(2.0)
+    release.set()
+    msg = error_of(smp.wait_for_checkpoints)
+    runtime.current().checkpoint_saver.stager.before_copy = None
+    smp.barrier()  # rank 0 removes the abandoned staging directory before its wait returns
+    newest = commit.read_newest(path)
+    leftovers = sorted(p.name for p in Path(path).iterdir() if p.name.startswith(".mp-staging"))
+    fresh, fresh_opt = build(seed=5)
+    smp.resume_from_checkpoint(path)
+    return {"msg": msg, "newest": newest, "leftovers": leftovers, "intact": changed(want, snapshot(fresh, fresh_opt))}
+
+
+def test_an_in_place_change_before_staging_fails_that_save_on_every_rank(tmp_path):
+    results = harness.run(2, change_during_staging, str(tmp_path))
+    assert results[0]["msg"] == results[1]["msg"], results
+    msg = results[0]["msg"]
+    assert "model.transformer.h.0.mlp.c_fc.weight" in msg and "changed in place" in msg, msg
+    assert "async_staging=False" in msg and "previous newest checkpoint is intact" in msg, msg
+    for r in results:
+        assert r["newest"] == "a_partial" and r["intact"] == [] and r["leftovers"] == [], r
+
+
+def synchronous_staging(path: str) -> dict:
+    """``async_staging=False``: everything is copied in the call, no step waits, and an in-place
+    change right after the call is harmless."""
+    model, optimizer = build()
+    saver = _saver()
+    saver.stager.before_copy = lambda: time.sleep(60)  # would stall a background copy
+    smp.save_checkpoint(path, "a", async_save=True, async_staging=False)
+    want = snapshot(model, optimizer)
+    hooks = len(saver.job.hooks)
+    deferred = saver.stager.deferred_bytes
+    with torch.no_grad():
+        model.module.transformer.h[0].mlp.c_fc.weight.mul_(2.0)
+    _step(model, optimizer)
+    smp.wait_for_checkpoints()
+    fresh, fresh_opt = build(seed=5)
+    smp.resume_from_checkpoint(path)
+    return {"hooks": hooks, "deferred": deferred, "diff": changed(want, snapshot(fresh, fresh_opt))}
+
+
+def test_synchronous_staging_copies_everything_in_the_call(tmp_path):
+    for r in harness.run(2, synchronous_staging, str(tmp_path)):
+        assert r == {"hooks": 0, "deferred": 0, "diff": []}, r
+
+
+def load_waits_for_staging(path: str) -> dict:
+    """``DistributedModel.load_state_dict`` / ``DistributedOptimizer.load_state_dict`` right after
+    a save wait for its background copy (released 0.3 s later): the save succeeds with the
+    values of the call, and the loads then take effect."""
+    model, optimizer = build()
+    other_model, other_opt = build(seed=3, init=False)
+    new_model, new_opt = other_model.state_dict(), other_opt.state_dict()
+    release = threading.Event()
+    _saver().stager.before_copy = release.wait
+    smp.save_checkpoint(path, "a", model=model, optimizer=optimizer, async_save=True)
+    want = snapshot(model, optimizer)
+    threading.Timer(0.3, release.set).start()
+    model.load_state_dict(new_model)
+    optimizer.load_state_dict(new_opt)
+    loaded = changed(snapshot(other_model, other_opt), snapshot(model, optimizer))
+    smp.wait_for_checkpoints()
+    fresh, fresh_opt = build(seed=5)
+    smp.resume_from_checkpoint(path)
+    return {"saved": changed(want, snapshot(fresh, fresh_opt)), "loaded": loaded}
+
+
+def test_our_loads_wait_for_background_staging(tmp_path):
+    for r in harness.run(2, load_waits_for_staging, str(tmp_path)):
+        assert r == {"saved": [], "loaded": []}, r

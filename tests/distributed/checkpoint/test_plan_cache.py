@@ -1,0 +1,68 @@
+"""Repeated asynchronous saves of the same structure reuse their DCP plan (``saving.PlanCache``)
+and still write exactly what ``dcp.load`` reads back; a structure that changed on any one rank
+is planned again. A failure means the cache skipped the global planning when a rank's plan had
+changed (a stale plan: wrong or missing entries on disk) or never reused a plan (every save
+pays the plan gather, global planning and scatter again). 2 ranks, plain tensors.
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+import harness
+from modelparallel.distributed.checkpoint import saving
+from modelparallel.distributed.checkpoint.async_utils import AsyncCallsQueue
+from modelparallel.distributed.checkpoint.state_dict_saver import async_save
+
+
+def _state(step: int, extra: bool = False) -> dict:
+    rank = dist.get_rank()
+    state = {f"w{rank}": torch.arange(6.0) * (step + 1) + rank, "shared": torch.full((3,), float(step)), "step": step}
+    if extra:
+        state[f"extra{rank}"] = torch.ones(2) * step
+    return state
+
+
+def _load(path: str, like: dict) -> dict:
+    out = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for k, v in like.items()}
+    dcp.load(out, checkpoint_id=path)
+    return out
+
+
+def repeated_saves(root: str) -> dict:
+    real = saving._global_plan
+    planned = []
+
+    def counting(*args, **kwargs):
+        planned.append(1)
+        return real(*args, **kwargs)
+
+    saving._global_plan = counting
+    queue = AsyncCallsQueue()
+    checks = []
+    try:
+        plan = [(0, False), (1, False), (2, dist.get_rank() == 1), (3, dist.get_rank() == 1), (4, False)]
+        for step, extra in plan:
+            before = len(planned)
+            path = os.path.join(root, f"step{step}")
+            state = _state(step, extra)
+            async_save(state, checkpoint_id=path, queue=queue)
+            queue.maybe_finalize_async_calls(blocking=True)
+            got = _load(path, state)
+            same = all(torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v
+                       for k, v in state.items())
+            checks.append((step, len(planned) - before, same))
+    finally:
+        saving._global_plan = real
+        queue.close()
+    return {"checks": checks, "cached": len(queue.plans.entries)}
+
+
+def test_a_repeated_structure_reuses_its_plan_and_a_changed_one_is_planned_again(tmp_path):
+    for r in harness.run(2, repeated_saves, str(tmp_path)):
+        # step 0: first plan; 1: same structure, reused; 2: rank 1 adds an entry, planned on
+        # both ranks; 3: reused again; 4: back to the first structure, planned again
+        assert r["checks"] == [(0, 1, True), (1, 0, True), (2, 1, True), (3, 0, True), (4, 1, True)], r
+        assert r["cached"] == 1, r

@@ -14,10 +14,11 @@ It also makes a save run at the disk's speed rather than in passes over the data
   disk writes while the rest is serialized and the final fsync finds little left, instead of the
   whole file waiting in the page cache until then;
 * ``torch.save``'s own CRC-32 of every zip record (a slow table-driven pass that halves its
-  speed) is off while the save writes: the manifest's CRC32 of every file, computed here at
-  several GB/s, is what a load verifies, and ``torch.load`` never checks the zip's. The switch is
-  process-wide, so a ``torch.save`` another thread runs meanwhile also writes no zip CRC (its file
-  loads the same).
+  speed) is off while a synchronous save writes: the manifest's CRC32 of every file, computed
+  here at several GB/s, is what a load verifies, and ``torch.load`` never checks the zip's. The
+  switch is process-wide, so it is made only when the save runs in the main thread (training
+  waits for it); a background write keeps the zip CRC, leaving the ``torch.save`` calls training
+  makes meanwhile as they are.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +150,9 @@ class CheckpointWriter(FileSystemWriter):
 
 @contextlib.contextmanager
 def _no_zip_crc():
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     before = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
     try:

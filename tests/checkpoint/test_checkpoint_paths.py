@@ -132,6 +132,7 @@ def symlinked_tags(path: str) -> dict:
     msgs = {"resume": error_of(smp.resume_from_checkpoint, root, "alias"),
             "save over": error_of(smp.save_checkpoint, root, "alias")}
     listing = sorted(os.listdir(root))
+    smp.barrier()  # every rank has listed before rank 0 starts the next save's staging directory
     smp.save_checkpoint(root, "b", num_kept_partial_checkpoints=1)
     return {"msgs": msgs, "listing": listing, "after": sorted(os.listdir(root)),
             "link": os.path.islink(root / "alias_partial")}

@@ -8,6 +8,7 @@ torch.save setting changed, or that a partial checkpoint is no longer a plain DC
 that DCP's own reader loads.
 """
 
+import threading
 import zlib
 
 import pytest
@@ -63,6 +64,20 @@ def test_a_failed_write_records_no_checksum(tmp_path):
             f.write(b"abc")
             raise RuntimeError("stop")
     assert fs.sums == {}
+
+
+def test_a_background_write_leaves_the_zip_crc_setting_alone(tmp_path, monkeypatch):
+    """Training's own torch.save calls run while a background save writes: they keep the CRC."""
+    seen = []
+    real = writer.dcp.save
+    monkeypatch.setattr(writer.dcp, "save", lambda *a, **k: (seen.append(torch.serialization.get_crc32_options()),
+                                                            real(*a, **k)))
+    assert torch.serialization.get_crc32_options() is True
+    thread = threading.Thread(target=writer.save, args=(state(), tmp_path / "bg", ContiguousSavePlanner()))
+    thread.start()
+    thread.join()
+    writer.save(state(), tmp_path / "fg", ContiguousSavePlanner())
+    assert seen == [True, False], "off only for the main thread's save"
 
 
 @pytest.mark.parametrize("before", [True, False])

@@ -12,8 +12,9 @@ rotates so no method always follows another:
   per rank and part, from this measurement);
 * ``sync``: ``smp.save_checkpoint(partial=True)`` (serialization, checksums, fsync, commit);
 * ``dcp``: ``torch.distributed.checkpoint.save`` of the same state, fsynced as DCP does;
-* ``retention``: deleting the previous checkpoint, which a save with ``num_kept_partial_checkpoints``
-  does after its commit (timed apart: DCP deletes nothing, the disk measure neither).
+* ``retention``: deleting a checkpoint, which a save with ``num_kept_partial_checkpoints`` does
+  after its commit (timed apart: DCP deletes nothing, the disk measure neither). Each method's
+  files are deleted right after it, so all of them write into the same page-cache state.
 
 Every timing starts with nothing left for the disk to write (``os.sync``) and is the slowest
 rank's. Reported: per method the min/median/max seconds and MB/s; ``sync_vs_disk`` is the disk's
@@ -108,12 +109,14 @@ def _methods(model, optimizer, work: Path, r: int, nbytes: int, sweep: bool) -> 
 
 
 def _retention(work: Path, r: int) -> float:
-    """Seconds to delete the previous repeat's checkpoint (rank 0 deletes, as a save does)."""
+    """Seconds to delete this repeat's checkpoint (rank 0 deletes, as a save's retention does).
+    Deleted at once, as the disk measure and DCP's files are: every method then writes while the
+    page cache holds the same (a VM's first touch of memory the page cache never used is slow)."""
     import modelparallel as smp
 
     def delete():
-        if smp.rank() == 0 and (work / "sync" / f"r{r - 1}_partial").exists():
-            shutil.rmtree(work / "sync" / f"r{r - 1}_partial")
+        if smp.rank() == 0:
+            shutil.rmtree(work / "sync" / f"r{r}_partial")
     return base._timed(delete)
 
 

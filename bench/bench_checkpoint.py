@@ -167,13 +167,18 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
-def launch(args) -> dict:
-    work = Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir))
+def run_in_scratch(script: str, parent: str | None, prefix: str, argv: list[str]) -> dict:
+    """Rank 0's report of ``script --worker --work DIR *argv`` on 2 ranks, DIR a fresh directory
+    (under ``parent``, default the temp dir) deleted afterwards."""
+    work = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
     try:
-        argv = ["--worker", "--work", str(work), "--preset", args.preset, "--repeats", str(args.repeats)]
-        return common.torchrun(__file__, 2, argv)[0]
+        return common.torchrun(script, 2, ["--worker", "--work", str(work), *argv])[0]
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def launch(args) -> dict:
+    return run_in_scratch(__file__, args.dir, "bench-ckpt-", ["--preset", args.preset, "--repeats", str(args.repeats)])
 
 
 def report(r: dict) -> None:

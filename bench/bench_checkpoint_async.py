@@ -32,7 +32,6 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -163,13 +162,8 @@ def main() -> None:
         worker(args)
         return
     load_before = os.getloadavg()[0]
-    work = Path(tempfile.mkdtemp(prefix="bench-ckpt-async-", dir=args.dir))
-    try:
-        argv = ["--worker", "--work", str(work), "--preset", args.preset, "--repeats", str(args.repeats),
-                "--steps", str(args.steps)]
-        result = common.torchrun(__file__, 2, argv)[0]
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    result = base.run_in_scratch(__file__, args.dir, "bench-ckpt-async-", ["--preset", args.preset, "--repeats",
+                                 str(args.repeats), "--steps", str(args.steps)])
     result["load_average_before"], result["load_average_after"] = load_before, os.getloadavg()[0]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))

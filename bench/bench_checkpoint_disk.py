@@ -33,7 +33,6 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -171,13 +170,8 @@ def main() -> None:
         worker(args)
         return
     load_before = os.getloadavg()[0]
-    work = Path(tempfile.mkdtemp(prefix="bench-ckpt-disk-", dir=args.dir))
-    try:
-        argv = ["--worker", "--work", str(work), "--preset", args.preset, "--repeats", str(args.repeats)]
-        argv += ["--sweep"] if args.sweep else []
-        result = common.torchrun(__file__, 2, argv)[0]
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    result = base.run_in_scratch(__file__, args.dir, "bench-ckpt-disk-", ["--preset", args.preset, "--repeats",
+                                 str(args.repeats)] + (["--sweep"] if args.sweep else []))
     result.update(load_average_before=load_before, load_average_after=os.getloadavg()[0])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))

@@ -41,6 +41,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..tp.layout import from_local_like
 
@@ -54,16 +55,27 @@ class StagedTensorChanged(RuntimeError):
 @dataclass
 class _Deferred:
     """A copy left to the background: the live tensor (a DTensor's local shard in ``local``),
-    its staging buffer, and the version counters seen at the call."""
+    its staging buffer, the tensors whose version counters are watched (the tensor itself and
+    aliases that do not share its counter, e.g. FSDP's original parameters over a flat
+    parameter) and their counters at the call."""
 
     name: str
-    source: torch.Tensor
-    local: torch.Tensor
     buffer: torch.Tensor
-    versions: tuple[int, int] = (0, 0)
+    local: torch.Tensor
+    watched: tuple
+    versions: tuple = ()
+
+    def __post_init__(self):
+        self.versions = self.versions or tuple(t._version for t in self.watched)
 
     def changed(self) -> bool:
-        return (self.source._version, self.local._version) != self.versions
+        return tuple(t._version for t in self.watched) != self.versions
+
+
+OUR_WORDING = ("save_checkpoint(async_save=True)",
+               "This save is abandoned (the previous newest checkpoint is intact). Change parameters only in "
+               "the optimizer's step (which waits for staging), call smp.wait_for_checkpoints() first, or save "
+               "with async_staging=False")
 
 
 class Stager:
@@ -77,6 +89,8 @@ class Stager:
         """Called by ``copy_deferred`` before its first copy (tests pause staging with it)."""
         self.copied_bytes = self.deferred_bytes = 0
         """Bytes the last ``stage`` copied in the call / left to ``copy_deferred``."""
+        self.wording = OUR_WORDING
+        """(the call, what to do) for the message of a tensor changed before its copy."""
 
     @property
     def nbytes(self) -> int:
@@ -91,16 +105,25 @@ class Stager:
             self.buffers[key] = buf
         return buf
 
+    def defer(self, name: str, source: torch.Tensor, local: torch.Tensor, buf: torch.Tensor,
+              aliases: tuple = ()) -> None:
+        """Leave the copy of ``local`` (``source``'s local tensor) into ``buf`` to
+        ``copy_deferred``, recording the version counters it (and ``aliases``) must still have
+        then."""
+        self.deferred.append(_Deferred(name, buf, local, (source, local, *aliases)))
+        self.deferred_bytes += buf.numel() * buf.element_size()
+
+    def copy_now(self, t: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        buf.copy_(t.detach())
+        self.copied_bytes += buf.numel() * buf.element_size()
+        return buf
+
     def _copy(self, path: tuple, t: torch.Tensor, source: torch.Tensor, defer) -> torch.Tensor:
         buf = self.buffer(path, t)
         if defer is not None and defer(t):
-            name = ".".join(map(str, path))
-            self.deferred.append(_Deferred(name, source, t, buf, (source._version, t._version)))
-            self.deferred_bytes += buf.numel() * buf.element_size()
-        else:
-            buf.copy_(t.detach())
-            self.copied_bytes += buf.numel() * buf.element_size()
-        return buf
+            self.defer(".".join(map(str, path)), source, t, buf)
+            return buf
+        return self.copy_now(t, buf)
 
     def stage(self, state: Any, defer: Callable[[torch.Tensor], bool] | None = None, path: tuple = ()) -> Any:
         """A copy of ``state`` whose tensors live in this stager's buffers (DTensors keep their
@@ -136,11 +159,8 @@ class Stager:
         changed += [d.name for d in pending if d.changed() and d.name not in changed]
         if changed:
             raise StagedTensorChanged(
-                f"{len(changed)} tensor(s) changed in place after save_checkpoint(async_save=True) returned and "
-                f"before they were staged: {', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''}. This save "
-                "is abandoned (the previous newest checkpoint is intact). Change parameters only in the "
-                "optimizer's step (which waits for staging), call smp.wait_for_checkpoints() first, or save "
-                "with async_staging=False")
+                f"{len(changed)} tensor(s) changed in place after {self.wording[0]} returned and before they were "
+                f"staged: {', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''}. {self.wording[1]}")
 
 
 @dataclass
@@ -199,15 +219,19 @@ class AsyncSaver:
     def busy(self) -> bool:
         return self.job is not None and not self.job.done()
 
-    def submit(self, tag: str, fn: Callable[[], Any], hold: tuple = (), at_exit: bool = True) -> Job:
+    def submit(self, tag: str, fn: Callable[[], Any], hold: tuple = (), at_exit: bool = True,
+               hold_every_optimizer: bool = False) -> Job:
         """Run ``fn`` in the background, after the save in flight (if any) finished (its error
         stays with its ``Job``). ``hold``: optimizers whose ``step`` waits until ``staging_done``
-        is called from ``fn`` (or ``fn`` ends). ``at_exit``: the interpreter's exit waits for
-        it and logs its error."""
+        is called from ``fn`` (or ``fn`` ends); ``hold_every_optimizer``: every optimizer of the
+        process waits (a save handed state dicts does not know which optimizers they came from).
+        ``at_exit``: the interpreter's exit waits for it and logs its error."""
         if self.job is not None:
             self.job.join()
         job = self.job = Job(tag)
         job.hooks = [opt.register_step_pre_hook(job.hold) for opt in hold]
+        if hold_every_optimizer:
+            job.hooks.append(register_optimizer_step_pre_hook(job.hold))
         job.thread = threading.Thread(target=self._run, args=(job, fn), name=f"modelparallel-save-{tag}", daemon=True)
         job.thread.start()
         if at_exit and not self._registered:

@@ -2,7 +2,8 @@
 (SageMaker v2's ``torch.sagemaker.distributed.checkpoint.async_utils``).
 
 ``async_save(..., queue=q)`` returns once the save is planned and its tensors are copied to host
-memory; the queue's ``AsyncSaver`` (the checkpoint package's background writer) writes the files
+memory (or, those only an optimizer step changes, registered for a copy the writer thread makes
+first while every optimizer's next step waits for it); the queue's ``AsyncSaver`` (the checkpoint package's background writer) writes the files
 in its thread, one save after another, into host buffers its ``Stager`` reuses. A save is
 *finalized* by ``q.maybe_finalize_async_calls(...)``, a collective over the group that saved it:
 every rank's files are written, then the coordinator writes the checkpoint's ``.metadata`` (until
@@ -34,11 +35,20 @@ _LIVE: weakref.WeakSet = weakref.WeakSet()
 class AsyncCallsQueue:
     """Pending asynchronous checkpoint saves, oldest first, and their host staging buffers."""
 
-    def __init__(self):
+    def __init__(self, background_staging: bool = True):
+        """``background_staging`` (ours; SageMaker's queue takes no argument): the tensors only
+        an optimizer step changes are copied to host memory by the writer thread, and every
+        optimizer's next ``step`` waits for that copy; ``False``: ``async_save`` copies every
+        tensor before returning."""
+        self.staging = "background" if background_staging else "call"
         self._pending: deque[tuple[int, saving.PendingSave]] = deque()
         self._next_index = 0
         self.saver = AsyncSaver()
         """The background writer; its ``stager`` keeps the host buffers, by DCP write item."""
+        self.saver.stager.wording = (
+            "async_save", "This save fails (its directory has no .metadata and does not load). Change tensors "
+            "only in an optimizer's step (which waits for staging), call maybe_finalize_async_calls(blocking=True) "
+            "first, or use AsyncCallsQueue(background_staging=False)")
         self.plans = saving.PlanCache()
         _LIVE.add(self)
 
@@ -53,7 +63,7 @@ class AsyncCallsQueue:
         about to be reused; its errors are raised when it is finalized)."""
         if self.saver.job is not None:
             self.saver.job.join()
-        pending = saving.start(state_dict, writer, planner, group, self.saver, self.plans)
+        pending = saving.start(state_dict, writer, planner, group, self.saver, self.plans, self.staging)
         pending.extra_files.update(extra_files or {})
         index = self._next_index
         self._next_index += 1
@@ -100,6 +110,13 @@ class AsyncCallsQueue:
         """Wait for the write in flight (its error stays for finalizing)."""
         if self.saver.job is not None:
             self.saver.job.join()
+
+
+def wait_for_staging() -> None:
+    """Wait until no save of any queue still copies from the live tensors (before a load
+    overwrites them). Not a collective."""
+    for queue in list(_LIVE):
+        queue.saver.wait_staged()
 
 
 @atexit.register

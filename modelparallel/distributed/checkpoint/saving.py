@@ -14,8 +14,9 @@ the coordinator write the metadata. A failure on any rank, in any step, is raise
 
 The background writing and the host buffers are the checkpoint package's own
 (``checkpoint.async_save``: one ``AsyncSaver`` per queue, its ``Stager`` holding the buffers).
-Staging stays in the call: ``async_save`` is handed state dicts, not the optimizer, so nothing
-could hold the next step until a background copy is done.
+With ``background_staging``, the tensors only an optimizer step changes (``deferral``) are copied
+by the background thread before it writes, and every optimizer's next ``step`` waits for that
+copy; the call copies the rest.
 
 Repeated saves of the same structure reuse their plan (``PlanCache``): each rank plans locally
 as usual and compares its plan with the one it sent last time; if every rank's is unchanged
@@ -43,6 +44,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter, S
 from torch.distributed.checkpoint.planner import WriteItemType
 
 from ...checkpoint.async_save import AsyncSaver, Job, Stager
+from .deferral import deferrable
 from .group_blocks import for_group
 
 METADATA = ".metadata"
@@ -122,18 +124,28 @@ class _StagedPlanner(SavePlanner):
         raise RuntimeError("a staged planner only resolves data")
 
 
-def stage(planner: SavePlanner, plan, stager: Stager) -> dict:
+def stage(planner: SavePlanner, plan, stager: Stager | None, deferred_keys: dict | None = None) -> dict:
     """A host copy of every item ``plan`` writes, in ``stager``'s buffers (reused when an
     earlier save had the same index, shape and dtype): bytes for objects, tensors copied out of
-    the model's memory."""
+    the model's memory; the tensors of keys in ``deferred_keys`` (key -> aliases to watch) are
+    left to ``stager.copy_deferred``. Without a ``stager``: the live tensors (nothing is copied)."""
     staged = {}
+    if stager is not None:
+        stager.copied_bytes = stager.deferred_bytes = 0
     for item in plan.items:
         data = planner.resolve_data(item)
         if item.type == WriteItemType.BYTE_IO:
             staged[item.index] = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
             continue
         data = data.detach()
-        staged[item.index] = stager.buffer((item.index,), data).copy_(data)
+        if stager is None:  # a synchronous save writes from the tensors themselves
+            staged[item.index] = data
+            continue
+        buf = staged[item.index] = stager.buffer((item.index,), data)
+        if item.index.fqn in (deferred_keys or {}) and data.numel() > 0:
+            stager.defer(item.index.fqn, data, data, buf, deferred_keys[item.index.fqn])
+        else:
+            stager.copy_now(data, buf)
     return staged
 
 
@@ -224,30 +236,39 @@ def _forget_old_metadata(writer: StorageWriter) -> None:
 
 
 def start(state_dict, writer: StorageWriter, planner: SavePlanner | None, group: Group, saver: AsyncSaver,
-          cache: PlanCache) -> PendingSave:
-    """Plan (collectively; a default planner's plan is cached), stage into ``saver``'s buffers,
-    and start writing ``state_dict`` in its thread. A staging failure fails this rank's write
-    (raised on every rank by ``finish``)."""
+          cache: PlanCache, staging: str = "background") -> PendingSave:
+    """Plan (collectively; a default planner's plan is cached), stage into ``saver``'s buffers
+    and start writing ``state_dict`` in its thread. ``staging``: ``"background"`` (what only an
+    optimizer step changes is copied by the writer thread first, the optimizers' next step
+    waiting for it), ``"call"`` (everything copied here), ``"none"`` (no copy: for a save
+    finished before training goes on). A staging failure fails this rank's write (raised on
+    every rank by ``finish``)."""
     custom = planner is not None
     planner = planner or DefaultSavePlanner()
+    deferred_keys = deferrable(state_dict) if staging == "background" else {}
     with for_group(state_dict, group.pg):
         plan, metadata = _plan(state_dict, writer, planner, group, None if custom else cache)
         error, staged = None, None
         try:
-            staged = stage(planner, plan, saver.stager)
+            staged = stage(planner, plan, None if staging == "none" else saver.stager, deferred_keys)
         except Exception as e:  # noqa: BLE001 - raised by this rank's write, so by finish() on every rank
             error = e
+            saver.stager.deferred.clear()
     staged_planner = _StagedPlanner(staged)
+    deferred = bool(saver.stager.deferred)
 
     def write():
         if error is not None:
             raise error
+        if deferred:
+            saver.stage_deferred()
         result = writer.write_data(plan, staged_planner)
         result.wait()
         return result.value()
 
     path = str(getattr(writer, "path", ""))
-    return PendingSave(path, group, writer, metadata, saver.submit(path, write, at_exit=False))
+    job = saver.submit(path, write, at_exit=False, hold_every_optimizer=deferred)
+    return PendingSave(path, group, writer, metadata, job)
 
 
 def finish(pending: PendingSave) -> None:

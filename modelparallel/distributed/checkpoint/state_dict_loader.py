@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ...compat import flatten_state_dict
 from . import saving
+from .async_utils import wait_for_staging
 from .filesystem import DistributedFileSystemReader
 from .group_blocks import for_group
 from .state_dict_utils import LOCAL_LAYOUT_FILE, local_layouts
@@ -94,6 +95,7 @@ def load(state_dict, *, checkpoint_id: str | os.PathLike | None = None, storage_
     elif checkpoint_id is not None:
         storage_reader.reset(checkpoint_id)
     path = getattr(storage_reader, "path", None)
+    wait_for_staging()  # a save still copying from these tensors must finish that first
     with for_group(state_dict, group.pg):
         error = None
         try:

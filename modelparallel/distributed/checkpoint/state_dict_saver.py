@@ -6,7 +6,9 @@ Both saves write what ``torch.distributed.checkpoint.save`` writes (DCP files pl
 (``SHARDED_STATE_DICT``) save with the FSDP group into each tensor-parallel rank's directory, or
 a local (``SM_LOCAL_STATE_DICT``) save with a replication group into each shard's directory (its
 replicas hold the same tensors, so one of them writes). ``async_save`` returns once the tensors
-are copied to host memory; see ``async_utils`` for finalizing.
+a forward may change are copied to host memory, the others (only an optimizer step changes them)
+being copied by the writer thread while every optimizer's next step waits; see ``async_utils``
+for finalizing. ``save`` copies nothing: it writes from the tensors and returns when done.
 """
 
 from __future__ import annotations
@@ -52,7 +54,9 @@ def async_save(state_dict, *, checkpoint_id: str | os.PathLike | None = None,
                queue: AsyncCallsQueue | None = None, sharded_strategy=None, wait_error_handling: bool = True,
                force_check_all_plans: bool = True, s3_region: str | None = None, s3client_config=None) -> None:
     """Save ``state_dict`` to ``checkpoint_id`` in the background: plan (a collective over
-    ``process_group``), copy every tensor to host memory, return; the files are written by the
+    ``process_group``), copy to host memory what a forward may change, return; the queue's
+    thread copies the rest (optimizer slots, sharded and local parameters: every optimizer's
+    ``step`` waits until it has) and writes; the files are written by the
     queue's writer thread and the checkpoint is complete once ``queue.maybe_finalize_async_calls``
     (or this module's ``maybe_finalize_async_calls`` for the default queue) has finalized it.
 
@@ -87,6 +91,7 @@ def save(state_dict, *, checkpoint_id: str | os.PathLike | None = None, storage_
     """Save ``state_dict`` synchronously: ``async_save`` on a private queue, finalized before
     returning (the same files, the same checks). Arguments as ``async_save``'s."""
     queue = AsyncCallsQueue()
+    queue.staging = "none"  # finished before returning: the files are written from the tensors themselves
     try:
         async_save(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
                    process_group=process_group, coordinator_rank=coordinator_rank, queue=queue,

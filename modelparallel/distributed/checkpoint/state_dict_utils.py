@@ -42,9 +42,14 @@ class SMStateDictType(enum.Enum):
 
 
 class LocalStateDict(dict):
-    """A local state dict; ``layout`` is the sharding it only loads back into."""
+    """A local state dict; ``layout`` is the sharding it only loads back into, ``buffer_keys``
+    its entries that are buffers (a forward may change them; the others are parameters)."""
 
     layout: dict
+    buffer_keys: frozenset = frozenset()
+    aliases: dict
+    """key -> tensors sharing the entry's memory without sharing its version counter (FSDP's
+    original parameters over a flat parameter): an in-place change through them is a change."""
 
 
 class LoadResult(NamedTuple):
@@ -73,15 +78,21 @@ def local_state_dict(model: nn.Module) -> LocalStateDict:
     out = LocalStateDict()
     units = fsdp1_units(model)
     names = {id(m): path for path, m in model.named_modules()}
+    out.aliases = {}
     for unit in units:
-        out[_join(names[id(unit)], "_flat_param")] = unit._flat_param.detach()
+        key = _join(names[id(unit)], "_flat_param")
+        out[key] = unit._flat_param.detach()
+        out.aliases[key] = tuple(getattr(unit._flat_param, "_params", None) or ())
     for name, p in model.named_parameters():
         if not flattened_by_fsdp1(p):
             out[_clean(name)] = local_part(p).detach()
+    buffers = []
     for path, mod in model.named_modules():
         for name, b in mod._buffers.items():
             if b is not None and name not in mod._non_persistent_buffers_set:
-                out[_join(path, name)] = local_part(b).detach()
+                buffers.append(_join(path, name))
+                out[buffers[-1]] = local_part(b).detach()
+    out.buffer_keys = frozenset(buffers)
     from ... import runtime
 
     tp = runtime.current().config.tensor_parallel_degree if runtime.is_initialized() else 1
@@ -105,6 +116,9 @@ def load_local_state_dict(model: nn.Module, state_dict, strict: bool = True) -> 
     if wrong or (strict and (missing or unexpected)):
         raise ValueError("local (SM_LOCAL_STATE_DICT) state dict does not fit this model's sharding: "
                          + "; ".join(wrong + [f"missing {k}" for k in missing] + [f"unexpected {k}" for k in unexpected]))
+    from .async_utils import wait_for_staging  # (imports this module)
+
+    wait_for_staging()  # a save still copying from the model's tensors must finish that first
     with torch.no_grad():
         for k, v in state_dict.items():
             if k in mine and v is not mine[k] and v.data_ptr() != mine[k].data_ptr():

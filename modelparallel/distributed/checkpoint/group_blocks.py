@@ -73,16 +73,20 @@ def _check_blocks_contiguous(t: DTensor, inside: list[int], key: str) -> None:
                 "save it with the whole mesh's group")
 
 
-def block_of(t: DTensor, members: set[int], key: str = "") -> torch.Tensor | None:
+def block_of(t: DTensor, members: set[int], key: str = "", inside_by_mesh: dict | None = None) -> torch.Tensor | None:
     """The DTensor of the block of ``t`` the ranks ``members`` hold, or None when they cover
-    ``t``'s mesh (nothing to change).
+    ``t``'s mesh (nothing to change). ``inside_by_mesh``: the inside dimensions of the meshes
+    seen so far (a state dict's DTensors share a few meshes; finding them reads the whole mesh).
 
     Raises:
         NotImplementedError: for a layout whose block is not a plain sharding of the inside
             dimensions (a pending sum, or a group that meets the mesh at this rank alone).
     """
     mesh = t.device_mesh
-    inside = _inside_dims(mesh, members)
+    known = {} if inside_by_mesh is None else inside_by_mesh
+    if mesh not in known:
+        known[mesh] = _inside_dims(mesh, members)
+    inside = known[mesh]
     if inside is None or len(inside) == mesh.ndim:
         return None
     if any(pl.is_partial() for pl in t.placements):
@@ -129,11 +133,11 @@ def for_group(state_dict, group: dist.ProcessGroup | None):
         yield state_dict
         return
     members = set(dist.get_process_group_ranks(group))
-    swapped = []
+    swapped, inside_by_mesh = [], {}
     try:
         for container, key, name in list(_slots(state_dict)):
             original = container[key]
-            block = block_of(original, members, name)
+            block = block_of(original, members, name, inside_by_mesh)
             if block is not None:
                 container[key] = block
                 swapped.append((container, key, original))

@@ -32,10 +32,8 @@ directory that refuses to load rather than one that loads half-new files.
 from __future__ import annotations
 
 import copy
-import hashlib
 import io
 import os
-import pickle
 from dataclasses import dataclass, field
 
 import torch
@@ -151,8 +149,9 @@ def stage(planner: SavePlanner, plan, stager: Stager | None, deferred_keys: dict
 
 @dataclass
 class PlanCache:
-    """The last plan of each (group, coordinator, writer type): this rank's local plan digest,
-    its final plan, and (on the coordinator) the metadata."""
+    """The last plan of each (group, coordinator, writer type): this rank's local plan (DCP's
+    plans are dataclasses: compared field by field), its final plan, and (on the coordinator)
+    the metadata."""
 
     entries: dict = field(default_factory=dict)
     hits: int = 0
@@ -162,9 +161,15 @@ class PlanCache:
     def key(group: Group, writer: StorageWriter) -> tuple:
         return tuple(group.members), group.coordinator, type(writer).__qualname__
 
-    @staticmethod
-    def digest(local) -> str:
-        return hashlib.sha256(pickle.dumps(local)).hexdigest()
+
+def _agree_on_plan(group: Group, error: BaseException | None, unchanged: bool) -> bool:
+    """Whether every rank of ``group`` has its last plan unchanged (one small all-reduce); an
+    error on any rank is raised on every rank, with every rank's message."""
+    flags = torch.tensor([int(error is not None), int(not unchanged)], dtype=torch.int32)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group.pg)
+    if flags[0]:
+        collective_outcome(group, error, "checkpoint save (planning)")
+    return not flags[1]
 
 
 @dataclass
@@ -184,7 +189,7 @@ def _plan(state_dict, writer: StorageWriter, planner: SavePlanner, group: Group,
     """DCP's planning steps as collectives over ``group``: (this rank's final plan, metadata on
     the coordinator). With a ``cache``, a plan every rank already sent last time is reused."""
     rank_in_group = group.members.index(dist.get_rank())
-    error, local, digest = None, None, None
+    error, local = None, None
     key = PlanCache.key(group, writer) if cache is not None else None
     try:
         planner.set_up_planner(state_dict=state_dict, storage_meta=writer.storage_meta(),
@@ -193,19 +198,16 @@ def _plan(state_dict, writer: StorageWriter, planner: SavePlanner, group: Group,
         local = writer.prepare_local_plan(planner.create_local_plan())
         if group.is_coordinator:
             _forget_old_metadata(writer)
-        digest = PlanCache.digest(local) if cache is not None else None
     except Exception as e:  # noqa: BLE001 - every rank must hear of it
         error = e
     last = cache.entries.get(key) if cache is not None else None
-    reused = collective_outcome(group, error, "checkpoint save (planning)",
-                                payload=last is not None and last[0] == digest)
-    if all(reused):
+    if _agree_on_plan(group, error, last is not None and error is None and last[0] == local):
         cache.hits += 1
         _, final, metadata = last
         return planner.finish_plan(final), copy.copy(metadata)
     plan, metadata = _global_plan(planner, writer, group, local)
     if cache is not None:
-        cache.entries[key] = (digest, plan, metadata)
+        cache.entries[key] = (local, plan, metadata)
         metadata = copy.copy(metadata)
     return plan, metadata
 

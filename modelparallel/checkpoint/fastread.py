@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from ..compat import set_element
+from .balance import balanced
 from .files import CheckpointFiles, CorruptFileError, UnsafeCheckpointError, VerifiedReader
 from .safe_load import torch_load
 
@@ -46,7 +47,11 @@ _TAIL = 1 << 14  # torch.save's central directory and end records are well under
 
 class ContiguousSavePlanner(DefaultSavePlanner):
     """DCP's default save planner, except that every tensor is written contiguous (DCP keeps a
-    dense tensor's strides). The files stay plain DCP checkpoints that any DCP reader loads."""
+    dense tensor's strides) and a tensor several ranks hold is written by the one with the least
+    work (``balance.balanced``). The files stay plain DCP checkpoints that any DCP reader loads."""
+
+    def _dedup_save_plans(self, all_plans):
+        return balanced(all_plans)
 
     def resolve_data(self, write_item):
         data = super().resolve_data(write_item)

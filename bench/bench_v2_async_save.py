@@ -149,7 +149,7 @@ def rank_main(hidden: int, layers: int, repeats: int) -> dict:
     tsm.init({"tensor_parallel_degree": 2})
     model, optimizer = _build(hidden, layers)
     _step(model, optimizer)
-    queue = AsyncCallsQueue()
+    queues = {kind: AsyncCallsQueue() for kind in ("sharded", "local")}  # staging_bytes: one state dict's
     root = tempfile.mkdtemp(prefix="bench-v2-save-") if int(os.environ["RANK"]) == 0 else None
     import torch.distributed as dist
 
@@ -158,7 +158,7 @@ def rank_main(hidden: int, layers: int, repeats: int) -> dict:
     out = {}
     try:
         for kind in ("sharded", "local"):
-            rounds = [_one_round(kind, model, optimizer, box[0], queue) for _ in range(repeats + 1)][1:]
+            rounds = [_one_round(kind, model, optimizer, box[0], queues[kind]) for _ in range(repeats + 1)][1:]
             med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
             med["async_blocked_over_sync"] = med["async_blocked_s"] / med["sync_s"]
             spread = {"async_blocked_over_sync": _spread(r["async_blocked_s"] / r["sync_s"] for r in rounds),
@@ -166,7 +166,8 @@ def rank_main(hidden: int, layers: int, repeats: int) -> dict:
                       "async_blocked_s": _spread(r["async_blocked_s"] for r in rounds)}
             out[kind] = {"median": med, "spread": spread, "rounds": rounds}
     finally:
-        queue.close()
+        for queue in queues.values():
+            queue.close()
         dist.barrier()
         if box[0] and int(os.environ["RANK"]) == 0:
             shutil.rmtree(box[0], ignore_errors=True)

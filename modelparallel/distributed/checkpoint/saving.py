@@ -14,7 +14,7 @@ the coordinator write the metadata. A failure on any rank, in any step, is raise
 
 The background writing and the host buffers are the checkpoint package's own
 (``checkpoint.async_save``: one ``AsyncSaver`` per queue, its ``Stager`` holding the buffers).
-With ``background_staging``, the tensors only an optimizer step changes (``deferral``) are copied
+With ``background_staging``, the tensors only an optimizer step changes (``staging.deferrable``) are copied
 by the background thread before it writes, and every optimizer's next ``step`` waits for that
 copy; the call copies the rest.
 
@@ -32,18 +32,16 @@ directory that refuses to load rather than one that loads half-new files.
 from __future__ import annotations
 
 import copy
-import io
 import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter, SavePlanner, StorageWriter
-from torch.distributed.checkpoint.planner import WriteItemType
 
-from ...checkpoint.async_save import AsyncSaver, Job, Stager
-from .deferral import deferrable
+from ...checkpoint.async_save import AsyncSaver, Job
 from .group_blocks import for_group
+from .staging import StagedPlanner, deferrable, stage
 
 METADATA = ".metadata"
 
@@ -97,54 +95,6 @@ def collective_outcome(group: Group, error: BaseException | None, what: str, pay
         lines = "; ".join(f"rank {rank}: {e}" for rank, e in failed)
         raise CheckpointSaveError(f"{what} failed on {len(failed)} of {len(outcomes)} ranks: {lines}") from error
     return [p for _, p in outcomes]
-
-
-class _StagedPlanner(SavePlanner):
-    """The planner the background writer sees: hands out the staged snapshot of each item."""
-
-    def __init__(self, staged: dict):
-        self.staged = staged
-
-    def resolve_data(self, write_item):
-        data = self.staged[write_item.index]
-        return io.BytesIO(data) if isinstance(data, bytes) else data
-
-    def set_up_planner(self, *args, **kwargs):
-        raise RuntimeError("a staged planner only resolves data")
-
-    def create_local_plan(self):
-        raise RuntimeError("a staged planner only resolves data")
-
-    def create_global_plan(self, all_plans):
-        raise RuntimeError("a staged planner only resolves data")
-
-    def finish_plan(self, new_plan):
-        raise RuntimeError("a staged planner only resolves data")
-
-
-def stage(planner: SavePlanner, plan, stager: Stager | None, deferred_keys: dict | None = None) -> dict:
-    """A host copy of every item ``plan`` writes, in ``stager``'s buffers (reused when an
-    earlier save had the same index, shape and dtype): bytes for objects, tensors copied out of
-    the model's memory; the tensors of keys in ``deferred_keys`` (key -> aliases to watch) are
-    left to ``stager.copy_deferred``. Without a ``stager``: the live tensors (nothing is copied)."""
-    staged = {}
-    if stager is not None:
-        stager.copied_bytes = stager.deferred_bytes = 0
-    for item in plan.items:
-        data = planner.resolve_data(item)
-        if item.type == WriteItemType.BYTE_IO:
-            staged[item.index] = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
-            continue
-        data = data.detach()
-        if stager is None:  # a synchronous save writes from the tensors themselves
-            staged[item.index] = data
-            continue
-        buf = staged[item.index] = stager.buffer((item.index,), data)
-        if item.index.fqn in (deferred_keys or {}) and data.numel() > 0:
-            stager.defer(item.index.fqn, data, data, buf, deferred_keys[item.index.fqn])
-        else:
-            stager.copy_now(data, buf)
-    return staged
 
 
 @dataclass
@@ -256,7 +206,7 @@ def start(state_dict, writer: StorageWriter, planner: SavePlanner | None, group:
         except Exception as e:  # noqa: BLE001 - raised by this rank's write, so by finish() on every rank
             error = e
             saver.stager.deferred.clear()
-    staged_planner = _StagedPlanner(staged)
+    staged_planner = StagedPlanner(staged)
     deferred = bool(saver.stager.deferred)
 
     def write():

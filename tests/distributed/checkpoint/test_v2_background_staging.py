@@ -7,7 +7,7 @@ Training goes on right after the call while staging is held (the stager's ``befo
 released by a timer), so the order of events is fixed, not left to timing. The checkpoint must
 hold exactly the state of the call (compared with a copy taken then, tensor by tensor, after
 loading it into a freshly built model). A failure means modelparallel/distributed/checkpoint
-(``deferral.deferrable_keys``, ``saving.stage``/``start``) or checkpoint/async_save.py
+(``staging.deferrable``, ``staging.stage``, ``saving.start``) or checkpoint/async_save.py
 (``hold_every_optimizer``, ``copy_deferred``) let a step reach the checkpoint, let a step run
 before staging ended, or let a torn copy be finalized. 2 ranks, FSDP1 over both (v2 scripts' model).
 """

@@ -1,4 +1,5 @@
-"""Which tensors of a v2 state dict an asynchronous save may copy after it returns.
+"""Staging a v2 save: which tensors an asynchronous save may copy after it returns, the copy
+itself, and the planner the writer thread reads the copies through.
 
 ``async_save`` is handed state dicts, not the model or the optimizer. Their tensors are the
 training's own memory (a local state dict's, an optimizer's ``state_dict()``'s) or copies FSDP
@@ -20,11 +21,16 @@ tensor changed in place some other way before its copy fails that save on every 
 
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping
 
 import torch
 from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint import SavePlanner
+from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.tensor import DTensor
+
+from ...checkpoint.async_save import Stager
 
 from .state_dict_utils import LocalStateDict
 
@@ -54,3 +60,51 @@ def deferrable(state_dict) -> dict[str, tuple]:
 
     visit(state_dict, (), False)
     return out
+
+
+class StagedPlanner(SavePlanner):
+    """The planner the background writer sees: hands out the staged snapshot of each item."""
+
+    def __init__(self, staged: dict):
+        self.staged = staged
+
+    def resolve_data(self, write_item):
+        data = self.staged[write_item.index]
+        return io.BytesIO(data) if isinstance(data, bytes) else data
+
+    def set_up_planner(self, *args, **kwargs):
+        raise RuntimeError("a staged planner only resolves data")
+
+    def create_local_plan(self):
+        raise RuntimeError("a staged planner only resolves data")
+
+    def create_global_plan(self, all_plans):
+        raise RuntimeError("a staged planner only resolves data")
+
+    def finish_plan(self, new_plan):
+        raise RuntimeError("a staged planner only resolves data")
+
+
+def stage(planner: SavePlanner, plan, stager: Stager | None, deferred_keys: dict | None = None) -> dict:
+    """A host copy of every item ``plan`` writes, in ``stager``'s buffers (reused when an
+    earlier save had the same index, shape and dtype): bytes for objects, tensors copied out of
+    the model's memory; the tensors of keys in ``deferred_keys`` (key -> aliases to watch) are
+    left to ``stager.copy_deferred``. Without a ``stager``: the live tensors (nothing is copied)."""
+    staged = {}
+    if stager is not None:
+        stager.copied_bytes = stager.deferred_bytes = 0
+    for item in plan.items:
+        data = planner.resolve_data(item)
+        if item.type == WriteItemType.BYTE_IO:
+            staged[item.index] = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+            continue
+        data = data.detach()
+        if stager is None:  # a synchronous save writes from the tensors themselves
+            staged[item.index] = data
+            continue
+        buf = staged[item.index] = stager.buffer((item.index,), data)
+        if item.index.fqn in (deferred_keys or {}) and data.numel() > 0:
+            stager.defer(item.index.fqn, data, data, buf, deferred_keys[item.index.fqn])
+        else:
+            stager.copy_now(data, buf)
+    return staged

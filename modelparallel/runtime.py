@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .compat import flatten_mesh
+from .compat import default_group_timeout, flatten_mesh
 from .config import Config, build_config, without_effect
 from . import meshes
 from .meshes import (  # noqa: F401 - the group names and layouts are part of this module's API
@@ -130,7 +130,7 @@ class Runtime:
             return None
         if self._object_group is None:
             self._object_group = meshes.kept(self.mesh_cache, ("object collectives", "gloo"),
-                                             lambda: dist.new_group(backend="gloo"))
+                                             lambda: dist.new_group(backend="gloo", timeout=default_group_timeout()))
         return self._object_group
 
 

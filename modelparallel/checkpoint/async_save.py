@@ -17,11 +17,12 @@ version counter is recorded at the call and compared after its copy and once mor
 copies are done; a changed tensor fails that save on every rank, naming it.
 
 The background phases are collectives. They run on their own gloo process group, created at the
-first asynchronous save by every rank (so never interleaved with the training's collectives on
-the default group) and kept in the runtime's ``meshes.MeshCache``: every later job of the process
-over the same world reuses it (a gloo group keeps its threads and sockets until the process ends). At most one save is in flight per job: the next save (synchronous or not),
-``wait()`` and the interpreter's exit wait for it first, and raise its error, if it failed, on
-every rank.
+first asynchronous save by every rank (so never interleaved with the training's collectives on the
+default group; with the default group's timeout, so a rank whose peer died before creating it fails
+within the job's timeout) and kept in the runtime's ``meshes.MeshCache``: every later job of the
+process over the same world reuses it (a gloo group keeps its threads and sockets until the process
+ends). At most one save is in flight per job: the next save (synchronous or not), ``wait()`` and the
+interpreter's exit wait for it first, and raise its error, if it failed, on every rank.
 
 ``AsyncSaver`` and ``Stager`` know nothing of partial checkpoints: they run any callable on a
 staged state, so the other checkpoint surfaces (full checkpoints, ``distributed.checkpoint``)
@@ -43,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ..compat import default_group_timeout
 from ..meshes import MeshCache, kept
 from ..tp.layout import from_local_like
 
@@ -201,7 +203,8 @@ class AsyncSaver:
         """The background group (a collective the first time the cache has none: call it on
         every rank)."""
         if self.group is None and dist.is_initialized() and dist.get_world_size() > 1:
-            self.group = kept(self.cache, ("checkpoint background", "gloo"), lambda: dist.new_group(backend="gloo"))
+            self.group = kept(self.cache, ("checkpoint background", "gloo"),
+                              lambda: dist.new_group(backend="gloo", timeout=default_group_timeout()))
         return self.group
 
     @property

@@ -7,6 +7,8 @@ failures scattered through the package. Each entry says why the public API does 
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -78,6 +80,24 @@ def unflatten_mesh(mesh: DeviceMesh, dim: str, sizes: tuple[int, ...], names: tu
 from torch.distributed.distributed_c10d import _get_default_store as default_store
 
 
+# The collective timeout of the default process group (the job's: ``init_process_group(timeout=)``).
+# ``new_group`` without a timeout gets PyTorch's default (30 minutes for gloo), not the job's: a
+# rank whose peer died before creating the group with it waits that long. Read from the group's
+# backend options (PyTorch exposes no getter); None when no backend says (the caller then leaves
+# PyTorch's default).
+def default_group_timeout() -> timedelta | None:
+    """The default process group's collective timeout, or None if its backend does not say."""
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            return world._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError):
+            continue
+    return None
+
+
 # Several dimensions of a DeviceMesh as one (the data and context ranks FSDP shards over), kept
 # in the root mesh so DTensors on its other dimensions (TP shards) compose with it; PyTorch
 # exposes no public name for it yet (``DeviceMesh._flatten``).
@@ -96,7 +116,8 @@ flash_attention_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attentio
 # installs the same hook for a whole script); re-exported here as ``modelparallel.compat``'s.
 from .sagemaker.hook import sagemaker_imports  # noqa: E402 - after the private names it sits beside
 
-__all__ = ["FlatParamHandle", "SharedParamInfo", "compute_local_shape_and_global_offset", "dcp_loader_module",
-           "dcp_saver_module", "default_store", "flash_attention_cpu", "flash_attention_cpu_backward", "flatten_mesh",
-           "flatten_state_dict", "fsdp_init_utils", "fsdp_optim_utils", "sagemaker_imports", "set_element",
-           "set_fsdp_flattened", "torch_checkpoint_wrappers", "unflatten_mesh"]
+__all__ = ["FlatParamHandle", "SharedParamInfo", "compute_local_shape_and_global_offset",
+           "dcp_loader_module", "dcp_saver_module", "default_group_timeout", "default_store",
+           "flash_attention_cpu", "flash_attention_cpu_backward", "flatten_mesh", "flatten_state_dict",
+           "fsdp_init_utils", "fsdp_optim_utils", "sagemaker_imports", "set_element", "set_fsdp_flattened",
+           "torch_checkpoint_wrappers", "unflatten_mesh"]

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .compat import unflatten_mesh
+from .compat import default_group_timeout, unflatten_mesh
 from .config import Config
 from .config_keys import PLACEMENTS
 
@@ -168,7 +168,7 @@ def multi_dim_groups(mesh: DeviceMesh) -> dict[tuple[str, ...], dist.ProcessGrou
     groups = {}
     for dims in dict.fromkeys(spanned(d, mesh) for d in GROUP_DIMS.values() if set(d) <= set(DIMS)):
         if len(dims) > 1 and set(dims) != set(spanned(DIMS, mesh)):
-            mine, _ = dist.new_subgroups_by_enumeration(partition(mesh, dims))
+            mine, _ = dist.new_subgroups_by_enumeration(partition(mesh, dims), timeout=default_group_timeout())
             groups[dims] = mine
     return groups
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .compat import flatten_mesh
+from .compat import default_group_timeout, flatten_mesh
 from .config import Config, build_config, without_effect
 from . import meshes
 from .meshes import (  # noqa: F401 - the group names and layouts are part of this module's API
@@ -124,11 +124,13 @@ class Runtime:
     def object_group(self) -> dist.ProcessGroup | None:
         """The group for object collectives (``all_gather_object``): the world on gloo (None), a
         gloo side group over NCCL, created on first use by every rank (object collectives on
-        NCCL need CUDA tensors, and a CPU group keeps them off the GPU stream)."""
+        NCCL need CUDA tensors, and a CPU group keeps them off the GPU stream) and kept in
+        ``mesh_cache`` for the jobs after this one."""
         if dist.get_backend() == "gloo":
             return None
         if self._object_group is None:
-            self._object_group = dist.new_group(backend="gloo")
+            self._object_group = meshes.kept(self.mesh_cache, ("object collectives", "gloo"),
+                                             lambda: dist.new_group(backend="gloo", timeout=default_group_timeout()))
         return self._object_group
 
 

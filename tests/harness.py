@@ -14,6 +14,7 @@ import multiprocessing as mp
 import os
 import queue
 import tempfile
+import time
 import traceback
 from multiprocessing.reduction import ForkingPickler
 
@@ -95,6 +96,19 @@ class RankPool:
             p.join(timeout=5 if not self.broken else 0.1)
             if p.is_alive():
                 p.kill()
+
+
+def thread_count() -> int:
+    """This process's threads (its ``/proc/self/task`` entries) once threads that have just
+    finished are gone: a joined thread can stay listed for a moment while it exits, so the
+    lowest of a few reads is taken (a count that still includes it would look like a leak)."""
+    counts = []
+    for _ in range(20):
+        counts.append(len(os.listdir("/proc/self/task")))
+        if len(counts) >= 3 and counts[-1] == counts[-2] == counts[-3]:
+            break
+        time.sleep(0.05)
+    return min(counts)
 
 
 _POOLS: dict[int, RankPool] = {}

@@ -86,7 +86,7 @@ def save_checkpoint(path: str | Path, tag: str, partial: bool = True, model=None
 def _saver() -> AsyncSaver:
     rt = runtime.current()
     if rt.checkpoint_saver is None:
-        rt.checkpoint_saver = AsyncSaver()
+        rt.checkpoint_saver = AsyncSaver(rt.mesh_cache)
     return rt.checkpoint_saver
 
 

@@ -17,10 +17,12 @@ version counter is recorded at the call and compared after its copy and once mor
 copies are done; a changed tensor fails that save on every rank, naming it.
 
 The background phases are collectives. They run on their own gloo process group, created at the
-first asynchronous save by every rank (so never interleaved with the training's collectives on
-the default group). At most one save is in flight per job: the next save (synchronous or not),
-``wait()`` and the interpreter's exit wait for it first, and raise its error, if it failed, on
-every rank.
+first asynchronous save by every rank (so never interleaved with the training's collectives on the
+default group; with the default group's timeout, so a rank whose peer died before creating it fails
+within the job's timeout) and kept in the runtime's ``meshes.MeshCache``: every later job of the
+process over the same world reuses it (a gloo group keeps its threads and sockets until the process
+ends). At most one save is in flight per job: the next save (synchronous or not), ``wait()`` and the
+interpreter's exit wait for it first, and raise its error, if it failed, on every rank.
 
 ``AsyncSaver`` and ``Stager`` know nothing of partial checkpoints: they run any callable on a
 staged state, so the other checkpoint surfaces (full checkpoints, ``distributed.checkpoint``)
@@ -43,6 +45,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ..compat import default_group_timeout
+from ..meshes import MeshCache, kept
 from ..tp.layout import from_local_like
 
 logger = logging.getLogger("modelparallel")
@@ -197,10 +201,16 @@ class Job:
 
 class AsyncSaver:
     """A job's background checkpoint writer: one save in flight at a time, its error kept and
-    raised by ``wait`` on every rank."""
+    raised by ``wait`` on every rank.
 
-    def __init__(self):
+    Args:
+        cache: where the background process group is kept (the runtime's ``mesh_cache``), so
+            that a saver of each job shares one group; without it the saver makes its own.
+    """
+
+    def __init__(self, cache: MeshCache | None = None):
         self.stager = Stager()
+        self.cache = cache
         self.group: dist.ProcessGroup | None = None
         self.job: Job | None = None
         self._registered = False
@@ -210,9 +220,11 @@ class AsyncSaver:
         return self.job.tag if self.job is not None else None
 
     def process_group(self) -> dist.ProcessGroup | None:
-        """The background group (a collective the first time: call it on every rank)."""
+        """The background group (a collective the first time the cache has none: call it on
+        every rank)."""
         if self.group is None and dist.is_initialized() and dist.get_world_size() > 1:
-            self.group = dist.new_group(backend="gloo")
+            self.group = kept(self.cache, ("checkpoint background", "gloo"),
+                              lambda: dist.new_group(backend="gloo", timeout=default_group_timeout()))
         return self.group
 
     @property

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..compat import default_group_timeout
 from ..meshes import kept
 from ..tp.layout import from_local_like, local_grad, local_part
 from .split import Stage
@@ -47,7 +48,8 @@ def pair_groups(stage: Stage, world_mesh, cache=None) -> dict[tuple[int, int], d
         enum = [(int(grid[a, d, c, t]), int(grid[b, d, c, t]))
                 for d in range(grid.shape[1]) for c in range(grid.shape[2]) for t in range(grid.shape[3])]
         groups[(a, b)] = kept(cache, ("pipeline tie pairs", tuple(enum)),
-                              lambda enum=enum: dist.new_subgroups_by_enumeration([list(e) for e in enum])[0])
+                              lambda enum=enum: dist.new_subgroups_by_enumeration(
+                                  [list(e) for e in enum], timeout=default_group_timeout())[0])
     return groups
 
 

@@ -2,7 +2,8 @@
 prints, as JSON, what rank 0 raised and how long it took. Run by test_checkpoint_peer_death.py
 as a script: the driver imports torch once and forks both ranks.
 
-Usage: python peer_death.py DIR PHASE   (PHASE: "save" or "load")
+Usage: python peer_death.py DIR PHASE   (PHASE: "save", "load", or "async-group": rank 1 dies
+just before the first asynchronous save creates its background process group)
 """
 
 from __future__ import annotations
@@ -17,16 +18,20 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+TIMEOUT_S = {"save": 60, "load": 60, "async-group": 10}
+"""The job's collective timeout per phase (a peer dead before a group is created is only seen
+when the timeout expires, so that phase has a short one)."""
+
 
 def _rank(rank: int, root: Path, phase: str) -> None:
     import torch
     import torch.distributed as dist
 
     import modelparallel as smp
-    from modelparallel.checkpoint import fastread, partial
+    from modelparallel.checkpoint import async_save, fastread, partial
 
     dist.init_process_group("gloo", store=dist.FileStore(str(root / "store"), 2), rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
+                            timeout=timedelta(seconds=TIMEOUT_S[phase]))
     sys.path.insert(0, str(Path(__file__).parent))
     from ckpt_helpers import build
 
@@ -38,11 +43,17 @@ def _rank(rank: int, root: Path, phase: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         if phase == "save":
             partial._write = die
+        elif phase == "async-group":
+            async_save.AsyncSaver.process_group = die
         else:
             fastread.FastReader.read_data = die
     start = time.monotonic()
     try:
-        smp.save_checkpoint(root / "ck", "b") if phase == "save" else smp.resume_from_checkpoint(root / "ck")
+        if phase == "load":
+            smp.resume_from_checkpoint(root / "ck")
+        else:
+            smp.save_checkpoint(root / "ck", "b", async_save=phase == "async-group")
+            smp.wait_for_checkpoints()
         message = None
     except Exception as e:  # noqa: BLE001 - reported to the driver
         message = f"{type(e).__name__}: {e}"

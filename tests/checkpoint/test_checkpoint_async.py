@@ -1,6 +1,7 @@
 """Asynchronous partial saves (``save_checkpoint(..., async_save=True)``): the values of the call
 are what is saved, one save is in flight at a time, staging buffers are reused, a background
-failure is raised on every rank and loses nothing, and an exit without waiting still commits.
+failure is raised on every rank and loses nothing, an exit without waiting still commits, and
+the jobs of one process share one background process group.
 
 A failure means the background writer (modelparallel/checkpoint/async_save.py) or the split of
 a save into staging and background phases (partial.py ``save`` / ``_Phases``) broke a guarantee
@@ -59,6 +60,26 @@ def test_async_saves_hold_the_values_of_the_call_and_reuse_their_buffers(tmp_pat
         sizes, pointers = zip(*r["staged"])
         assert sizes[0] > 0 and len(set(sizes)) == 1, sizes
         assert pointers[0] == pointers[1] == pointers[2], "staging buffers are reused between saves"
+
+
+def jobs_with_async_saves(path: str, jobs: int) -> list[int]:
+    """This rank's thread count after each of ``jobs`` jobs (``smp.init``, a model, an
+    asynchronous save and its wait)."""
+    counts = []
+    for job in range(jobs):
+        build()
+        smp.save_checkpoint(path, f"job{job}", async_save=True, num_kept_partial_checkpoints=1)
+        smp.wait_for_checkpoints()
+        counts.append(harness.thread_count())
+    return counts
+
+
+def test_later_jobs_reuse_the_background_process_group(tmp_path):
+    """The background writer's gloo group (three threads and their sockets, kept until the
+    process ends) is made once per process and world: a script or test process that runs job
+    after job, each saving asynchronously, does not gain threads after the first job."""
+    for rank, counts in enumerate(harness.run(2, jobs_with_async_saves, str(tmp_path), 4)):
+        assert counts[1:] == counts[:1] * 3, f"rank {rank}: threads after each job {counts}"
 
 
 def background_failure(path: str) -> dict:

@@ -72,6 +72,34 @@ def test_v2_script_checkpoints_resume_exactly(config, world, tmp_path):
     harness.run(world, saves_and_resumes, config, str(tmp_path))
 
 
+def repeated_saves(root: str, rounds: int) -> list[int]:
+    """This rank's thread count after each of ``rounds`` rounds of a script's calls: ``init``,
+    ``transform`` and FSDP, a synchronous ``save``, an ``async_save`` on a new queue, its
+    finalizing; sharded over the FSDP group and local over the (script's own) replication group."""
+    tsm.init({"tensor_parallel_degree": 1})
+    groups = replication_group()
+    counts = []
+    for i in range(rounds):
+        tsm.init({"tensor_parallel_degree": 1})
+        model, optimizer = build()
+        train_step(model, optimizer, 0)
+        queue = AsyncCallsQueue()
+        save_sharded(model, optimizer, os.path.join(root, f"sync{i}"), {})
+        save_sharded(model, optimizer, os.path.join(root, f"async{i}"), {}, queue)
+        save_local(model, optimizer, os.path.join(root, f"local{i}"), {}, groups)
+        save_local(model, optimizer, os.path.join(root, f"local-async{i}"), {}, groups, queue)
+        queue.maybe_finalize_async_calls(blocking=True, process_group=groups[0])
+        counts.append(harness.thread_count())
+    return counts
+
+
+def test_repeated_saves_add_no_threads(tmp_path):
+    """Saves, queues and jobs repeated over one world make no process groups after the first
+    round (each gloo group keeps three threads and their sockets until the process ends)."""
+    for rank, counts in enumerate(harness.run(2, repeated_saves, str(tmp_path), 4)):
+        assert counts[1:] == counts[:1] * 3, f"rank {rank}: threads after each round {counts}"
+
+
 def local_refused_at_other_sharding(root):
     tsm.init({"tensor_parallel_degree": 1})  # FSDP shards over both ranks
     model, optimizer = build()

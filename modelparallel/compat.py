@@ -26,6 +26,10 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 # ``flatten_state_dict`` recorded; DCP's planners do the same and export no public helper.
 from torch.distributed.checkpoint._traverse import set_element
 
+# FSDP1's sharded state dicts hold their parameters and optimizer slots as ShardedTensors; an
+# asynchronous v2 save tells them apart from plain tensors (there is no public name for the type).
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+
 # FSDP1 loads optimizer state through this module's ``_gather_state_dict``, which gathers a TP
 # shard's state to the global tensor; the FSDP1 x TP resume wraps it to keep the TP-local block.
 # PyTorch has no hook for it, so the module itself is patched (the function is imported only so
@@ -116,7 +120,7 @@ flash_attention_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attentio
 # installs the same hook for a whole script); re-exported here as ``modelparallel.compat``'s.
 from .sagemaker.hook import sagemaker_imports  # noqa: E402 - after the private names it sits beside
 
-__all__ = ["FlatParamHandle", "SharedParamInfo", "compute_local_shape_and_global_offset",
+__all__ = ["FlatParamHandle", "ShardedTensor", "SharedParamInfo", "compute_local_shape_and_global_offset",
            "dcp_loader_module", "dcp_saver_module", "default_group_timeout", "default_store",
            "flash_attention_cpu", "flash_attention_cpu_backward", "flatten_mesh", "flatten_state_dict",
            "fsdp_init_utils", "fsdp_optim_utils", "sagemaker_imports", "set_element", "set_fsdp_flattened",

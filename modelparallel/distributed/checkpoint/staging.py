@@ -25,13 +25,12 @@ import io
 from collections.abc import Mapping
 
 import torch
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint import SavePlanner
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.tensor import DTensor
 
 from ...checkpoint.async_save import Stager
-
+from ...compat import ShardedTensor
 from .state_dict_utils import LocalStateDict
 
 

@@ -88,10 +88,12 @@ def save(state_dict, *, checkpoint_id: str | os.PathLike | None = None, storage_
          planner: SavePlanner | None = None, process_group: dist.ProcessGroup | None = None,
          coordinator_rank: int = 0, wait_error_handling: bool = True, force_check_all_plans: bool = True,
          s3_region: str | None = None, s3client_config=None) -> None:
-    """Save ``state_dict`` synchronously: ``async_save`` on a private queue, finalized before
-    returning (the same files, the same checks). Arguments as ``async_save``'s."""
+    """Save ``state_dict`` synchronously: ``async_save`` on a private queue that copies nothing,
+    finalized before returning (the same files, the same checks; the plan cache is the default
+    queue's, so a repeated save reuses its plan). Arguments as ``async_save``'s."""
     queue = AsyncCallsQueue()
     queue.staging = "none"  # finished before returning: the files are written from the tensors themselves
+    queue.plans = _default_queue().plans  # a repeated save of the same structure reuses its plan
     try:
         async_save(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
                    process_group=process_group, coordinator_rank=coordinator_rank, queue=queue,

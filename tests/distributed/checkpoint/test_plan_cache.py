@@ -66,3 +66,32 @@ def test_a_repeated_structure_reuses_its_plan_and_a_changed_one_is_planned_again
         # both ranks; 3: reused again; 4: back to the first structure, planned again
         assert r["checks"] == [(0, 1, True), (1, 0, True), (2, 1, True), (3, 0, True), (4, 1, True)], r
         assert r["cached"] == 1, r
+
+
+def repeated_sync_saves(root: str) -> list:
+    from modelparallel.distributed.checkpoint.state_dict_saver import save
+
+    real = saving._global_plan
+    planned = []
+    saving._global_plan = lambda *a, **k: planned.append(1) or real(*a, **k)
+    out = []
+    try:
+        for step in range(3):
+            before = len(planned)
+            path = os.path.join(root, f"sync{step}")
+            state = {**_state(step), "marker": "sync-test"}
+            save(state, checkpoint_id=path)
+            got = _load(path, state)
+            same = all(torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v for k, v in state.items())
+            out.append((len(planned) - before, same))
+    finally:
+        saving._global_plan = real
+    return out
+
+
+def test_repeated_synchronous_saves_reuse_their_plan(tmp_path):
+    """``save`` makes a private queue per call but shares the default queue's plan cache: the
+    second and third saves of one structure skip the global planning and load back exactly."""
+    for r in harness.run(2, repeated_sync_saves, str(tmp_path)):
+        assert [same for _, same in r] == [True, True, True], r
+        assert [n for n, _ in r][1:] == [0, 0], r

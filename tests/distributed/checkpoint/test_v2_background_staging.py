@@ -4,7 +4,8 @@ optimizer's next ``step`` waits for that copy, and anything else changed in plac
 copy fails the save on every rank.
 
 Training goes on right after the call while staging is held (the stager's ``before_copy`` hook,
-released by a timer), so the order of events is fixed, not left to timing. The checkpoint must
+released only once the optimizer step has started), so the order of events is fixed, not left
+to timing. The checkpoint must
 hold exactly the state of the call (compared with a copy taken then, tensor by tensor, after
 loading it into a freshly built model). A failure means modelparallel/distributed/checkpoint
 (``staging.deferrable``, ``staging.stage``, ``saving.start``) or checkpoint/async_save.py
@@ -14,11 +15,13 @@ before staging ended, or let a torn copy be finalized. 2 ranks, FSDP1 over both 
 
 import os
 import threading
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.optim.optimizer as optimizer_module
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import harness
 import modelparallel as tsm
@@ -64,20 +67,30 @@ def steps_during_staging(kind: str, root: str) -> dict:
         train_step(model, optimizer, s)
     queue = AsyncCallsQueue()
     release = threading.Event()
-    queue.saver.stager.before_copy = release.wait
+    queue.saver.stager.before_copy = lambda: (release.wait(), time.sleep(0.2))  # a copy that takes a while
+    entry, seen = [], []
+
+    def at_entry(*_):  # runs before the save's own hook: staging is still paused here, then released
+        entry.append(queue.saver.job.staged.is_set())
+        release.set()
+
+    first = register_optimizer_step_pre_hook(at_entry)
     save(kind, model, optimizer, root, queue)
     want = local_state(model, optimizer)
     job, stager = queue.saver.job, queue.saver.stager
     deferred, copied = stager.deferred_bytes, stager.copied_bytes
-    seen = []
-    late = optimizer.register_step_pre_hook(lambda *_: seen.append(job.staged.is_set()))
-    threading.Timer(0.3, release.set).start()
+    late = optimizer.register_step_pre_hook(lambda *_: seen.append(job.staged.is_set()))  # after every global hook
+    safety = threading.Timer(60, release.set)  # never needed unless the step is never reached
+    safety.start()
     train_step(model, optimizer, 2)  # forward, backward, clipping: then the step waits
+    safety.cancel()
+    first.remove()
     late.remove()
     queue.maybe_finalize_async_calls(blocking=True)
     hooks_left = len(optimizer_module._global_optimizer_pre_hooks)
     fresh, fresh_opt = load(kind, root)
-    return {"deferred": deferred, "copied": copied, "seen": seen, "held": job.held_s, "hooks_left": hooks_left,
+    return {"deferred": deferred, "copied": copied, "entry": entry, "seen": seen, "held": job.held_s,
+            "hooks_left": hooks_left,
             "diff": differences(want, local_state(fresh, fresh_opt)),
             "moved": differences(want, local_state(model, optimizer))}
 
@@ -86,8 +99,9 @@ def steps_during_staging(kind: str, root: str) -> dict:
 def test_training_right_after_async_save_waits_and_the_checkpoint_holds_the_call(kind, tmp_path):
     for r in harness.run(2, steps_during_staging, kind, str(tmp_path)):
         assert r["deferred"] > 10 * r["copied"], f"the parameters and slots were not left to the background: {r}"
+        assert r["entry"] == [False], "staging was done before the step even started: the test proves nothing"
         assert r["seen"] == [True], "the optimizer step ran before staging was done"
-        assert r["held"] > 0.05, r["held"]
+        assert r["held"] > 0.1, f"the step's wait was not counted: {r['held']} (the copy takes >= 0.2 s)"
         assert r["moved"], "the step after the save changed nothing: the test would prove nothing"
         assert r["diff"] == [], f"the checkpoint is not the state of the call: {r['diff'][:5]}"
         assert r["hooks_left"] == 0, "the global step hook is removed once the save is done"

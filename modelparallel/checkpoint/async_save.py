@@ -86,14 +86,14 @@ class Stager:
     """Host copies of a nested state (dicts, lists, tensors, DTensors, plain values), in buffers
     kept between saves: the same tensors at the same shapes are copied into the same memory."""
 
-    def __init__(self):
+    def __init__(self, wording: tuple[str, str] = OUR_WORDING):
         self.buffers: dict[tuple, torch.Tensor] = {}
         self.deferred: list[_Deferred] = []
         self.before_copy: Callable[[], None] | None = None
         """Called by ``copy_deferred`` before its first copy (tests pause staging with it)."""
         self.copied_bytes = self.deferred_bytes = 0
         """Bytes the last ``stage`` copied in the call / left to ``copy_deferred``."""
-        self.wording = OUR_WORDING
+        self.wording = wording
         """(the call, what to do) for the message of a tensor changed before its copy."""
 
     @property
@@ -208,8 +208,8 @@ class AsyncSaver:
             that a saver of each job shares one group; without it the saver makes its own.
     """
 
-    def __init__(self, cache: MeshCache | None = None):
-        self.stager = Stager()
+    def __init__(self, cache: MeshCache | None = None, wording: tuple[str, str] = OUR_WORDING):
+        self.stager = Stager(wording)
         self.cache = cache
         self.group: dist.ProcessGroup | None = None
         self.job: Job | None = None

@@ -31,6 +31,10 @@ logger = logging.getLogger("modelparallel")
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
+V2_WORDING = ("async_save", "This save fails (its directory has no .metadata and does not load). Change tensors "
+              "only in an optimizer's step (which waits for staging), call maybe_finalize_async_calls(blocking=True) "
+              "first, or use AsyncCallsQueue(background_staging=False)")
+
 
 class AsyncCallsQueue:
     """Pending asynchronous checkpoint saves, oldest first, and their host staging buffers."""
@@ -43,12 +47,8 @@ class AsyncCallsQueue:
         self.staging = "background" if background_staging else "call"
         self._pending: deque[tuple[int, saving.PendingSave]] = deque()
         self._next_index = 0
-        self.saver = AsyncSaver()
+        self.saver = AsyncSaver(wording=V2_WORDING)
         """The background writer; its ``stager`` keeps the host buffers, by DCP write item."""
-        self.saver.stager.wording = (
-            "async_save", "This save fails (its directory has no .metadata and does not load). Change tensors "
-            "only in an optimizer's step (which waits for staging), call maybe_finalize_async_calls(blocking=True) "
-            "first, or use AsyncCallsQueue(background_staging=False)")
         self.plans = saving.PlanCache()
         _LIVE.add(self)
 

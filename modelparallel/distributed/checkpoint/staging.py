@@ -89,7 +89,7 @@ def stage(planner: SavePlanner, plan, stager: Stager | None, deferred_keys: dict
     earlier save had the same index, shape and dtype): bytes for objects, tensors copied out of
     the model's memory; the tensors of keys in ``deferred_keys`` (key -> aliases to watch) are
     left to ``stager.copy_deferred``. Without a ``stager``: the live tensors (nothing is copied)."""
-    staged = {}
+    staged, deferred_keys = {}, deferred_keys or {}
     if stager is not None:
         stager.copied_bytes = stager.deferred_bytes = 0
     for item in plan.items:
@@ -102,7 +102,7 @@ def stage(planner: SavePlanner, plan, stager: Stager | None, deferred_keys: dict
             staged[item.index] = data
             continue
         buf = staged[item.index] = stager.buffer((item.index,), data)
-        if item.index.fqn in (deferred_keys or {}) and data.numel() > 0:
+        if item.index.fqn in deferred_keys and data.numel() > 0:
             stager.defer(item.index.fqn, data, data, buf, deferred_keys[item.index.fqn])
         else:
             stager.copy_now(data, buf)

@@ -75,8 +75,10 @@ from torch.distributed.checkpoint.state_dict_saver import _save_state_dict  # no
 # ``_unflatten`` makes such a mesh share the world mesh's root (FSDP and DTensor then accept
 # meshes sliced from both), where a second ``DeviceMesh`` would be an unrelated one.
 def unflatten_mesh(mesh: DeviceMesh, dim: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
-    """``mesh`` with dimension ``dim`` split into ``names`` of ``sizes`` (``DeviceMesh._unflatten``)."""
-    return mesh._unflatten(dim, sizes, names)
+    """``mesh`` with dimension ``dim`` split into ``names`` of ``sizes`` (``DeviceMesh._unflatten``),
+    its new groups with the job's timeout."""
+    override = {n: c for n, size in zip(names, sizes) if (c := mesh_group_config(mesh.device_type, size)) != (None, None)}
+    return mesh._unflatten(dim, sizes, names, backend_override=override or None)
 
 # The job's key-value store (torchrun's, or the one init_process_group was given): when a peer dies
 # mid-collective the process group is broken, and the store is the one channel left through which
@@ -106,8 +108,27 @@ def default_group_timeout() -> timedelta | None:
 # in the root mesh so DTensors on its other dimensions (TP shards) compose with it; PyTorch
 # exposes no public name for it yet (``DeviceMesh._flatten``).
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
-    """``mesh``'s dimensions as one named ``name`` (created once per root mesh, then reused)."""
-    return mesh._flatten(name)
+    """``mesh``'s dimensions as one named ``name`` (created once per root mesh, then reused), its
+    group with the job's timeout."""
+    config = mesh_group_config(mesh.device_type, mesh.size())
+    return mesh._flatten(name, backend_override=None if config == (None, None) else config)
+
+
+def mesh_group_config(device_type: str, size: int) -> tuple:
+    """The ``(backend, options)`` a mesh dimension of ``size`` ranks is created with: on CPU, gloo
+    with the default group's timeout, since a mesh's groups otherwise get PyTorch's default (30
+    minutes for gloo) where the job asked for its own (a rank waiting on a peer that hangs would
+    wait that long). ``(None, None)``, PyTorch's choice, for a dimension of one rank or of the whole
+    world (those reuse the default group) and on accelerators (whose default backend may be a
+    per-device pair that one backend name would narrow)."""
+    import torch.distributed as dist
+
+    timeout = default_group_timeout()
+    if device_type != "cpu" or timeout is None or size in (1, dist.get_world_size()):
+        return (None, None)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    return ("gloo", options)
 
 
 # PyTorch's fused CPU attention kernel with its log-sum-exp, and its backward given an output and
@@ -123,5 +144,6 @@ from .sagemaker.hook import sagemaker_imports  # noqa: E402 - after the private 
 __all__ = ["FlatParamHandle", "ShardedTensor", "SharedParamInfo", "compute_local_shape_and_global_offset",
            "dcp_loader_module", "dcp_saver_module", "default_group_timeout", "default_store",
            "flash_attention_cpu", "flash_attention_cpu_backward", "flatten_mesh", "flatten_state_dict",
+           "mesh_group_config",
            "fsdp_init_utils", "fsdp_optim_utils", "sagemaker_imports", "set_element", "set_fsdp_flattened",
            "torch_checkpoint_wrappers", "unflatten_mesh"]

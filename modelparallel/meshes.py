@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .compat import default_group_timeout, unflatten_mesh
+from .compat import default_group_timeout, mesh_group_config, unflatten_mesh
 from .config import Config
 from .config_keys import PLACEMENTS
 
@@ -136,6 +136,18 @@ def carried(previous: MeshCache | None) -> MeshCache:
     return MeshCache(dist.group.WORLD)
 
 
+def background_group(cache: MeshCache | None) -> dist.ProcessGroup:
+    """The gloo group the asynchronous checkpoint writer's collectives run on, beside the
+    training thread's (a collective from another thread on the same group could interleave
+    with training's), made once per ``cache`` (a collective: call it on every rank).
+
+    ``init`` makes it at start-up when the world has more than one rank: a group made later, in
+    the middle of training, is a moment where a rank that dies leaves the others in gloo's
+    connect, which retries for several times the group's timeout before giving up."""
+    return kept(cache, ("checkpoint background", "gloo"),
+                lambda: dist.new_group(backend="gloo", timeout=default_group_timeout()))
+
+
 def spanned(dims: tuple[str, ...], mesh: DeviceMesh) -> tuple[str, ...]:
     """The dimensions of ``dims`` with more than one rank (those a group actually spans); the
     first one if none has, so a trivial group is a one-rank mesh dimension's group."""
@@ -175,7 +187,8 @@ def multi_dim_groups(mesh: DeviceMesh) -> dict[tuple[str, ...], dist.ProcessGrou
 
 def build(device: torch.device, layout: torch.Tensor, dp: int, ep: int) -> Meshes:
     """The world mesh, its expert form and its multi-dimension groups (collectives of every rank)."""
-    world = DeviceMesh(device.type, layout, mesh_dim_names=DIMS)
+    world = DeviceMesh(device.type, layout, mesh_dim_names=DIMS,
+                       backend_override=tuple(mesh_group_config(device.type, n) for n in layout.shape))
     expert = unflatten_mesh(world, "dp", (dp // ep, ep), EXPERT_DIMS[1:3])
     return Meshes(world, expert, multi_dim_groups(world))
 

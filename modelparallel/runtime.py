@@ -201,6 +201,8 @@ def init(config: dict | str | None = None, *, timeout_s: float = 300.0) -> Runti
     cache = meshes.carried(_RUNTIME.mesh_cache if _RUNTIME is not None else None)
     built = cache.get(device, layout, ep, lambda: meshes.build(device, layout, cfg.dp_degree, ep))
     world_mesh = built.world
+    if dist.get_world_size() > 1:
+        meshes.background_group(cache)  # now, not at the first asynchronous save (see there)
     torch.manual_seed(cfg.random_seed)
     random.seed(cfg.random_seed)
     _RUNTIME = Runtime(config=cfg, world_mesh=world_mesh, mesh=world_mesh["dp", "tp"], device=device,

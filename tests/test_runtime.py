@@ -216,3 +216,54 @@ def test_rebuilding_models_reuses_their_process_groups(world, build):
     are kept with the runtime's meshes (each gloo group would keep three threads for good)."""
     for counts in harness.run(world, _threads_per_round, build, 4):
         assert counts[1:] == [counts[1]] * 3, f"threads after each rebuild: {counts}"
+
+
+def _cp_tp():
+    smp.init({"context_parallel_degree": 2, "tensor_parallel_degree": 2})
+
+
+def _group_timeouts(build) -> dict[str, float]:
+    """Collective timeout (s) of every process group of more than one rank that the library made
+    for ``build``'s layout and model: the meshes' dimensions, flattened and split dimensions,
+    multi-dimension groups, the checkpoint writer's group, FSDP1's hybrid mesh, tied-weight pairs."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from modelparallel import runtime
+    from modelparallel.meshes import Meshes
+
+    build()
+    rt = runtime._RUNTIME
+    _ = rt.dp_mesh  # the flattened data x context dimension, made on first use
+
+    def of_mesh(mesh):
+        root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+        meshes = [mesh] + list(getattr(root, "_flatten_mapping", {}).values())
+        return [(f"{m.mesh_dim_names[i]}", m.get_group(i)) for m in meshes for i in range(m.ndim)]
+
+    found = []
+    for key, value in rt.mesh_cache.built.items():
+        if isinstance(value, Meshes):
+            found += of_mesh(value.world) + of_mesh(value.expert)
+            found += [(f"groups {dims}", g) for dims, g in value.groups.items()]
+        elif isinstance(value, DeviceMesh):
+            found += of_mesh(value)
+        for g in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(g, dist.ProcessGroup):
+                found.append((str(key[0]), g))
+    out = {}
+    for name, group in found:
+        if group is not None and dist.get_world_size(group) > 1:
+            out[name] = group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    return out
+
+
+@pytest.mark.parametrize("world, build", [(4, _cp_tp), (2, _gpt2_pipeline), (4, _fsdp1_hybrid),
+                                          (4, _expert_fsdp1_hybrid)],
+                         ids=["cp-tp", "pipeline-ties", "fsdp1-hybrid", "expert-fsdp1-hybrid"])
+def test_every_group_has_the_jobs_timeout(world, build):
+    """The job's collective timeout (``harness``: 120 s) holds for every group the library makes,
+    not only the default one: PyTorch gives a group made without one its own default (30 minutes
+    on gloo), so a rank whose peer hangs in a collective of a mesh dimension would wait that long."""
+    for timeouts in harness.run(world, _group_timeouts, build):
+        assert len(timeouts) >= 2, timeouts
+        assert set(timeouts.values()) == {120.0}, timeouts

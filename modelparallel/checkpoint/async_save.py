@@ -16,12 +16,12 @@ yet copied. Anything else that changes a deferred tensor in place is caught: eac
 version counter is recorded at the call and compared after its copy and once more when all
 copies are done; a changed tensor fails that save on every rank, naming it.
 
-The background phases are collectives. They run on their own gloo process group, created at the
-first asynchronous save by every rank (so never interleaved with the training's collectives on the
-default group; with the default group's timeout, so a rank whose peer died before creating it fails
-within the job's timeout) and kept in the runtime's ``meshes.MeshCache``: every later job of the
-process over the same world reuses it (a gloo group keeps its threads and sockets until the process
-ends). At most one save is in flight per job: the next save (synchronous or not), ``wait()`` and the
+The background phases are collectives. They run on their own gloo process group
+(``meshes.background_group``: never interleaved with the training's collectives on the default
+group; with the default group's timeout), made by ``init`` at start-up and kept in the runtime's
+``meshes.MeshCache``: every later job of the process over the same world reuses it (a gloo group
+keeps its threads and sockets until the process ends). A saver without a cache makes its own at
+its first save. At most one save is in flight per job: the next save (synchronous or not), ``wait()`` and the
 interpreter's exit wait for it first, and raise its error, if it failed, on every rank.
 
 ``AsyncSaver`` and ``Stager`` know nothing of partial checkpoints: they run any callable on a
@@ -45,8 +45,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..compat import default_group_timeout
-from ..meshes import MeshCache, kept
+from ..meshes import MeshCache, background_group
 from ..tp.layout import from_local_like
 
 logger = logging.getLogger("modelparallel")
@@ -223,8 +222,7 @@ class AsyncSaver:
         """The background group (a collective the first time the cache has none: call it on
         every rank)."""
         if self.group is None and dist.is_initialized() and dist.get_world_size() > 1:
-            self.group = kept(self.cache, ("checkpoint background", "gloo"),
-                              lambda: dist.new_group(backend="gloo", timeout=default_group_timeout()))
+            self.group = background_group(self.cache)
         return self.group
 
     @property

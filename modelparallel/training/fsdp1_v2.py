@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
-from ..compat import FlatParamHandle, fsdp_init_utils
+from ..compat import FlatParamHandle, fsdp_init_utils, mesh_group_config
 from ..expert import fsdp1 as expert_fsdp1
 from ..meshes import kept
 from . import fsdp1_dtensor_views
@@ -104,7 +104,9 @@ def _hsdp_mesh(lay: Layout) -> DeviceMesh:
     dp, n = _ranks(lay.dp_mesh), lay.hybrid_shard_degree
     layout = lay.dp_mesh.mesh.reshape(len(dp) // n, n)
     return kept(lay.mesh_cache, ("fsdp1 hybrid", lay.dp_mesh.device_type, tuple(dp), n),
-                lambda: DeviceMesh(lay.dp_mesh.device_type, layout, mesh_dim_names=("replicate", "shard")))
+                lambda: DeviceMesh(lay.dp_mesh.device_type, layout, mesh_dim_names=("replicate", "shard"),
+                                   backend_override=tuple(mesh_group_config(lay.dp_mesh.device_type, k)
+                                                          for k in layout.shape)))
 
 
 def _expert_mesh(lay: Layout) -> DeviceMesh:

@@ -324,6 +324,9 @@ def main(argv=None) -> int:
         args.json.write_text(json.dumps(summary, indent=1))
     for r in failed:
         print(f"trial {r['trial']} ({r['mode']}, victim {r['victim']}): {r['problem']}")
+        for rank, code in r["exit_codes"].items():
+            if code is None:  # a hung rank's log ends with its threads' stacks
+                print(f"--- rank {rank}'s log (end) ---\n{r['logs'][int(rank)][-2500:]}")
     print(f"{len(records) - len(failed)} passed, {len(failed)} failed")
     return 1 if failed else 0
 

@@ -10,6 +10,10 @@ rotates so no method always follows another:
   threads). The fastest is the disk's limit for that repeat: the best a writer of these bytes
   does on this disk, whatever the pattern (the save's writer uses the 32 MiB pattern, one file
   per rank and part, from this measurement);
+* ``tensors``: each rank writes the very tensors its save writes (captured from the planner at a
+  warm-up save), straight from their memory with the same write-back, then fsyncs: what a
+  writer of these bytes without any format would take (``sync_vs_tensors``); the ``disk``
+  pattern's source is one 64 MiB block, mapped and warm, where a save reads gigabytes;
 * ``sync``: ``smp.save_checkpoint(partial=True)`` (serialization, checksums, fsync, commit);
 * ``dcp``: ``torch.distributed.checkpoint.save`` of the same state, fsynced as DCP does;
 * ``retention``: deleting a checkpoint, which a save with ``num_kept_partial_checkpoints`` does
@@ -80,13 +84,65 @@ def _disk(work: Path, nbytes: int, writeback: int | None, files: int = 1) -> flo
     return seconds
 
 
+def _resolved_tensors(save) -> list:
+    """The tensors ``save()`` writes on this rank (what its planner resolves: the rank's own
+    shards after the dedup, made contiguous), kept by reference."""
+    from modelparallel.checkpoint.fastread import ContiguousSavePlanner
+
+    seen, original = [], ContiguousSavePlanner.resolve_data
+
+    def resolve(self, item):
+        data = original(self, item)
+        if hasattr(data, "untyped_storage"):
+            seen.append(data)
+        return data
+
+    ContiguousSavePlanner.resolve_data = resolve
+    try:
+        save()
+    finally:
+        ContiguousSavePlanner.resolve_data = original
+    return seen
+
+
+def _disk_tensors(work: Path, tensors: list) -> float:
+    """Seconds for every rank to write the bytes of its own ``tensors`` straight from their memory
+    (no serialization: one write per tensor, 64 MiB at most), starting write-back every 32 MiB,
+    then fsync: the speed limit of a writer of these tensors, where ``_disk`` writes one 64 MiB
+    block over and over (its source stays mapped and warm)."""
+    import torch
+    import torch.distributed as dist
+
+    start_writeback = ctypes.CDLL(None, use_errno=True).sync_file_range
+    path = work / f"tensors{dist.get_rank()}.bin"
+
+    def write():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            done = synced = 0
+            for t in tensors:
+                view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+                for i in range(0, len(view), BLOCK):
+                    done += os.write(fd, view[i:i + BLOCK])
+                    if done - synced >= WRITEBACK:
+                        start_writeback(fd, ctypes.c_int64(synced), ctypes.c_int64(done - synced), 2)
+                        synced = done
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    seconds = base._timed(write)
+    path.unlink()
+    return seconds
+
+
 SWEEP = {"disk_writeback_8mib": dict(writeback=8 << 20), "disk_writeback_128mib": dict(writeback=128 << 20),
          "disk_writeback_2files": dict(writeback=WRITEBACK, files=2)}
 """Other write patterns ``--sweep`` adds: the write-back interval and the number of files (threads)
 per rank the save's writer could use."""
 
 
-def _methods(model, optimizer, work: Path, r: int, nbytes: int, sweep: bool) -> dict:
+def _methods(model, optimizer, work: Path, r: int, nbytes: int, sweep: bool, tensors: list) -> dict:
     import modelparallel as smp
 
     def sync():
@@ -99,7 +155,7 @@ def _methods(model, optimizer, work: Path, r: int, nbytes: int, sweep: bool) -> 
         return t
 
     runs = {"sync": sync, "dcp": dcp, "disk_plain": lambda: _disk(work, nbytes, None),
-            "disk_writeback": lambda: _disk(work, nbytes, WRITEBACK)}
+            "disk_writeback": lambda: _disk(work, nbytes, WRITEBACK), "tensors": lambda: _disk_tensors(work, tensors)}
     if sweep:
         runs.update({name: (lambda kw=kw: _disk(work, nbytes, **kw)) for name, kw in SWEEP.items()})
     names = list(runs)
@@ -132,12 +188,14 @@ def worker(args) -> None:
     common.one_thread()
     model, optimizer = base._build(args.preset)
     work = Path(args.work)
-    smp.save_checkpoint(work / "sync", "warm")  # first-touch costs (page cache, planner) out of the timings
+    # first-touch costs (page cache, planner) out of the timings; what it writes is kept for "tensors"
+    tensors = _resolved_tensors(lambda: smp.save_checkpoint(work / "sync", "warm"))
     nbytes = base._dir_bytes(work / "sync" / "warm_partial")
     shutil.rmtree(work / "sync" / "warm_partial") if smp.rank() == 0 else None
     rows: dict[str, list[float]] = {}
     for r in range(args.repeats):
-        for name, seconds in _methods(model, optimizer, work, r, nbytes // dist.get_world_size(), args.sweep).items():
+        for name, seconds in _methods(model, optimizer, work, r, nbytes // dist.get_world_size(), args.sweep,
+                                       tensors).items():
             rows.setdefault(name, []).append(seconds)
         rows.setdefault("retention", [])
         rows["retention"].append(_retention(work, r))
@@ -149,7 +207,10 @@ def worker(args) -> None:
               **{k: _spread(v, nbytes) for k, v in rows.items()},
               "sync_vs_disk": statistics.median(rows["disk"]) / statistics.median(rows["sync"]),
               "sync_vs_disk_per_repeat": [d / s for d, s in zip(rows["disk"], rows["sync"])],
-              "sync_vs_dcp": statistics.median(rows["dcp"]) / statistics.median(rows["sync"])}
+              "sync_vs_dcp": statistics.median(rows["dcp"]) / statistics.median(rows["sync"]),
+              "tensor_bytes_per_rank": common.slowest([sum(t.numel() * t.element_size() for t in tensors)])[0],
+              "sync_vs_tensors": statistics.median(rows["tensors"]) / statistics.median(rows["sync"]),
+              "sync_vs_tensors_per_repeat": [t / s for t, s in zip(rows["tensors"], rows["sync"])]}
     if smp.rank() == 0:
         common.report(result)
     dist.barrier()
@@ -180,7 +241,8 @@ def main() -> None:
           f"({d['min_s']:.2f}-{d['max_s']:.2f} s); sync save {s['median_mb_s']:.0f} MB/s ({s['min_s']:.2f}-"
           f"{s['max_s']:.2f} s) = {result['sync_vs_disk']:.2f}x the disk (per repeat "
           f"{min(result['sync_vs_disk_per_repeat']):.2f}-{max(result['sync_vs_disk_per_repeat']):.2f}); DCP "
-          f"{c['median_mb_s']:.0f} MB/s; retention {result['retention']['median_s']:.2f} s; load average "
+          f"{c['median_mb_s']:.0f} MB/s; the same tensors written raw {result['tensors']['median_mb_s']:.0f} MB/s "
+          f"(save = {result['sync_vs_tensors']:.2f}x of it); retention {result['retention']['median_s']:.2f} s; load average "
           f"{result['load_average_before']:.1f} -> {result['load_average_after']:.1f}")
 
 

@@ -61,7 +61,7 @@ def run_worker(variant: str, steps: int) -> dict:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     import modelparallel as smp
-    from modelparallel.activations import offloader_for
+    from modelparallel.activations import job_offloader
 
     opts = VARIANTS[variant]
     smp.init({"tensor_parallel_degree": 2, "random_seed": SEED,
@@ -72,7 +72,7 @@ def run_worker(variant: str, steps: int) -> dict:
     if opts.get("checkpoint"):
         smp.set_activation_checkpointing(model.module.transformer.h)
     ids = torch.randint(0, SHAPE["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(SEED))
-    offloader = offloader_for(smp.runtime.current().config)
+    offloader = job_offloader()
     rss_before = common.status_mb("VmRSS")
     times, saved, offloaded, losses = [], 0, 0, []
     for step in range(steps):

@@ -61,6 +61,8 @@ class Runtime:
     held_locks: dict = field(default_factory=dict)
     """Locks this job holds until it ends (checkpoint directories it saved into, by real path);
     released when ``init`` starts another job."""
+    offloaders: dict = field(default_factory=dict)
+    """The job's activation offloaders, by prefetch horizon (``activations.offload``)."""
     checkpoint_saver: Any = None
     """The job's background checkpoint writer (``checkpoint.async_save.AsyncSaver``), made at its
     first asynchronous save."""
@@ -240,6 +242,14 @@ def _fsdp1_layout():
 
 
 _LOGGED_KEYS: set[str] = set()
+"""What was logged once per process already (config keys without effect, one-time notices)."""
+
+
+def log_once(log: logging.Logger, message: str) -> None:
+    """Log ``message`` at info level the first time this process asks."""
+    if message not in _LOGGED_KEYS:
+        _LOGGED_KEYS.add(message)
+        log.info(message)
 
 
 def _log_without_effect(keys: dict[str, Any]) -> None:

@@ -1,8 +1,8 @@
 """Activation memory: checkpointing (recompute in backward) and offloading (keep on the host)."""
 
-from .checkpointing import (STRATEGIES, is_activation_checkpointed, run_checkpointed, run_sequential, segments,
-                            set_activation_checkpointing)
+from .checkpointing import (STRATEGIES, is_activation_checkpointed, job_offloader, run_checkpointed, run_sequential,
+                            segments, set_activation_checkpointing)
 from .offload import ActivationOffloader, offloader_for
 
-__all__ = ["STRATEGIES", "ActivationOffloader", "is_activation_checkpointed", "offloader_for", "run_checkpointed",
+__all__ = ["STRATEGIES", "ActivationOffloader", "is_activation_checkpointed", "job_offloader", "offloader_for", "run_checkpointed",
            "run_sequential", "segments", "set_activation_checkpointing"]

@@ -35,7 +35,6 @@ from .offload import offloader_for
 logger = logging.getLogger("modelparallel")
 
 STRATEGIES = ("each", "contiguous", "group_N")
-_WARNED: list[bool] = []
 _GROUP = re.compile(r"group_(\d+)")
 
 
@@ -68,8 +67,13 @@ def segments(num_layers: int, strategy: str, what: str = "module") -> list[range
     return [range(i, min(i + size, num_layers)) for i in range(0, num_layers, size)]
 
 
-def _config():
-    return runtime.current().config if runtime.is_initialized() else None
+def job_offloader():
+    """The running job's activation offloader (None without a job, or with offloading off),
+    kept on its runtime: the checkpointed regions and the offload wrappers of one job share it."""
+    if not runtime.is_initialized():
+        return None
+    rt = runtime.current()
+    return offloader_for(rt.config, rt.offloaders)
 
 
 def _is_cache(value) -> bool:
@@ -94,10 +98,8 @@ def _without_cache(fn, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         raise NotImplementedError(
             f"activation checkpointing of {name} with a filled key/value cache (past_key_values): its "
             f"recomputation would extend the cache twice; run without a cache or under torch.no_grad()")
-    if not _WARNED:
-        _WARNED.append(True)
-        logger.info("activation-checkpointed layers run without their key/value cache (recomputation would "
-                    "fill it twice); the model returns an empty cache")
+    runtime.log_once(logger, "activation-checkpointed layers run without their key/value cache (recomputation "
+                     "would fill it twice); the model returns an empty cache")
     args = tuple(None if _is_cache(v) else v for v in args)
     kwargs = {k: None if _is_cache(v) else v for k, v in kwargs.items()}
     if "use_cache" in kwargs:
@@ -113,7 +115,7 @@ def run_checkpointed(fn, args: tuple, kwargs: dict, preserve_rng_state: bool = T
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     args, kwargs = _without_cache(fn, args, kwargs)
-    offloader = offloader_for(_config())
+    offloader = job_offloader()
     with offloader.region() if offloader is not None else nullcontext():
         return torch_checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
 

@@ -133,21 +133,21 @@ class ActivationOffloader:
             self.events.append((what, region))
 
 
-_OFFLOADERS: dict[int, ActivationOffloader] = {}
-
-
-def offloader_for(config) -> ActivationOffloader | None:
-    """The process's offloader for ``config`` (``None`` when offloading is off).
+def offloader_for(config, kept: dict | None = None) -> ActivationOffloader | None:
+    """The offloader for ``config`` (``None`` when offloading is off).
 
     ``offload_activations`` (v1 name) or ``sm_activation_offloading`` (v2 name) turns it on;
-    ``activation_loading_horizon`` sets the prefetch distance. One offloader per horizon, so its
-    bookkeeping spans every checkpointed region of a step.
+    ``activation_loading_horizon`` sets the prefetch distance. ``kept`` (the job's: the
+    runtime's ``offloaders``) holds one offloader per horizon, so its bookkeeping spans every
+    checkpointed region of a step; without it a new one is made.
     """
     if config is None:
         return None
     if not (getattr(config, "offload_activations", False) or getattr(config, "sm_activation_offloading", False)):
         return None
     horizon = getattr(config, "activation_loading_horizon", 4)
-    if horizon not in _OFFLOADERS:
-        _OFFLOADERS[horizon] = ActivationOffloader(horizon)
-    return _OFFLOADERS[horizon]
+    if kept is None:
+        return ActivationOffloader(horizon)
+    if horizon not in kept:
+        kept[horizon] = ActivationOffloader(horizon)
+    return kept[horizon]

@@ -20,22 +20,17 @@ import contextvars
 import functools
 from contextlib import nullcontext
 
-from .. import runtime
 from ..compat import torch_checkpoint_wrappers as _wrappers
-from .offload import offloader_for
+from .checkpointing import job_offloader
 
 _MARK = "_mp_offload_wrapper"
 _offloading = contextvars.ContextVar("modelparallel_offload_wrapper", default=None)
 
 
-def _job_offloader():
-    return offloader_for(runtime.current().config) if runtime.is_initialized() else None
-
-
 def _offloading_forward(forward):
     @functools.wraps(forward)
     def offloaded(self, *args, **kwargs):
-        offloader = _job_offloader()
+        offloader = job_offloader()
         if offloader is None:
             return forward(self, *args, **kwargs)
         token = _offloading.set(offloader)

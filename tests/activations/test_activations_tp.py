@@ -15,7 +15,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import harness
 import modelparallel as smp
-from modelparallel.activations import offloader_for
+from modelparallel.activations import job_offloader
 from reference import assert_close, assert_grads_match, assert_replicas_train_like_one_process, token_batches
 
 LAYERS = 3
@@ -43,7 +43,7 @@ def check_against_hf(tp, when, offload):
         smp.set_activation_checkpointing(model.module.transformer.h)
     mlp_calls = []
     model.module.transformer.h[0].mlp.register_forward_pre_hook(lambda *_: mlp_calls.append(1))  # recomputation may stop early, before a post-hook
-    offloader = offloader_for(smp.runtime.current().config)
+    offloader = job_offloader()
     if offload:
         offloader.events = []
     ids = _ids()

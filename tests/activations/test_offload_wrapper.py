@@ -21,7 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import harness
 import modelparallel as smp
-from modelparallel.activations.offload import offloader_for
+from modelparallel.activations import job_offloader
 from modelparallel.tensor_parallel.transformer import TransformerLayer
 from reference import assert_replicas_train_like_one_process, token_batches
 
@@ -43,7 +43,7 @@ def scripts_model(offloading):
 
 def offloaded_training():
     ref, model = scripts_model(True)
-    offloader = offloader_for(smp.state.cfg)
+    offloader = job_offloader()
     offloader.events = []
     assert_replicas_train_like_one_process(ref, model, token_batches(101, 4), compare_grads=False)
     offloaded = {region for what, region in offloader.events if what == "offload"}

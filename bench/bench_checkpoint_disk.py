@@ -242,7 +242,8 @@ def main() -> None:
           f"{s['max_s']:.2f} s) = {result['sync_vs_disk']:.2f}x the disk (per repeat "
           f"{min(result['sync_vs_disk_per_repeat']):.2f}-{max(result['sync_vs_disk_per_repeat']):.2f}); DCP "
           f"{c['median_mb_s']:.0f} MB/s; the same tensors written raw {result['tensors']['median_mb_s']:.0f} MB/s "
-          f"(save = {result['sync_vs_tensors']:.2f}x of it); retention {result['retention']['median_s']:.2f} s; load average "
+          f"(save = {result['sync_vs_tensors']:.2f}x of it); retention {result['retention']['median_s']:.2f} s; "
+          f"load average "
           f"{result['load_average_before']:.1f} -> {result['load_average_after']:.1f}")
 
 

@@ -77,7 +77,8 @@ from torch.distributed.checkpoint.state_dict_saver import _save_state_dict  # no
 def unflatten_mesh(mesh: DeviceMesh, dim: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
     """``mesh`` with dimension ``dim`` split into ``names`` of ``sizes`` (``DeviceMesh._unflatten``),
     its new groups with the job's timeout."""
-    override = {n: c for n, size in zip(names, sizes) if (c := mesh_group_config(mesh.device_type, size)) != (None, None)}
+    configs = {name: mesh_group_config(mesh.device_type, size) for name, size in zip(names, sizes)}
+    override = {name: c for name, c in configs.items() if c != (None, None)}
     return mesh._unflatten(dim, sizes, names, backend_override=override or None)
 
 # The job's key-value store (torchrun's, or the one init_process_group was given): when a peer dies
@@ -144,6 +145,5 @@ from .sagemaker.hook import sagemaker_imports  # noqa: E402 - after the private 
 __all__ = ["FlatParamHandle", "ShardedTensor", "SharedParamInfo", "compute_local_shape_and_global_offset",
            "dcp_loader_module", "dcp_saver_module", "default_group_timeout", "default_store",
            "flash_attention_cpu", "flash_attention_cpu_backward", "flatten_mesh", "flatten_state_dict",
-           "mesh_group_config",
-           "fsdp_init_utils", "fsdp_optim_utils", "sagemaker_imports", "set_element", "set_fsdp_flattened",
-           "torch_checkpoint_wrappers", "unflatten_mesh"]
+           "fsdp_init_utils", "fsdp_optim_utils", "mesh_group_config", "sagemaker_imports", "set_element",
+           "set_fsdp_flattened", "torch_checkpoint_wrappers", "unflatten_mesh"]

@@ -4,5 +4,5 @@ from .checkpointing import (STRATEGIES, is_activation_checkpointed, job_offloade
                             segments, set_activation_checkpointing)
 from .offload import ActivationOffloader, offloader_for
 
-__all__ = ["STRATEGIES", "ActivationOffloader", "is_activation_checkpointed", "job_offloader", "offloader_for", "run_checkpointed",
-           "run_sequential", "segments", "set_activation_checkpointing"]
+__all__ = ["STRATEGIES", "ActivationOffloader", "is_activation_checkpointed", "job_offloader", "offloader_for",
+           "run_checkpointed", "run_sequential", "segments", "set_activation_checkpointing"]

@@ -10,6 +10,7 @@ block is open, so module creation elsewhere pays nothing.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from typing import Any
 
 from torch import nn
@@ -17,27 +18,26 @@ from torch.nn.modules.module import register_module_module_registration_hook
 
 
 class CreationMarks:
-    """The open blocks of one kind of mark (stored on modules as ``attr``)."""
+    """The open blocks of one kind of mark (stored on modules as ``attr``). The open blocks are
+    kept per context (a ``ContextVar``), not in the object: another thread creating modules
+    while a block is open is not marked by it."""
 
     def __init__(self, attr: str):
         self.attr = attr
-        self.stack: list[Any] = []
-        self._handle = None
+        self._open: contextvars.ContextVar[tuple] = contextvars.ContextVar(f"modelparallel_{attr}", default=())
 
     def _tag(self, parent: nn.Module, name: str, child: nn.Module) -> None:
-        if child is not None and self.stack and self.attr not in child.__dict__:
-            setattr(child, self.attr, self.stack[-1])
+        open_blocks = self._open.get()
+        if child is not None and open_blocks and self.attr not in child.__dict__:
+            setattr(child, self.attr, open_blocks[-1])
 
     @contextlib.contextmanager
     def marking(self, mark: Any):
         """Give ``mark`` to the modules created while the block runs."""
-        self.stack.append(mark)
-        if len(self.stack) == 1:
-            self._handle = register_module_module_registration_hook(self._tag)
+        token = self._open.set(self._open.get() + (mark,))
+        handle = register_module_module_registration_hook(self._tag)
         try:
             yield
         finally:
-            self.stack.pop()
-            if not self.stack:
-                self._handle.remove()
-                self._handle = None
+            handle.remove()
+            self._open.reset(token)

@@ -192,7 +192,8 @@ def main() -> None:
               f"({m['async_blocked_over_sync']:.1%}; min/median/max {sp['min']:.1%}/{sp['median']:.1%}/"
               f"{sp['max']:.1%}; call {m['async_call_s']:.3f}s + step wait {m['hook_wait_s']:.3f}s), "
               f"step {m['step_s']:.3f}s / while writing {m['step_while_writing_s']:.3f}s, "
-              f"finalize {m['finalize_s']:.3f}s, state dicts {m['state_dict_s']:.3f}s, staging {m['staging_bytes'] / 1e6:.1f} MB/rank")
+              f"finalize {m['finalize_s']:.3f}s, state dicts {m['state_dict_s']:.3f}s, "
+              f"staging {m['staging_bytes'] / 1e6:.1f} MB/rank")
     print(f"load average before {load_before}, after {result['load_average_after']}")
     common.write_result("v2_async_save", result, args.out)
 

@@ -21,8 +21,9 @@ The background phases are collectives. They run on their own gloo process group
 group; with the default group's timeout), made by ``init`` at start-up and kept in the runtime's
 ``meshes.MeshCache``: every later job of the process over the same world reuses it (a gloo group
 keeps its threads and sockets until the process ends). A saver without a cache makes its own at
-its first save. At most one save is in flight per job: the next save (synchronous or not), ``wait()`` and the
-interpreter's exit wait for it first, and raise its error, if it failed, on every rank.
+its first save. At most one save is in flight per job: the next save (synchronous or not),
+``wait()`` and the interpreter's exit wait for it first, and raise its error, if it failed, on
+every rank.
 
 ``AsyncSaver`` and ``Stager`` know nothing of partial checkpoints: they run any callable on a
 staged state, so the other checkpoint surfaces (full checkpoints, ``distributed.checkpoint``)

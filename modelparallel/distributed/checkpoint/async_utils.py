@@ -3,10 +3,11 @@
 
 ``async_save(..., queue=q)`` returns once the save is planned and its tensors are copied to host
 memory (or, those only an optimizer step changes, registered for a copy the writer thread makes
-first while every optimizer's next step waits for it); the queue's ``AsyncSaver`` (the checkpoint package's background writer) writes the files
-in its thread, one save after another, into host buffers its ``Stager`` reuses. A save is
-*finalized* by ``q.maybe_finalize_async_calls(...)``, a collective over the group that saved it:
-every rank's files are written, then the coordinator writes the checkpoint's ``.metadata`` (until
+first while every optimizer's next step waits for it); the queue's ``AsyncSaver`` (the
+checkpoint package's background writer) writes the files in its thread, one save after another,
+into host buffers its ``Stager`` reuses. A save is *finalized* by
+``q.maybe_finalize_async_calls(...)``, a collective over the group that saved it: every rank's
+files are written, then the coordinator writes the checkpoint's ``.metadata`` (until
 then the directory does not load). ``blocking=True`` waits for every pending save;
 ``blocking=False`` finalizes, oldest first, only the saves every rank of their group has finished
 writing (the ranks agree, so they all finalize the same ones). A write that failed on any rank

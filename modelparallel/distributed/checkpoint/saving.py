@@ -14,9 +14,9 @@ the coordinator write the metadata. A failure on any rank, in any step, is raise
 
 The background writing and the host buffers are the checkpoint package's own
 (``checkpoint.async_save``: one ``AsyncSaver`` per queue, its ``Stager`` holding the buffers).
-With ``background_staging``, the tensors only an optimizer step changes (``staging.deferrable``) are copied
-by the background thread before it writes, and every optimizer's next ``step`` waits for that
-copy; the call copies the rest.
+With ``background_staging``, the tensors only an optimizer step changes
+(``staging.deferrable``) are copied by the background thread before it writes, and every
+optimizer's next ``step`` waits for that copy; the call copies the rest.
 
 Repeated saves of the same structure reuse their plan (``PlanCache``): each rank plans locally
 as usual and compares its plan with the one it sent last time; if every rank's is unchanged

@@ -132,6 +132,16 @@ def mesh_group_config(device_type: str, size: int) -> tuple:
     return ("gloo", options)
 
 
+# DCP's record of where an item's bytes lie in a file (name, offset, length): the save's writer
+# writes DCP's files itself and hands DCP the same records for its metadata.
+from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo  # noqa: E402
+
+# What ``torch.save`` pickles beside a tensor's shape (conjugate / negative bits and the like) and
+# the alignment of each storage in its zip: together they decide the bytes ``torch.save`` writes
+# around a tensor's data, which the writer reuses only where both say nothing changed.
+from torch._utils import get_tensor_metadata  # noqa: E402
+from torch.serialization import _get_storage_alignment as storage_alignment  # noqa: E402
+
 # PyTorch's fused CPU attention kernel with its log-sum-exp, and its backward given an output and
 # log-sum-exp: context parallelism merges attention blocks by their log-sum-exp and differentiates
 # each block against the merged result; ``scaled_dot_product_attention`` returns neither.
@@ -142,8 +152,9 @@ flash_attention_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attentio
 # installs the same hook for a whole script); re-exported here as ``modelparallel.compat``'s.
 from .sagemaker.hook import sagemaker_imports  # noqa: E402 - after the private names it sits beside
 
-__all__ = ["FlatParamHandle", "ShardedTensor", "SharedParamInfo", "compute_local_shape_and_global_offset",
-           "dcp_loader_module", "dcp_saver_module", "default_group_timeout", "default_store",
-           "flash_attention_cpu", "flash_attention_cpu_backward", "flatten_mesh", "flatten_state_dict",
-           "fsdp_init_utils", "fsdp_optim_utils", "mesh_group_config", "sagemaker_imports", "set_element",
-           "set_fsdp_flattened", "torch_checkpoint_wrappers", "unflatten_mesh"]
+__all__ = ["FlatParamHandle", "ShardedTensor", "SharedParamInfo", "StorageInfo",
+           "compute_local_shape_and_global_offset", "dcp_loader_module", "dcp_saver_module",
+           "default_group_timeout", "default_store", "flash_attention_cpu", "flash_attention_cpu_backward",
+           "flatten_mesh", "flatten_state_dict", "fsdp_init_utils", "fsdp_optim_utils", "get_tensor_metadata",
+           "mesh_group_config", "sagemaker_imports", "set_element", "set_fsdp_flattened", "storage_alignment",
+           "torch_checkpoint_wrappers", "unflatten_mesh"]

@@ -30,7 +30,7 @@ from ..materialize.state_dict import LoadReport
 from ..pipeline.split import saved_names
 from ..tp.layout import tie_groups
 from . import commit, writer
-from .errors import cause
+from .errors import cause, origin
 from .lock import job_lock
 from .fastread import ContiguousSavePlanner, FastReader, SafeLoadPlanner
 from .files import CheckpointFiles
@@ -93,9 +93,8 @@ def write_part(state: dict[str, Any], directory: Path, group=None) -> dict[str, 
         sums = writer.save(state, directory, ContiguousSavePlanner(), group)
         return {Path(p).relative_to(directory).as_posix(): v for p, v in sums.items()}
     except (CheckpointException, OSError) as e:
-        root = cause(e)
-        if isinstance(root, OSError) and not root.filename and root.errno is not None:
-            rank = dist.get_rank() if dist.is_initialized() else 0
+        root, rank = cause(e), dist.get_rank() if dist.is_initialized() else 0
+        if isinstance(root, OSError) and not root.filename and root.errno is not None and origin(e, rank) == rank:
             raise OSError(root.errno, root.strerror or str(root), str(directory / f"__{rank}_0.distcp")) from e
         raise
 

@@ -67,17 +67,45 @@ def test_a_failed_write_records_no_checksum(tmp_path):
 
 
 def test_a_background_write_leaves_the_zip_crc_setting_alone(tmp_path, monkeypatch):
-    """Training's own torch.save calls run while a background save writes: they keep the CRC."""
-    seen = []
+    """Training's own torch.save calls run while a background save writes: they keep the CRC,
+    while the background write runs without it (PyTorch keeps the setting per thread)."""
+    seen, writing, checked = [], threading.Event(), threading.Event()
     real = writer.dcp.save
-    monkeypatch.setattr(writer.dcp, "save", lambda *a, **k: (seen.append(torch.serialization.get_crc32_options()),
-                                                            real(*a, **k)))
+
+    def save(*a, **k):
+        seen.append(torch.serialization.get_crc32_options())
+        if threading.current_thread() is not threading.main_thread():
+            writing.set()
+            assert checked.wait(30)
+        return real(*a, **k)
+
+    monkeypatch.setattr(writer.dcp, "save", save)
     assert torch.serialization.get_crc32_options() is True
     thread = threading.Thread(target=writer.save, args=(state(), tmp_path / "bg", ContiguousSavePlanner()))
     thread.start()
+    assert writing.wait(30)
+    during = torch.serialization.get_crc32_options()
+    checked.set()
     thread.join()
+    assert during is True, "the main thread's setting while a background save writes"
     writer.save(state(), tmp_path / "fg", ContiguousSavePlanner())
-    assert seen == [True, False], "off only for the main thread's save"
+    assert seen == [False, False], "off for the background save's thread and for the main thread's save"
+    assert torch.serialization.get_crc32_options() is True
+
+
+def test_the_crc_setting_probe_tells_per_thread_from_process_wide(monkeypatch):
+    """Where PyTorch kept the setting process-wide, a background save would switch it off for
+    training too: the probe must say so (a process-wide setting is simulated)."""
+    assert writer._crc_setting_is_per_thread() is True
+    shared = {"on": True}
+    monkeypatch.setattr(torch.serialization, "get_crc32_options", lambda: shared["on"])
+    monkeypatch.setattr(torch.serialization, "set_crc32_options", lambda on: shared.update(on=on))
+    assert writer._crc_setting_is_per_thread() is False and shared["on"] is True
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(writer._no_zip_crc().__enter__() or shared["on"]))
+    thread.start()
+    thread.join()
+    assert seen == [True], "a background thread leaves a process-wide setting on"
 
 
 @pytest.mark.parametrize("before", [True, False])

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import runtime
+from ..utils.utils import paused_gc
 from . import commit, export_dtype, full, full_load, partial_load, single_file
 from .async_save import AsyncSaver
 from . import partial as partial_ckpt
@@ -22,6 +23,7 @@ from .parts import USER_CONTENT, LoadReport, read_user_content
 from .pending import PendingResume
 
 
+@paused_gc()
 def save_checkpoint(path: str | Path, tag: str, partial: bool = True, model=None, optimizer=None,
                     user_content: Any = None, translate_if_full: bool = True,
                     num_kept_partial_checkpoints: int | None = None, trust_user_content: bool = False,
@@ -142,6 +144,7 @@ def _check_save_args(tag, keep, model, partial: bool) -> None:
         raise ValueError("save_checkpoint: " + "; ".join(problems))
 
 
+@paused_gc()
 def resume_from_checkpoint(path: str | Path, tag: str | None = None, partial: bool = True,
                            strict: bool = True, load_optimizer: bool = True,
                            translate_function: Callable | None = None, trust_user_content: bool = False,

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint import LoadPlanner, StorageReader, load as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ...compat import flatten_state_dict
+from ...utils.utils import paused_gc
 from . import saving
 from .async_utils import wait_for_staging
 from .filesystem import DistributedFileSystemReader
@@ -64,6 +65,7 @@ def _layout_problems(state_dict, path: str | None) -> list[str]:
     return out
 
 
+@paused_gc()
 def load(state_dict, *, checkpoint_id: str | os.PathLike | None = None, storage_reader: StorageReader | None = None,
          planner: LoadPlanner | None = None, process_group: dist.ProcessGroup | None = None,
          check_keys_matched: bool = True, coordinator_rank: int = 0, s3_region: str | None = None,

@@ -19,6 +19,7 @@ import os
 import torch.distributed as dist
 from torch.distributed.checkpoint import SavePlanner, StorageWriter
 
+from ...utils.utils import paused_gc
 from . import saving
 from .async_utils import AsyncCallsQueue
 from .state_dict_utils import LOCAL_LAYOUT_FILE, local_layouts
@@ -48,6 +49,7 @@ def _extra_files(state_dict) -> dict:
     return {LOCAL_LAYOUT_FILE: json.dumps(layouts, sort_keys=True).encode()} if layouts else {}
 
 
+@paused_gc()
 def async_save(state_dict, *, checkpoint_id: str | os.PathLike | None = None,
                storage_writer: StorageWriter | None = None, planner: SavePlanner | None = None,
                process_group: dist.ProcessGroup | None = None, coordinator_rank: int = 0,
@@ -84,6 +86,7 @@ def async_save(state_dict, *, checkpoint_id: str | os.PathLike | None = None,
     (queue or _default_queue()).schedule(state_dict, writer, planner, group, _extra_files(state_dict))
 
 
+@paused_gc()
 def save(state_dict, *, checkpoint_id: str | os.PathLike | None = None, storage_writer: StorageWriter | None = None,
          planner: SavePlanner | None = None, process_group: dist.ProcessGroup | None = None,
          coordinator_rank: int = 0, wait_error_handling: bool = True, force_check_all_plans: bool = True,

@@ -10,8 +10,8 @@ file ``torch.save`` writes (the tests compare them byte for byte), without its p
 class, its pickling and its forty small writes, which cost a partial save of a medium model
 about a quarter of a second per rank.
 
-Anything else (zip CRC on, a tensor subclass, a view of a larger storage, gradients, conjugate
-or negative bits) is written by ``torch.save`` itself.
+Anything else (zip CRC on, a tensor subclass, a nested or sparse tensor, a view of a larger
+storage, gradients, conjugate or negative bits) is written by ``torch.save`` itself.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ class _Sink(io.RawIOBase):
 def signature(tensor: torch.Tensor) -> tuple | None:
     """What ``torch.save``'s bytes around ``tensor``'s data depend on, or None when they may
     depend on more (or on the data itself: the zip's CRC-32 is on)."""
-    if (type(tensor) is not torch.Tensor or tensor.device.type != "cpu" or tensor.layout != torch.strided
-            or tensor.requires_grad or tensor.is_conj() or tensor.is_neg() or tensor.is_quantized
+    if (type(tensor) is not torch.Tensor or tensor.is_nested or tensor.device.type != "cpu"
+            or tensor.layout != torch.strided or tensor.requires_grad or tensor.is_conj() or tensor.is_neg() or tensor.is_quantized
             or tensor.storage_offset() != 0 or tensor.untyped_storage().nbytes() != tensor.nbytes
             or not tensor.is_contiguous() or tensor.__dict__ or get_tensor_metadata(tensor) or get_crc32_options()):
         return None

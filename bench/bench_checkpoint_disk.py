@@ -5,13 +5,14 @@ Two ranks (TP=2, one thread each) hold a GPT-2 with AdamW state (``bench_checkpo
 rotates so no method always follows another:
 
 * ``disk``: each rank writes as many bytes as this rank's part of the checkpoint, in 64 MiB
-  writes from memory, then fsyncs; twice, once plain and once starting write-back every 32 MiB
-  (``sync_file_range``; ``--sweep`` adds 8 and 128 MiB, and two files per rank written by two
-  threads). The fastest is the disk's limit for that repeat: the best a writer of these bytes
-  does on this disk, whatever the pattern (the save's writer uses the 32 MiB pattern, one file
-  per rank and part, from this measurement);
+  writes from memory, then fsyncs; three times: plain, starting write-back every 32 MiB
+  (``sync_file_range``), and the same with each range waited for and dropped from the page
+  cache one range later (drop-behind); ``--sweep`` adds write-back every 8 and 128 MiB, and two
+  files per rank written by two threads. The fastest is the disk's limit for that repeat: the
+  best a writer of these bytes does on this disk, whatever the pattern (the save's writer uses
+  drop-behind every 32 MiB, one file per rank and part, from this measurement);
 * ``tensors``: each rank writes the very tensors its save writes (captured from the planner at a
-  warm-up save), straight from their memory with the same write-back, then fsyncs: what a
+  warm-up save), straight from their memory with the save's write-back, then fsyncs: what a
   writer of these bytes without any format would take (``sync_vs_tensors``); the ``disk``
   pattern's source is one 64 MiB block, mapped and warm, where a save reads gigabytes;
 * ``sync``: ``smp.save_checkpoint(partial=True)`` (serialization, checksums, fsync, commit);
@@ -47,26 +48,45 @@ BLOCK = 64 << 20
 WRITEBACK = 32 << 20
 
 
-def _disk(work: Path, nbytes: int, writeback: int | None, files: int = 1) -> float:
+class _Pacer:
+    """Write-back as a writer of one file paces it: none, started every ``every`` bytes, or
+    started and then waited for and dropped from the page cache one range later (``drop``: the
+    save's policy, ``modelparallel/checkpoint/stream.py``)."""
+
+    def __init__(self, fd: int, every: int | None, drop: bool = False):
+        self.fd, self.every, self.drop = fd, every, drop
+        self.sync_range = ctypes.CDLL(None, use_errno=True).sync_file_range
+        self.synced = self.dropped = 0
+
+    def wrote(self, done: int) -> None:
+        if self.every is None or done - self.synced < self.every:
+            return
+        if self.drop and self.synced > self.dropped:
+            self.sync_range(self.fd, ctypes.c_int64(self.dropped), ctypes.c_int64(self.synced - self.dropped), 7)
+            os.posix_fadvise(self.fd, self.dropped, self.synced - self.dropped, os.POSIX_FADV_DONTNEED)
+            self.dropped = self.synced
+        self.sync_range(self.fd, ctypes.c_int64(self.synced), ctypes.c_int64(done - self.synced), 2)
+        self.synced = done
+
+
+def _disk(work: Path, nbytes: int, writeback: int | None, files: int = 1, drop: bool = False) -> float:
     """Seconds for every rank to write and fsync ``nbytes`` (slowest rank), split over ``files``
-    files written by as many threads, starting write-back every ``writeback`` bytes (None: never)."""
+    files written by as many threads, starting write-back every ``writeback`` bytes (None: never),
+    with ``drop``: each range waited for and dropped from the page cache one range later."""
     import threading
 
     import torch.distributed as dist
 
     block = memoryview(bytearray(os.urandom(1 << 20)) * (BLOCK >> 20))
-    start_writeback = ctypes.CDLL(None, use_errno=True).sync_file_range
     paths = [work / f"disk{dist.get_rank()}_{i}.bin" for i in range(files)]
 
     def write_one(path: Path, n: int):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            done = synced = 0
+            done, pacer = 0, _Pacer(fd, writeback, drop)
             while done < n:
                 done += os.write(fd, block[:min(n - done, BLOCK)])
-                if writeback is not None and done - synced >= writeback:
-                    start_writeback(fd, ctypes.c_int64(synced), ctypes.c_int64(done - synced), 2)
-                    synced = done
+                pacer.wrote(done)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -107,26 +127,23 @@ def _resolved_tensors(save) -> list:
 
 def _disk_tensors(work: Path, tensors: list) -> float:
     """Seconds for every rank to write the bytes of its own ``tensors`` straight from their memory
-    (no serialization: one write per tensor, 64 MiB at most), starting write-back every 32 MiB,
-    then fsync: the speed limit of a writer of these tensors, where ``_disk`` writes one 64 MiB
-    block over and over (its source stays mapped and warm)."""
+    (no serialization: one write per tensor, 64 MiB at most), with the save's write-back (started
+    every 32 MiB, dropped behind), then fsync: the speed limit of a writer of these tensors, where
+    ``_disk`` writes one 64 MiB block over and over (its source stays mapped and warm)."""
     import torch
     import torch.distributed as dist
 
-    start_writeback = ctypes.CDLL(None, use_errno=True).sync_file_range
     path = work / f"tensors{dist.get_rank()}.bin"
 
     def write():
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            done = synced = 0
+            done, pacer = 0, _Pacer(fd, WRITEBACK, drop=True)
             for t in tensors:
                 view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
                 for i in range(0, len(view), BLOCK):
                     done += os.write(fd, view[i:i + BLOCK])
-                    if done - synced >= WRITEBACK:
-                        start_writeback(fd, ctypes.c_int64(synced), ctypes.c_int64(done - synced), 2)
-                        synced = done
+                    pacer.wrote(done)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -155,7 +172,9 @@ def _methods(model, optimizer, work: Path, r: int, nbytes: int, sweep: bool, ten
         return t
 
     runs = {"sync": sync, "dcp": dcp, "disk_plain": lambda: _disk(work, nbytes, None),
-            "disk_writeback": lambda: _disk(work, nbytes, WRITEBACK), "tensors": lambda: _disk_tensors(work, tensors)}
+            "disk_writeback": lambda: _disk(work, nbytes, WRITEBACK),
+            "disk_dropbehind": lambda: _disk(work, nbytes, WRITEBACK, drop=True),
+            "tensors": lambda: _disk_tensors(work, tensors)}
     if sweep:
         runs.update({name: (lambda kw=kw: _disk(work, nbytes, **kw)) for name, kw in SWEEP.items()})
     names = list(runs)

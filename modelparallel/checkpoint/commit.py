@@ -42,10 +42,10 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 from .errors import CheckpointError
 from .files import check_file
-from .writer import named
 from .lock import LOCK, DirectoryLock, DirectoryLocked  # noqa: F401 - part of this module's API
 from .manifest import (  # noqa: F401 - part of this module's API
     MANIFEST, ManifestError, check_committed, manifest_problems, read_manifest, safe_name, unlisted_files)
+from .stream import named
 
 logger = logging.getLogger("modelparallel")
 HIDDEN = ".mp-"

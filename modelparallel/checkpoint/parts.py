@@ -30,6 +30,7 @@ from ..materialize.state_dict import LoadReport
 from ..pipeline.split import saved_names
 from ..tp.layout import tie_groups
 from . import commit, writer
+from .stream import named
 from .errors import cause, origin
 from .lock import job_lock
 from .fastread import ContiguousSavePlanner, FastReader, SafeLoadPlanner
@@ -148,7 +149,7 @@ def write_bytes(path: Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
     except OSError as e:
-        raise writer.named(e, path) from None
+        raise named(e, path) from None
 
 
 def read_user_content(data: bytes, name: str | Path, trusted: bool = False) -> Any:

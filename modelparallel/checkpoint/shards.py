@@ -23,7 +23,7 @@ import torch
 
 from ..materialize.safetensors_io import DTYPE_NAMES
 from .commit import crc32
-from .writer import named
+from .stream import named
 
 
 @dataclass

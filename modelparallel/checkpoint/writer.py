@@ -8,11 +8,9 @@ as it happens, and ``save`` raises the first one instead of what DCP reports.
 
 It also makes a save run at the disk's speed rather than in passes over the data:
 
-* the size and CRC32 of every file are computed from the bytes as they are written (``sums``),
-  so the commit needs no second read of what was just written (it fsyncs only);
-* every ``SYNC_EVERY`` bytes the file's write-back is started (Linux ``sync_file_range``), so the
-  disk writes while the rest is serialized and the final fsync finds little left, instead of the
-  whole file waiting in the page cache until then;
+* its files are written through ``stream.RecordingFileSystem``: the size and CRC32 of every
+  file computed from the bytes as they are written (``sums``), so the commit needs no second
+  read (it fsyncs only); write-back started as the file grows and dropped behind;
 * ``torch.save``'s own CRC-32 of every zip record (a slow table-driven pass that halves its
   speed) is off while the save writes: the manifest's CRC32 of every file, computed here at
   several GB/s, is what a load verifies, and ``torch.load`` never checks the zip's. PyTorch keeps
@@ -27,8 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import ctypes
-import os
 import queue
 import threading
 from pathlib import Path
@@ -38,112 +34,19 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ..compat import StorageInfo
 from .records import TensorRecords
-
-try:  # zlib's CRC-32 with SIMD, same values, about 3x faster (pip install modelparallel[fastcrc])
-    from zlib_ng.zlib_ng import crc32
-except ImportError:  # pragma: no cover - depends on the environment
-    from zlib import crc32
-
-SYNC_EVERY = 32 << 20
-"""Bytes written to a file between two starts of its write-back."""
+from .stream import RecordingFileSystem
 
 THREADS = 1
 """Files each rank writes at once (one thread each). One: with every tensor's serialization
 reduced to three writes (``records``), a second thread finds little to overlap with the first's
 page-cache copies and competes with them for the core (measured: two threads per rank made a
 2-rank save on 2 cores slower)."""
-
-_SYNC_FILE_RANGE_WRITE = 2
-
-
-def _sync_file_range():
-    """Linux's ``sync_file_range`` (start write-back of a range, do not wait), or None."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    return fn
-
-
-def named(error: OSError, path) -> OSError:
-    """``error`` naming ``path`` (an error from a file object names no file)."""
-    if not isinstance(error, OSError) or error.filename or error.errno is None:
-        return error
-    return type(error)(error.errno, error.strerror or str(error), str(path))
-
-
-class _Stream:
-    """A file object written front to back: its failed writes are recorded (naming the file)
-    before they propagate, its bytes are checksummed as they pass, and its write-back is started
-    every ``SYNC_EVERY`` bytes."""
-
-    def __init__(self, stream, path, errors: list[OSError], start_writeback):
-        self._stream, self._path, self._errors = stream, path, errors
-        self._start_writeback = start_writeback
-        self.size = self.crc = self._synced = 0
-        self.sequential = True
-
-    def write(self, data) -> int:
-        try:
-            n = self._stream.write(data)
-        except OSError as e:
-            self._errors.append(named(e, self._path))
-            raise
-        view = memoryview(data).cast("B")
-        n = len(view) if n is None else n
-        self.crc = crc32(view[:n], self.crc)
-        self.size += n
-        if self._start_writeback is not None and self.size - self._synced >= SYNC_EVERY:
-            self._writeback()
-        return n
-
-    def _writeback(self) -> None:
-        self._stream.flush()
-        if self._start_writeback(self._stream.fileno(), self._synced, self.size - self._synced,
-                                 _SYNC_FILE_RANGE_WRITE) == 0:
-            self._synced = self.size
-
-    def seek(self, *args):
-        self.sequential = False  # the running checksum no longer describes the file
-        return self._stream.seek(*args)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stream, name)
-
-
-class _RecordingFileSystem(FileSystem):
-    def __init__(self):
-        super().__init__()
-        self.errors: list[OSError] = []
-        self.sums: dict[str, dict] = {}
-        self._start_writeback = _sync_file_range()
-
-    @contextlib.contextmanager
-    def create_stream(self, path, mode: str):
-        if "w" not in mode or "+" in mode:
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-        self.sums.pop(os.fspath(path), None)
-        with super().create_stream(path, mode) as stream:
-            wrapped = _Stream(stream, path, self.errors, self._start_writeback)
-            yield wrapped
-        if wrapped.sequential:
-            self.sums[os.fspath(path)] = {"size": wrapped.size, "crc32": f"{wrapped.crc:08x}"}
-
-    def rename(self, path, new_path) -> None:
-        super().rename(path, new_path)
-        moved = self.sums.pop(os.fspath(path), None)
-        if moved is not None:
-            self.sums[os.fspath(new_path)] = moved
 
 
 class CheckpointWriter(FileSystemWriter):
@@ -155,7 +58,7 @@ class CheckpointWriter(FileSystemWriter):
 
     def __init__(self, path: str | Path, threads: int = THREADS):
         super().__init__(path, sync_files=False, thread_count=threads)
-        self.fs = _RecordingFileSystem()
+        self.fs = RecordingFileSystem()
 
     def _write_data(self, planner: SavePlanner, file_queue: queue.Queue) -> Future:
         results: list[WriteResult] = []

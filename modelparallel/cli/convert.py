@@ -83,7 +83,7 @@ def _write_both(dest: Path, config: bytes, write_weights) -> None:
     renamed into place (config first): a failure leaves no weights file (so a rerun is not
     refused) and no temporary; its error names the file."""
     from ..checkpoint import commit
-    from ..checkpoint.writer import named
+    from ..checkpoint.stream import named
 
     nonce = commit.new_nonce()
     temps = {name: dest / commit.hidden_name("tmp", nonce, name) for name in ("config.json", "model.safetensors")}

@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
-from modelparallel.checkpoint import writer
+from modelparallel.checkpoint import stream, writer
 from modelparallel.checkpoint.fastread import ContiguousSavePlanner
 
 
@@ -32,11 +32,11 @@ def state() -> dict:
             "t": torch.randn(8, 6, generator=g).t(), "step": 7, "name": "x"}
 
 
-@pytest.mark.parametrize("sync_every", [writer.SYNC_EVERY, 1000])
+@pytest.mark.parametrize("sync_every", [stream.SYNC_EVERY, 1000])
 def test_checksums_while_writing_equal_the_files(tmp_path, monkeypatch, sync_every):
     """Every file the save wrote (data and metadata) is in ``sums`` with its real size and
     CRC32, also when write-back is started many times (a small ``SYNC_EVERY``)."""
-    monkeypatch.setattr(writer, "SYNC_EVERY", sync_every)
+    monkeypatch.setattr(stream, "SYNC_EVERY", sync_every)
     sums = writer.save(state(), tmp_path, ContiguousSavePlanner())
     files = sorted(p for p in tmp_path.iterdir() if p.is_file())
     assert sorted(sums) == [str(p) for p in files] and len(files) >= 2, (sums, files)
@@ -45,7 +45,7 @@ def test_checksums_while_writing_equal_the_files(tmp_path, monkeypatch, sync_eve
 
 
 def test_a_stream_that_seeks_records_no_checksum(tmp_path):
-    fs = writer._RecordingFileSystem()
+    fs = stream.RecordingFileSystem()
     with fs.create_stream(tmp_path / "seeked", "wb") as f:
         f.write(b"abcdef")
         f.seek(1)
@@ -58,7 +58,7 @@ def test_a_stream_that_seeks_records_no_checksum(tmp_path):
 
 
 def test_a_failed_write_records_no_checksum(tmp_path):
-    fs = writer._RecordingFileSystem()
+    fs = stream.RecordingFileSystem()
     with pytest.raises(RuntimeError):
         with fs.create_stream(tmp_path / "f", "wb") as f:
             f.write(b"abc")

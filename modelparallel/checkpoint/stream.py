@@ -90,7 +90,8 @@ class _Stream:
             self._call(fd, self._dropped, self._synced, _WAIT_BEFORE | _WRITE | _WAIT_AFTER)
             if self._sync_range is None:
                 return
-            os.posix_fadvise(fd, self._dropped, self._synced - self._dropped, os.POSIX_FADV_DONTNEED)
+            with contextlib.suppress(OSError):  # dropping is only an economy: a refusal changes no byte
+                os.posix_fadvise(fd, self._dropped, self._synced - self._dropped, os.POSIX_FADV_DONTNEED)
             self._dropped = self._synced
         self._call(fd, self._synced, self.size, _WRITE)
         self._synced = self.size

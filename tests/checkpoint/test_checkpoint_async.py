@@ -14,6 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 import harness
@@ -31,7 +32,19 @@ def _step(model, optimizer) -> None:
     optimizer.zero_grad()
 
 
-def values_of_the_call(path: str) -> dict:
+def values_of_the_call(path: str, sync_every: int | None = None) -> dict:
+    from modelparallel.checkpoint import stream
+
+    before = stream.SYNC_EVERY
+    if sync_every is not None:  # ranges this small: the background writer drops behind many times
+        stream.SYNC_EVERY = sync_every
+    try:
+        return _values_of_the_call(path)
+    finally:
+        stream.SYNC_EVERY = before
+
+
+def _values_of_the_call(path: str) -> dict:
     model, optimizer = build()
     want = []
     staged = []
@@ -53,8 +66,9 @@ def values_of_the_call(path: str) -> dict:
             "b": changed(want[1], snapshot(fresh, fresh_opt)), "staged": staged}
 
 
-def test_async_saves_hold_the_values_of_the_call_and_reuse_their_buffers(tmp_path):
-    for r in harness.run(2, values_of_the_call, str(tmp_path)):
+@pytest.mark.parametrize("sync_every", [None, 4096], ids=["default", "drop-behind-every-4kib"])
+def test_async_saves_hold_the_values_of_the_call_and_reuse_their_buffers(tmp_path, sync_every):
+    for r in harness.run(2, values_of_the_call, str(tmp_path), sync_every):
         assert r["listing"] == [commit.LOCK, "b_partial", "c_partial", "newest"], r["listing"]
         assert r["content"] == {"tag": "c"} and r["c"] == [] and r["b"] == [], r
         sizes, pointers = zip(*r["staged"])

@@ -108,6 +108,10 @@ KEYS: tuple[Key, ...] = (
     Key("checkpoint_staging_bucket", int, 64 << 20, IMPLEMENTED,
         "Ours: the journal's bucket, in bytes: what a journal-mode load holds in memory at most "
         "(plus the piece being read).", "ours", minimum=1),
+    Key("checkpoint_drop_behind", bool, True, IMPLEMENTED,
+        "Ours: a partial save drops each range of its files from the page cache once the disk has "
+        "it (faster, steadier saves; the job's own cached files stay); false keeps the checkpoint "
+        "cached, for a resume soon after on the same machine.", "ours"),
     # --- SageMaker's tracer and pipeline scheduler -------------------------------------------
     Key("pipeline", str, "interleaved", IMPLEMENTED,
         "Pipeline schedule: \"interleaved\" = one forward, one backward (1F1B; with fewer microbatches "

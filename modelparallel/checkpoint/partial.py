@@ -83,7 +83,8 @@ def save(path: Path, tag: str, model, optimizer, user_content: Any, keep: int | 
     manifest = {"format": FORMAT, "version": 1, "tag": tag, "tensor_layout": CONTIGUOUS,
                 "parts": sorted(states) + ["user_content"], "user_content_trusted": bool(trust_user_content),
                 **describe(model, optimizer)}
-    phases = _Phases(path, staging, name, manifest, content.get("bytes"), keep)
+    phases = _Phases(path, staging, name, manifest, content.get("bytes"), keep,
+                     runtime.current().config.checkpoint_drop_behind)
     if saver is None:
         phases.run(states)
         return path / name
@@ -117,9 +118,9 @@ class _Phases:
     """The phases of a save after ``prepare``: write, checksum, commit (on ``group``)."""
 
     def __init__(self, path: Path, staging: Path, name: str, manifest: dict, content: bytes | None,
-                 keep: int | None):
+                 keep: int | None, drop_behind: bool = True):
         self.path, self.staging, self.name, self.manifest = path, staging, name, manifest
-        self.content, self.keep = content, keep
+        self.content, self.keep, self.drop_behind = content, keep, drop_behind
 
     def discard(self) -> None:
         if _rank_world()[0] == 0:
@@ -132,8 +133,8 @@ class _Phases:
             if stage is not None:
                 run_phase("save (stage)", stage, group)
             known: dict[str, dict] = {}
-            written = run_phase("save (write)", lambda: _write(states, self.staging, self.content, rank, known, group),
-                                group)
+            written = run_phase("save (write)", lambda: _write(states, self.staging, self.content, rank, known, group,
+                                                               self.drop_behind), group)
             sums = run_phase("save (checksum)", lambda: _checksums(self.staging, rank, world, known), group)
             files = {k: v for s in sums for k, v in s.items()}
             lost = sorted({f for w in written for f in w} - set(files))
@@ -145,11 +146,12 @@ class _Phases:
             raise
 
 
-def _write(states: dict, staging: Path, content: bytes | None, rank: int, sums: dict, group=None) -> list[str]:
+def _write(states: dict, staging: Path, content: bytes | None, rank: int, sums: dict, group=None,
+           drop_behind: bool = True) -> list[str]:
     """Write this rank's share; returns the files it wrote (checked again at commit) and puts
     the checksums computed while writing into ``sums``."""
     for part, state in states.items():
-        sums.update({f"{part}/{f}": v for f, v in parts.write_part(state, staging / part, group).items()})
+        sums.update({f"{part}/{f}": v for f, v in parts.write_part(state, staging / part, group, drop_behind).items()})
     if rank == 0:
         parts.write_bytes(staging / parts.USER_CONTENT, content)
     mine = [f"{part}/{p.name}" for part in states for p in (staging / part).glob(f"__{rank}_*.distcp")]

@@ -85,13 +85,13 @@ def loadable(state: dict[str, Any], report: LoadReport) -> set[str]:
     return set(flatten(state)) - skip
 
 
-def write_part(state: dict[str, Any], directory: Path, group=None) -> dict[str, dict]:
+def write_part(state: dict[str, Any], directory: Path, group=None, drop_behind: bool = True) -> dict[str, dict]:
     """One DCP save (a collective), every tensor stored contiguous so that same-layout loads read
     in place (``fastread``). DCP's own fsync is off: the checksum phase fsyncs every file before
     anything is committed. Returns the size and CRC32 of the files this rank wrote, computed
     while writing, by path relative to ``directory``."""
     try:
-        sums = writer.save(state, directory, ContiguousSavePlanner(), group)
+        sums = writer.save(state, directory, ContiguousSavePlanner(), group, drop_behind)
         return {Path(p).relative_to(directory).as_posix(): v for p, v in sums.items()}
     except (CheckpointException, OSError) as e:
         root, rank = cause(e), dist.get_rank() if dist.is_initialized() else 0

@@ -58,9 +58,10 @@ def signature(tensor: torch.Tensor) -> tuple | None:
     """What ``torch.save``'s bytes around ``tensor``'s data depend on, or None when they may
     depend on more (or on the data itself: the zip's CRC-32 is on)."""
     if (type(tensor) is not torch.Tensor or tensor.is_nested or tensor.device.type != "cpu"
-            or tensor.layout != torch.strided or tensor.requires_grad or tensor.is_conj() or tensor.is_neg() or tensor.is_quantized
-            or tensor.storage_offset() != 0 or tensor.untyped_storage().nbytes() != tensor.nbytes
-            or not tensor.is_contiguous() or tensor.__dict__ or get_tensor_metadata(tensor) or get_crc32_options()):
+            or tensor.layout != torch.strided or tensor.requires_grad or tensor.is_conj() or tensor.is_neg()
+            or tensor.is_quantized or tensor.storage_offset() != 0
+            or tensor.untyped_storage().nbytes() != tensor.nbytes or not tensor.is_contiguous()
+            or tensor.__dict__ or get_tensor_metadata(tensor) or get_crc32_options()):
         return None
     return tensor.dtype, tuple(tensor.shape), tensor.stride(), storage_alignment()
 

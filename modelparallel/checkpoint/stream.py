@@ -63,9 +63,9 @@ class _Stream:
     """A file object written front to back: failed writes recorded, bytes checksummed, written
     back and dropped behind every ``SYNC_EVERY`` bytes (see the module's docstring)."""
 
-    def __init__(self, stream, path, errors: list[OSError], sync_range):
+    def __init__(self, stream, path, errors: list[OSError], sync_range, drop_behind: bool = True):
         self._stream, self._path, self._errors = stream, path, errors
-        self._sync_range = sync_range
+        self._sync_range, self._drop_behind = sync_range, drop_behind
         self.size = self.crc = self._synced = self._dropped = 0
         self.sequential = True
 
@@ -86,7 +86,7 @@ class _Stream:
     def _writeback(self) -> None:
         self._stream.flush()
         fd = self._stream.fileno()
-        if self._synced > self._dropped:  # the range started last time: wait for it, then drop it
+        if self._drop_behind and self._synced > self._dropped:  # the range started last time: wait, drop
             self._call(fd, self._dropped, self._synced, _WAIT_BEFORE | _WRITE | _WAIT_AFTER)
             if self._sync_range is None:
                 return
@@ -118,10 +118,12 @@ class _Stream:
 
 class RecordingFileSystem(FileSystem):
     """DCP's ``FileSystem`` writing through ``_Stream``: ``errors`` (failed writes, naming their
-    files) and ``sums`` (``{path: {"size", "crc32"}}`` of files written front to back)."""
+    files) and ``sums`` (``{path: {"size", "crc32"}}`` of files written front to back).
+    ``drop_behind=False`` only starts each range's write-back (the checkpoint stays cached)."""
 
-    def __init__(self):
+    def __init__(self, drop_behind: bool = True):
         super().__init__()
+        self._drop_behind = drop_behind
         self.errors: list[OSError] = []
         self.sums: dict[str, dict] = {}
         self._sync_range = _sync_file_range() if hasattr(os, "posix_fadvise") else None
@@ -134,7 +136,7 @@ class RecordingFileSystem(FileSystem):
             return
         self.sums.pop(os.fspath(path), None)
         with super().create_stream(path, mode) as stream:
-            wrapped = _Stream(stream, path, self.errors, self._sync_range)
+            wrapped = _Stream(stream, path, self.errors, self._sync_range, self._drop_behind)
             yield wrapped
         if wrapped.sequential:
             self.sums[os.fspath(path)] = {"size": wrapped.size, "crc32": f"{wrapped.crc:08x}"}

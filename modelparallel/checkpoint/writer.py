@@ -56,9 +56,9 @@ class CheckpointWriter(FileSystemWriter):
     rank at once, tensors through ``records.TensorRecords``; an error in any of its threads is
     raised (DCP's would end that thread only)."""
 
-    def __init__(self, path: str | Path, threads: int = THREADS):
+    def __init__(self, path: str | Path, threads: int = THREADS, drop_behind: bool = True):
         super().__init__(path, sync_files=False, thread_count=threads)
-        self.fs = RecordingFileSystem()
+        self.fs = RecordingFileSystem(drop_behind)
 
     def _write_data(self, planner: SavePlanner, file_queue: queue.Queue) -> Future:
         results: list[WriteResult] = []
@@ -155,7 +155,7 @@ def _no_zip_crc():
         torch.serialization.set_crc32_options(before)
 
 
-def save(state: dict[str, Any], directory: Path, planner, group=None) -> dict[str, dict]:
+def save(state: dict[str, Any], directory: Path, planner, group=None, drop_behind: bool = True) -> dict[str, dict]:
     """One DCP save of ``state`` into ``directory`` (a collective over ``group``, default the
     world). Returns ``{path: {"size", "crc32"}}`` of the files this rank wrote, computed while
     writing (not yet fsynced).
@@ -165,7 +165,7 @@ def save(state: dict[str, Any], directory: Path, planner, group=None) -> dict[st
             ``unexpected pos``).
         CheckpointException: another rank's failure, as DCP reports it.
     """
-    writer = CheckpointWriter(directory)
+    writer = CheckpointWriter(directory, drop_behind=drop_behind)
     try:
         with _no_zip_crc():
             dcp.save(state, storage_writer=writer, planner=planner, process_group=group)

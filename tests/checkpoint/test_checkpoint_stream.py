@@ -86,3 +86,37 @@ def test_a_file_system_without_sync_file_range_only_ends_the_early_write_back(tm
     assert fs.errors == [] and (tmp_path / "f").stat().st_size == 10 * CHUNK
     assert len([c for c in spy.calls if c[3] & stream._WAIT_AFTER]) == 1, "not tried again for this file"
     assert not [c for c in spy.calls if c[0] == "drop"], "nothing dropped that was not written back"
+
+
+def test_without_drop_behind_write_back_is_only_started(tmp_path, monkeypatch):
+    spy = Spy(monkeypatch)
+    fs = stream.RecordingFileSystem(drop_behind=False)
+    with fs.create_stream(tmp_path / "f", "wb") as f:
+        for i in range(10):
+            f.write(bytes([i]) * CHUNK)
+    assert (tmp_path / "f").read_bytes() == b"".join(bytes([i]) * CHUNK for i in range(10))
+    assert spy.calls and all(c[0] == "sync" and c[3] == stream._WRITE for c in spy.calls), spy.calls
+
+
+def drops_of_a_save(path: str, drop_behind: bool) -> int:
+    """Page-cache drops of one partial save under ``checkpoint_drop_behind`` (ranges of 4 KiB)."""
+    import modelparallel as smp
+    from ckpt_helpers import build
+
+    smp.init({"tensor_parallel_degree": 2, "checkpoint_drop_behind": drop_behind})
+    build(init=False)
+    drops, real, before = [], stream.os.posix_fadvise, stream.SYNC_EVERY
+    stream.os.posix_fadvise = lambda *a: (drops.append(a), real(*a))[1]
+    stream.SYNC_EVERY = 4096
+    try:
+        smp.save_checkpoint(path, f"d{int(drop_behind)}")
+    finally:
+        stream.os.posix_fadvise, stream.SYNC_EVERY = real, before
+    return len(drops)
+
+
+def test_the_config_key_reaches_every_ranks_writer(tmp_path):
+    import harness
+
+    assert all(n > 0 for n in harness.run(2, drops_of_a_save, str(tmp_path), True))
+    assert harness.run(2, drops_of_a_save, str(tmp_path), False) == [0, 0]

@@ -5,6 +5,11 @@ v1 scripts read ``smp.state.cfg``, ``smp.state.model``, ``smp.state.optimizer``;
 from the runtime started by ``init`` at the moment it is asked for: most are the rank API's
 answer or a config field under another name, listed below as such.
 
+Scripts may also assign attributes (``state.tensor_parallel_degree = 1`` before ``init()``, as v2
+scripts do when they run without the library's implementation): an assigned value is answered for
+as long as the job it was assigned in lasts (before ``init``, or the runtime it was assigned under),
+so a later ``init`` answers from its own config again.
+
 ``dp_rank``/``dp_size`` here follow v2, where tensor-parallel ranks share a batch: they count
 replicas of one model copy (v1's ``rdp_rank()``/``rdp_size()``). v1's functions ``smp.dp_rank()``
 and ``smp.dp_size()`` keep v1's meaning (the TP group inside the data-parallel group).
@@ -16,14 +21,41 @@ from . import runtime
 from .training.replication import Ranker
 
 
-def _asks(function: str, doc: str | None = None) -> property:
+def _job():
+    """The job an assignment belongs to: the running runtime, or None before ``init``."""
+    return runtime.current() if runtime.is_initialized() else None
+
+
+class _Answer:
+    """A state attribute computed at each read by ``compute``, unless the script assigned it in
+    the current job (see the module docstring)."""
+
+    def __init__(self, compute, doc: str):
+        self.compute, self.__doc__ = compute, doc
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        assigned = obj.__dict__.get(self.name)
+        if assigned is not None and assigned[0] is _job():
+            return assigned[1]
+        return self.compute(obj)
+
+    def __set__(self, obj, value) -> None:
+        obj.__dict__[self.name] = (_job(), value)
+
+
+def _asks(function: str, doc: str | None = None) -> _Answer:
     """An attribute answered by the rank API function ``function`` (looked up at each read)."""
-    return property(lambda self: getattr(runtime, function)(), doc=doc or f"``smp.{function}()``")
+    return _Answer(lambda self: getattr(runtime, function)(), doc or f"``smp.{function}()``")
 
 
-def _config(name: str, doc: str | None = None) -> property:
+def _config(name: str, doc: str | None = None) -> _Answer:
     """An attribute answered by the config field ``name``."""
-    return property(lambda self: getattr(runtime.current().config, name), doc=doc or f"config ``{name}``")
+    return _Answer(lambda self: getattr(runtime.current().config, name), doc or f"config ``{name}``")
 
 
 def _newest(records: str) -> property:
@@ -32,11 +64,6 @@ def _newest(records: str) -> property:
         found = getattr(runtime.current(), records)
         return found[-1] if found else None
     return property(get, doc=f"The newest of ``Runtime.{records}``, or None.")
-
-
-def _zero(self) -> int:
-    runtime.current()
-    return 0
 
 
 class _State:

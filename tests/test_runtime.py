@@ -267,3 +267,27 @@ def test_every_group_has_the_jobs_timeout(world, build):
     for timeouts in harness.run(world, _group_timeouts, build):
         assert len(timeouts) >= 2, timeouts
         assert set(timeouts.values()) == {120.0}, timeouts
+
+
+def _assigned_state():
+    """A value a script assigns to ``smp.state`` holds within the job it was assigned in; the next
+    ``init`` answers from its own config again."""
+    smp.init({"tensor_parallel_degree": 2})
+    smp.state.tensor_parallel_degree = 7
+    assigned = smp.state.tensor_parallel_degree
+    smp.init({"tensor_parallel_degree": 1})
+    return assigned, smp.state.tensor_parallel_degree, smp.state.tp_size
+
+
+def test_state_accepts_assignments():
+    """v2 scripts set ``state.tensor_parallel_degree`` before ``init`` when they run without the
+    library's own implementation; that must neither raise nor outlive the job it was set in."""
+    from modelparallel.state import _State
+
+    state = _State()  # a fresh object: nothing initialized in this process
+    state.tensor_parallel_degree = 1
+    state.expert_parallel_degree = 1
+    assert (state.tensor_parallel_degree, state.expert_parallel_degree) == (1, 1)
+    with pytest.raises(Exception, match="init"):
+        state.context_parallel_degree  # never assigned: answered by the (absent) runtime, as before
+    assert harness.run(2, _assigned_state) == [(7, 1, 1)] * 2

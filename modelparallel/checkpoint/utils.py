@@ -69,15 +69,20 @@ def limit_num_subdirs(root_dir: str | os.PathLike, num_kept: int | None,
 
     Raises:
         ValueError: for ``num_kept`` < 1 (that would delete the newest checkpoint).
-        FileNotFoundError: when ``root_dir`` is not a directory.
+        NotADirectoryError: when ``root_dir`` exists and is not a directory.
+
+    A ``root_dir`` that does not exist yet holds nothing to delete: scripts prune before their
+    first save, when the checkpoint directory is still to be made.
     """
     if num_kept is None:
         return []
     if isinstance(num_kept, bool) or not isinstance(num_kept, int) or num_kept < 1:
         raise ValueError(f"limit_num_subdirs(num_kept={num_kept!r}): keep at least 1 checkpoint (None keeps all)")
     root = os.fspath(root_dir)
+    if not os.path.lexists(root):
+        return []
     if not os.path.isdir(root):
-        raise FileNotFoundError(f"limit_num_subdirs: {root} is not a directory")
+        raise NotADirectoryError(f"limit_num_subdirs: {root} is not a directory")
     candidates = _orderable(root, regex, sort_fn)
     doomed = [os.path.join(root, name) for _, name in candidates[:-num_kept]]
     if not log:

@@ -45,8 +45,9 @@ def test_only_the_logging_rank_deletes(tmp_path):
 def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="keep at least 1"):
         limit_num_subdirs(tmp_path, 0)
-    with pytest.raises(FileNotFoundError, match="not a directory"):
-        limit_num_subdirs(tmp_path / "missing", 1)
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(NotADirectoryError, match="a-file is not a directory"):
+        limit_num_subdirs(tmp_path / "a-file", 1)
     assert limit_num_subdirs(tmp_path, None) == []
 
 
@@ -54,3 +55,9 @@ def test_unorderable_names_are_kept(tmp_path):
     make(tmp_path, ["a-1", "a-2", "latest"])
     limit_num_subdirs(tmp_path, 1, log=True)
     assert sorted(os.listdir(tmp_path)) == ["a-2", "latest"]
+
+
+def test_a_directory_not_made_yet_holds_nothing_to_delete(tmp_path):
+    """Scripts prune before their first save, when the checkpoint directory does not exist."""
+    assert limit_num_subdirs(tmp_path / "checkpoints", 2, regex=REGEX, log=True) == []
+    assert not (tmp_path / "checkpoints").exists()

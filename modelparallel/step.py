@@ -110,6 +110,9 @@ def step(func: Callable | None = None, *, non_split_inputs: list[str] | None = N
 def _run(f: Callable, splitter: _Splitter, args: tuple, kwargs: dict, detach: bool):
     rt = runtime.current()
     n = rt.config.microbatches
+    pipeline = _pipeline(rt)
+    if pipeline is not None:
+        args, kwargs = pipeline.inputs(args, kwargs)
     pieces = splitter.split(args, kwargs, n)
     for model in rt.models:
         model._before_step()
@@ -126,12 +129,18 @@ def _run(f: Callable, splitter: _Splitter, args: tuple, kwargs: dict, detach: bo
     return _collect(results, detach)
 
 
+def _pipeline(rt):
+    """The pipeline runner of the newest pipelined model, or None."""
+    pipelined = [m._mp_pipeline for m in rt.models if getattr(m, "_mp_pipeline", None) is not None]
+    return pipelined[-1] if pipelined else None
+
+
 def _microbatches(f: Callable, pieces: list, ctx: StepContext, rt) -> list:
     """``f``'s result on every microbatch: one after the other, or through the pipeline stages
     of the (newest) pipelined model, which then also averages its gradients."""
-    pipelined = [m._mp_pipeline for m in rt.models if getattr(m, "_mp_pipeline", None) is not None]
-    if pipelined:
-        return pipelined[-1].run(f, pieces, ctx)
+    pipeline = _pipeline(rt)
+    if pipeline is not None:
+        return pipeline.run(f, pieces, ctx)
     results = []
     for i, (a, kw) in enumerate(pieces):
         ctx.microbatch = i

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from . import ties
+from .inputs import from_first_stage
 from .outputs import Failure, StepFailed, agree, pack, unpack
 from .split import Stage
 from .stage import Boundary, StageExit, build_schedule, step_schedule
@@ -82,6 +83,11 @@ class Runner:
         ties.sync_tied_weights(self.tied, self.tie_groups)
 
     # ---- one step ----------------------------------------------------------------------------
+
+    def inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The step function's arguments with the first stage's tensors in place of this
+        stage's (SageMaker feeds a pipeline from its first stage; see ``inputs.py``)."""
+        return from_first_stage(args, kwargs, self.group, self.stage.is_first, self.rt.device)
 
     def run(self, f: Callable, pieces: list, ctx) -> list:
         """Run ``f`` on every microbatch (``pieces``: per-microbatch ``(args, kwargs)``) through

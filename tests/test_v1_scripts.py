@@ -278,6 +278,39 @@ def test_gptj_script_trains_and_resumes_on_harness_ranks(tmp_path):
     assert first + rest == full, (first, rest, full)
 
 
+def test_gpt2_script_at_pipeline_degree_2(tmp_path):
+    """GPT-2's call shape at pipeline_parallel_degree 2 as SageMaker feeds a pipeline: the first
+    stage reads the data and broadcasts the loader's length over PP_GROUP, the second gets a
+    dummy dataset of empty tensors. Started from one full checkpoint (``--load_full``: each
+    layout draws its own initial weights), the losses equal one process on the same batches
+    (pp 2, and pp 2 x tp 2 with prescaled batches: one model copy either way), and a run stopped
+    at step 3 and resumed from its partial checkpoint continues with exactly the uninterrupted
+    run's losses."""
+    write_token_rows(tmp_path / "input" / "data" / "train")
+    start = str(tmp_path / "start")
+    harness.run(1, script_losses, str(tmp_path), [*TINY, "--max_steps", "0", "--save_final_full_model", "1",
+                                                   "--model-dir", start, "--checkpoint-dir", str(tmp_path / "x")])
+    argv = [*TINY, "--activation_checkpointing", "0", "--microbatches", "2", "--checkpoint_freq", "3",
+            "--load_full", "1", "--model-dir", start]
+    one = harness.run(1, script_losses, str(tmp_path), [*argv, "--max_steps", "6",
+                                                         "--checkpoint-dir", str(tmp_path / "one")])[0]
+    pp = [*argv, "--pipeline_parallel_degree", "2"]
+    full = harness.run(2, script_losses, str(tmp_path), [*pp, "--max_steps", "6", "--checkpoint-dir",
+                                                          str(tmp_path / "a")])[0]
+    tp = harness.run(4, script_losses, str(tmp_path), [*pp, "--tensor_parallel_degree", "2", "--max_steps", "6",
+                                                        "--checkpoint-dir", str(tmp_path / "t")])[0]
+    for step, (a, b, c) in enumerate(zip(full, tp, one)):
+        assert abs(a - c) <= training_rtol(step) * abs(c) and abs(b - c) <= training_rtol(step) * abs(c), \
+            (step, a, b, c)
+    first = harness.run(2, script_losses, str(tmp_path), [*pp, "--max_steps", "3", "--checkpoint-dir",
+                                                           str(tmp_path / "b")])[0]
+    at = pp.index("--load_full")
+    rest = harness.run(2, script_losses, str(tmp_path), [*pp[:at], *pp[at + 2:], "--max_steps", "6",
+                                                          "--load_partial", "1", "--checkpoint-dir", str(tmp_path / "b")])[0]
+    assert full[-1] < full[0], full
+    assert first + rest == full, (first, rest, full)
+
+
 def modelparallel_run(cwd: Path, argv: list[str]) -> subprocess.CompletedProcess:
     """``modelparallel run --nproc-per-node 2 tests/v1_script_shape.py ARGV`` as a user types it."""
     cli = Path(sys.executable).parent / "modelparallel"

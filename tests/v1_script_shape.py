@@ -45,11 +45,33 @@ class TokenRows(torch.utils.data.Dataset):
         return torch.tensor(obj["input_ids"]), torch.tensor(obj["attention_mask"])
 
 
+class DummyDataset(torch.utils.data.dataset.Dataset):
+    """What the scripts give pipeline stages after the first: empty tensors, as many as the first
+    stage's batches."""
+
+    def __init__(self, length):
+        self.batch = (torch.Tensor(0), torch.Tensor(0))
+        self.length = length
+
+    def __getitem__(self, index):
+        return self.batch
+
+    def __len__(self):
+        return self.length
+
+
 def create_pretraining_dataloader(paths, batch_size, seed, dp_rank, dp_size, shuffle):
-    data = TokenRows(paths)
-    sampler = torch.utils.data.DistributedSampler(data, shuffle=shuffle, seed=seed, rank=dp_rank,
-                                                  num_replicas=dp_size, drop_last=True)
-    return torch.utils.data.DataLoader(data, sampler=sampler, batch_size=batch_size, drop_last=True)
+    if smp.pp_rank() == 0:
+        data = TokenRows(paths)
+        sampler = torch.utils.data.DistributedSampler(data, shuffle=shuffle, seed=seed, rank=dp_rank,
+                                                      num_replicas=dp_size, drop_last=True)
+        dataloader = torch.utils.data.DataLoader(data, sampler=sampler, batch_size=batch_size, drop_last=True)
+        smp.broadcast(len(dataloader), smp.PP_GROUP)
+    else:
+        data_len = smp.recv_from(0, smp.RankType.PP_RANK)
+        dataset = DummyDataset(data_len * batch_size)
+        dataloader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, drop_last=True)
+    return dataloader
 
 
 def get_param_groups_by_weight_decay(module):
@@ -107,6 +129,7 @@ def parse_args(argv):
     parser.add_argument("--load_partial", type=int, default=0)
     parser.add_argument("--load_full", type=int, default=0)
     parser.add_argument("--prescaled_batch", type=int, default=1)
+    parser.add_argument("--pipeline_parallel_degree", type=int, default=1)
     parser.add_argument("--max_context_width", type=int, default=1024)
     parser.add_argument("--vocab_size", type=int, default=50264)
     parser.add_argument("--hidden_width", type=int, default=768)
@@ -166,7 +189,8 @@ def build_model(args):
 def main(argv=None):
     args = parse_args(argv)
     smp_config = {
-        "ddp": True, "tensor_parallel_degree": args.tensor_parallel_degree, "pipeline_parallel_degree": 1,
+        "ddp": True, "tensor_parallel_degree": args.tensor_parallel_degree,
+        "pipeline_parallel_degree": args.pipeline_parallel_degree,
         "microbatches": args.microbatches, "shard_optimizer_state": False, "prescaled_batch": args.prescaled_batch > 0,
         "fp16": args.fp16 > 0, "bf16": args.bf16 > 0, "offload_activations": False,
         "delayed_parameter_initialization": False, "optimize": "speed", "placement_strategy": "cluster",

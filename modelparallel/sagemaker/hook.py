@@ -23,8 +23,11 @@ import types
 ROOTS = {"smdistributed.modelparallel.torch": "modelparallel", "torch.sagemaker": "modelparallel"}
 """SageMaker module path -> the module it is here; submodules follow (``.a.b`` -> ``.a.b``)."""
 
-STAND_INS = ("smdistributed", "smdistributed.modelparallel")
-"""Parent packages of the v1 path that exist only to hold it."""
+STAND_INS = ("smdistributed", "smdistributed.modelparallel", "smdistributed.dataparallel",
+             "smdistributed.dataparallel.torch", "smdistributed.dataparallel.torch.torch_smddp")
+"""Parent packages of the v1 path that exist only to hold it, and SageMaker's data-parallel
+backend module, which scripts import only to make the ``smddp`` backend name known (under
+``modelparallel run`` it is: ``sagemaker.env.smddp_backend``)."""
 
 
 def target_of(name: str) -> str | None:

@@ -82,6 +82,7 @@ def run_script(args: argparse.Namespace) -> int:
     os.environ.update(_our_env(args))
     env.apply()
     env.cpu_set_device()
+    env.smddp_backend()
     hook.install()
     script = args.training_script
     sys.argv = [script, *args.training_script_args]

@@ -44,7 +44,8 @@ def test_aliases_are_this_package():
         assert sys.modules["torch"]._export.__name__ == "torch._export"  # torch's lazy submodules too
 
 
-@pytest.mark.parametrize("name", ["torch.sagemaker.tensor_parallel.no_such_module", "smdistributed.dataparallel",
+@pytest.mark.parametrize("name", ["torch.sagemaker.tensor_parallel.no_such_module",
+                                  "smdistributed.dataparallel.torch.distributed",
                                   "smdistributed.modelparallel.torch.no_such_module"])
 def test_not_provided_named(name):
     with sagemaker_imports():
@@ -96,3 +97,26 @@ def test_cpu_set_device(monkeypatch):
     torch.cuda.set_device(torch.device("cuda", 0))
     with pytest.raises(Exception):
         torch.cuda.set_device(2)  # not a rank of this machine: torch's own error
+
+
+SMDDP_SCRIPT = """
+import sys, torch, torch.distributed as dist
+from modelparallel.sagemaker import env, hook
+env.smddp_backend()
+env.smddp_backend()  # a second call wraps nothing twice
+hook.install()
+import smdistributed.dataparallel.torch.torch_smddp  # what SageMaker's scripts import first
+dist.init_process_group(backend="smddp", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+print(dist.get_backend(), dist.init_process_group.__wrapped__ is dist.distributed_c10d.init_process_group)
+"""
+
+
+def test_smddp_backend_name(tmp_path):
+    """SageMaker's data-parallel backend name starts NCCL with CUDA and gloo without, after the
+    scripts' ``import smdistributed.dataparallel.torch.torch_smddp``."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", SMDDP_SCRIPT, str(tmp_path / "store")], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["nccl" if torch.cuda.is_available() else "gloo", "True"]

@@ -120,7 +120,8 @@ def transform(model: nn.Module, device=None, dtype: torch.dtype | None = None,
     experts = moe is not None or rt.config.expert_parallel_degree > 1
     if sharded or experts or rt.config.context_parallel_degree > 1:
         spec = auto.plan_for(model, spec_for(model), rt.tp_mesh, walker.parallelize)  # built-in or automatic
-        parallelize(model, rt, spec, cp_comm_type, moe=moe, tensor_parallel=sharded)
+        with meta.torch_parameter_registration():  # v2 scripts may call transform in init_empty_weights()
+            parallelize(model, rt, spec, cp_comm_type, moe=moe, tensor_parallel=sharded)
     if load_state_dict_from_rank0:
         meta.materialize(model, device)
         sync_from_rank0(model, full, rt.expert_mesh)  # names every mesh dim a DTensor here can have

@@ -17,7 +17,9 @@ in (b)'s ``noop`` check at delayed_param.py initializing a model that already ho
 """
 
 import functools
+import sys
 from contextlib import nullcontext
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,14 +29,18 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
 
 import harness
 import modelparallel as smp
+from modelparallel.moe.moe_config import MoEConfig
 from modelparallel.materialize import meta
 from modelparallel.delayed_param import DelayedParamIniter
 from modelparallel import transform
 from reference import as_hf
 from test_v2_fsdp import llama_cfg, train_and_compare
+
+sys.path.insert(0, str(Path(__file__).parent / "expert"))  # the MoE reference (tests/expert/moe_reference.py)
 
 AutoModelForCasalLM = AutoModelForCausalLM  # the page's spelling of the class name
 SYNC = torch.cuda.is_available()  # FSDP1 refuses sync_module_states with CPU parameters
@@ -189,3 +195,36 @@ def meta_again_named():
 
 def test_delayed_initer_names_meta_tensors_of_a_model_filled_from_rank0():
     harness.run(2, meta_again_named)
+
+
+def recipe_moe_delayed(path, ep):
+    """The v2 scripts' Mixtral path with delayed parameters when fine-tuning: rank 0 builds the
+    pretrained model, the others build it in ``init_empty_weights()`` and call ``transform``
+    inside that block too (accelerate's parameter registration is active there); every rank
+    then holds its shards of rank 0's weights and trains like one process."""
+    from moe_reference import replica_batches, train_transformed_like_one_process
+
+    smp.init({"expert_parallel_degree": ep, "prescaled_batch": True})
+    ref = AutoModelForCausalLM.from_pretrained(path)
+    moe_config = MoEConfig(smp_moe=True, random_seed=1, moe_load_balancing="aux_loss", moe_aux_loss_coeff=0.05,
+                           moe_z_loss_coeff=0.0, use_cpu_initialization=dist.get_rank() == 0)
+    if dist.get_rank() == 0:
+        model = AutoModelForCausalLM.from_pretrained(path)
+        model = transform(model, config=moe_config, load_state_dict_from_rank0=True)
+    else:
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        with init_empty_weights():
+            model = transform(model, config=moe_config, load_state_dict_from_rank0=True)
+        assert DelayedParamIniter(model).noop
+    assert_shards_of_pretrained(model, ref)
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={MixtralDecoderLayer})
+    model = FSDP(model, auto_wrap_policy=policy, use_orig_params=True, device_id=torch.device("cpu"))
+    train_transformed_like_one_process(ref, model, replica_batches(3, smp.rdp_size()), "mixtral delayed", grads=False)
+
+
+def test_recipe_moe_transform_inside_init_empty_weights(tmp_path):
+    from moe_reference import reference_model
+
+    reference_model("mixtral").save_pretrained(tmp_path)
+    harness.run(2, recipe_moe_delayed, str(tmp_path), 2)

@@ -13,6 +13,7 @@ same: ties (one parameter held by two modules), FSDP's references and hooks surv
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import torch
@@ -20,6 +21,30 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..tp.layout import from_local_like, local_part
+
+
+# torch's own ``Module.register_parameter``, taken when this package is imported. accelerate's
+# ``init_empty_weights()`` replaces it for the block's duration with one that re-creates every
+# registered parameter through its class's constructor on the meta device, which fails for a
+# DTensor parameter (its constructor takes a spec).
+_TORCH_REGISTER_PARAMETER = nn.Module.register_parameter
+
+
+@contextlib.contextmanager
+def torch_parameter_registration() -> Iterator[None]:
+    """Inside, modules register parameters as torch does, also within accelerate's
+    ``init_empty_weights()``: sharding registers each parameter's DTensor on the device the
+    model's tensor already had (a model built under ``init_empty_weights`` is on meta and stays
+    there)."""
+    current = nn.Module.register_parameter
+    if current is _TORCH_REGISTER_PARAMETER:
+        yield
+        return
+    nn.Module.register_parameter = _TORCH_REGISTER_PARAMETER
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = current
 
 
 class MetaTensorError(RuntimeError):

@@ -37,6 +37,12 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.fsdp import _optim_utils as fsdp_optim_utils
 from torch.distributed.fsdp._optim_utils import _gather_state_dict  # noqa: F401 - checked, patched on the module
 
+# FSDP1's full model state dict is made by this module's ``_full_post_state_dict_hook`` (looked up
+# on the module at each call); it keeps a DTensor parameter as this rank's DTensor view, where a
+# full state dict must hold the whole tensor. The v2 export wraps it (no public hook exists).
+from torch.distributed.fsdp import _state_dict_utils as fsdp_state_dict_utils
+from torch.distributed.fsdp._state_dict_utils import _full_post_state_dict_hook  # noqa: F401 - checked, patched
+
 # FSDP1 flattens each unit's parameters in ``FlatParamHandle`` and then keeps this rank's chunk
 # (``shard``); between the two the unit's original tensors are dead on ranks other than 0. The
 # v2 recipe frees them there so a rank never holds its shards plus a whole unit twice; PyTorch
@@ -155,6 +161,6 @@ from .sagemaker.hook import sagemaker_imports  # noqa: E402 - after the private 
 __all__ = ["FlatParamHandle", "ShardedTensor", "SharedParamInfo", "StorageInfo",
            "compute_local_shape_and_global_offset", "dcp_loader_module", "dcp_saver_module",
            "default_group_timeout", "default_store", "flash_attention_cpu", "flash_attention_cpu_backward",
-           "flatten_mesh", "flatten_state_dict", "fsdp_init_utils", "fsdp_optim_utils", "get_tensor_metadata",
+           "flatten_mesh", "flatten_state_dict", "fsdp_init_utils", "fsdp_optim_utils", "fsdp_state_dict_utils", "get_tensor_metadata",
            "mesh_group_config", "sagemaker_imports", "set_element", "set_fsdp_flattened", "storage_alignment",
            "torch_checkpoint_wrappers", "unflatten_mesh"]

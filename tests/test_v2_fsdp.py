@@ -137,3 +137,37 @@ def fsdp1_clip_refused():
 
 def test_clip_grad_norm_refuses_fsdp1_flat_shards():
     harness.run(2, fsdp1_clip_refused)
+
+
+def fsdp1_full_export(path, use_orig_params):
+    """The v2 scripts' full export: FSDP1's ``FULL_STATE_DICT`` with ``rank0_only`` and CPU offload,
+    ``torch.save`` on rank 0 as ``pytorch_model.bin`` beside the config."""
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+
+    ref, model = transformed(2)
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
+    model = FSDP(model, auto_wrap_policy=policy, device_id=torch.device("cpu"), use_orig_params=use_orig_params)
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
+                              FullStateDictConfig(rank0_only=True, offload_to_cpu=True)):
+        state_dict = model.state_dict()
+        if torch.distributed.get_rank() == 0:
+            torch.save(state_dict, f"{path}/pytorch_model.bin")
+            ref.config.save_pretrained(path)
+    torch.distributed.barrier()
+    return {k: v.clone() for k, v in ref.state_dict().items()} if torch.distributed.get_rank() == 0 else None
+
+
+@pytest.mark.parametrize("use_orig_params", [True, False])
+def test_fsdp1_full_export_at_tp2_holds_whole_tensors(tmp_path, use_orig_params):
+    """Every exported tensor is the whole HF tensor (an odd vocabulary: no padding in the export),
+    and ``from_pretrained`` of the export gives the original model's logits."""
+    want = harness.run(2, fsdp1_full_export, str(tmp_path), use_orig_params)[0]
+    exported = torch.load(tmp_path / "pytorch_model.bin", weights_only=True)
+    assert exported.keys() == want.keys()
+    for name, tensor in exported.items():
+        assert type(tensor) is torch.Tensor and torch.equal(tensor, want[name]), name
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path)
+    ref = LlamaForCausalLM(llama_cfg())
+    ref.load_state_dict(want)
+    ids = batches(1)[0]
+    assert torch.equal(loaded(ids).logits, ref(ids).logits)

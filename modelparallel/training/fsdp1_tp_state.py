@@ -1,4 +1,4 @@
-"""Loading optimizer state into PyTorch FSDP1 (``FullyShardedDataParallel``) wrapped around
+"""Full model state dicts of, and loading optimizer state into, PyTorch FSDP1 (``FullyShardedDataParallel``) wrapped around
 tensor-parallel DTensor parameters.
 
 FSDP1 saves the optimizer state of a TP-sharded parameter as a DTensor on the 2-D
@@ -19,6 +19,13 @@ the loaded state is the TP-local tensor FSDP1 keeps whole, a plain tensor, and t
 ``optimizer.step()`` fails mixing it with the DTensor gradient. ``install`` also wraps the
 per-parameter step that hands the state to the optimizer so that, there, each state tensor of
 a DTensor parameter becomes a DTensor with the parameter's layout (the same memory).
+
+A full model state dict (``StateDictType.FULL_STATE_DICT``, how v2 scripts export a model for
+``from_pretrained``) keeps each DTensor parameter as this rank's DTensor view after FSDP1's
+gather: saved, it would hold one TP rank's shard. ``install`` also wraps FSDP1's full-state-dict
+hook so that every rank first gathers each DTensor entry of the unit to the whole tensor (a
+collective every rank makes in the same order), before FSDP1 drops the entries of ranks other
+than 0 under ``rank0_only``.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from torch.distributed.fsdp import ShardingStrategy
 from torch.distributed.tensor import DTensor, Replicate
 
 from ..compat import fsdp_optim_utils as _optim_utils
+from ..compat import fsdp_state_dict_utils as _state_dict_utils
 
 _MARK = "_mp_tp_local"
 
@@ -78,9 +86,28 @@ def _install_no_shard_layout() -> None:
     _optim_utils._shard_orig_param_state = with_param_layout
 
 
+def _install_full_state_dict() -> None:
+    full = _state_dict_utils._full_post_state_dict_hook
+    if getattr(full, _MARK, False):
+        return
+
+    @functools.wraps(full)
+    def gathered_whole(module, fsdp_state, state_dict, prefix):
+        with torch.no_grad():
+            for key, value in list(state_dict.items()):
+                if key.startswith(prefix) and isinstance(value, DTensor):
+                    state_dict[key] = value.full_tensor()
+        return full(module, fsdp_state, state_dict, prefix)
+
+    setattr(gathered_whole, _MARK, True)
+    _state_dict_utils._full_post_state_dict_hook = gathered_whole
+
+
 def install() -> None:
-    """Make FSDP1's optimizer-state loading keep TP-local blocks (idempotent)."""
+    """Make FSDP1's full model state dicts hold whole tensors and its optimizer-state loading
+    keep TP-local blocks (idempotent)."""
     _install_no_shard_layout()
+    _install_full_state_dict()
     gather = _optim_utils._gather_state_dict
     if getattr(gather, _MARK, False):
         return

@@ -121,13 +121,25 @@ _ONE_SHARD_GROUP = {ShardingStrategy.HYBRID_SHARD: ShardingStrategy.FULL_SHARD,
 """A hybrid strategy whose one shard group spans every data-parallel rank (no replicas)."""
 
 
+def _shard_over(args: dict, mesh: DeviceMesh, lay: Layout) -> None:
+    """FSDP1 shards over the 1-D ``mesh``: given as the mesh when TP shards are DTensors on it
+    (FSDP1 flattens those only when it has the mesh), else as its process group, since FSDP1
+    refuses a mesh for ``LOCAL_STATE_DICT``, which the v2 scripts' local checkpoints use. (A
+    hybrid layout keeps its 2-D mesh: FSDP1's local state dict over a (shard, replicate) pair of
+    groups names shards by their rank in the shard group as if it were the global rank.)"""
+    if lay.tp_size > 1:
+        args["device_mesh"], args["process_group"] = mesh, None
+    else:
+        args["device_mesh"], args["process_group"] = None, mesh.get_group()
+
+
 def _apply_hybrid(args: dict, lay: Layout) -> None:
     n, d = lay.hybrid_shard_degree, lay.dp_mesh.size()
     if n in (0, d):
         full = _ONE_SHARD_GROUP.get(args.get("sharding_strategy"))
         if full is not None:
             args["sharding_strategy"] = full
-            args["device_mesh"], args["process_group"] = lay.dp_mesh, None
+            _shard_over(args, lay.dp_mesh, lay)
         return
     if n == 1:
         args["sharding_strategy"] = ShardingStrategy.NO_SHARD

@@ -155,3 +155,45 @@ def delayed_init_with_post_param_init_fn(tp):
 @pytest.mark.parametrize("tp", [2, 1])
 def test_post_param_init_fn_runs_per_unit_and_keeps_ties(tp):
     harness.run(2, delayed_init_with_post_param_init_fn, tp)
+
+
+def local_checkpoint_round_trip(path):
+    """The v2 scripts' local checkpoint under their default ``HYBRID_SHARD`` call: FSDP1's own
+    ``LOCAL_STATE_DICT`` (refused by FSDP1 when it is handed a DeviceMesh), ``torch.save`` per
+    rank, and a resume that continues exactly like the uninterrupted run."""
+    from torch.distributed.fsdp import StateDictType
+
+    from reference import token_batches
+
+    def wrapped():
+        ref, model = built({"tensor_parallel_degree": 1})
+        model = FSDP(model, auto_wrap_policy=POLICY, device_id=torch.device("cpu"), use_orig_params=False,
+                     sharding_strategy=ShardingStrategy.HYBRID_SHARD)  # the scripts' default use_orig_params
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(model, opt, ids):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    model, opt = wrapped()
+    batches = [b.chunk(smp.rdp_size())[smp.rdp_rank()] for b in token_batches(101, 4)]
+    for ids in batches[:2]:
+        step(model, opt, ids)
+    with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, f"{path}/{dist.get_rank()}.pt")
+    straight = [step(model, opt, ids) for ids in batches[2:]]
+    fresh, fresh_opt = wrapped()
+    state = torch.load(f"{path}/{dist.get_rank()}.pt", weights_only=False)
+    with FSDP.state_dict_type(fresh, StateDictType.LOCAL_STATE_DICT):
+        fresh.load_state_dict(state["model"])
+        fresh_opt.load_state_dict(state["optimizer"])
+    resumed = [step(fresh, fresh_opt, ids) for ids in batches[2:]]
+    return straight, resumed
+
+
+def test_local_checkpoint_under_the_default_hybrid_strategy(tmp_path):
+    for straight, resumed in harness.run(2, local_checkpoint_round_trip, str(tmp_path)):
+        assert straight == resumed

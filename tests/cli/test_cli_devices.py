@@ -11,13 +11,17 @@ the last means the training loop no longer moves its batch to the rank's device
 
 from __future__ import annotations
 
+import shlex
 import types
+from pathlib import Path
 
 import pytest
 import torch
 
 from modelparallel import devices
 from modelparallel.cli import build_parser, main, train, train_job
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -96,3 +100,35 @@ def test_the_training_batch_goes_to_the_ranks_device(monkeypatch):
     monkeypatch.setattr(train_job.smp, "cp_size", lambda: 1)
     x, y = train_job._cp_part(torch.arange(8).view(2, 4), torch.arange(8).view(2, 4))
     assert x.device.type == "meta" and y.device.type == "meta" and x.shape == (2, 4)
+
+
+def _readme_gpu_commands() -> list[list[str]]:
+    """The command lines of the README's "On GPUs" block, without comments."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## On GPUs", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    return [shlex.split(line) for line in block.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def test_the_readme_gpu_commands_pass_the_checks(monkeypatch, tmp_path):
+    """Every ``train`` line of the README's GPU quick start is accepted as written (the first on a
+    one-GPU machine, the others on machines with 8), under torchrun as one of its 8 ranks too."""
+    commands = _readme_gpu_commands()
+    assert len(commands) == 5, commands
+    for i, cmd in enumerate(commands):
+        fake_gpus(monkeypatch, 1 if i == 0 else 8)
+        if cmd[0].endswith("torchrun"):
+            assert cmd[cmd.index("--nproc-per-node") + 1] == "8" and cmd[cmd.index("-m") + 1] == "modelparallel.cli"
+            for name, value in (("RANK", "3"), ("WORLD_SIZE", "8"), ("LOCAL_WORLD_SIZE", "8")):
+                monkeypatch.setenv(name, value)
+            cmd = cmd[cmd.index("--") + 1:]
+        elif cmd[1] == "run":
+            assert cmd[2:4] == ["--nproc-per-node", "8"] and devices.launch_problems(8, "") == []
+            continue
+        else:
+            cmd = cmd[1:]
+        cmd = [str(tmp_path / "out") if a.startswith(("runs/", "/shared/")) else a for a in cmd]
+        args = build_parser().parse_args(cmd)
+        args.argv = cmd
+        assert train.check_args(args) == [], cmd
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+            monkeypatch.delenv(name, raising=False)

@@ -198,7 +198,9 @@ def test_activation_checkpointing_and_offload_keep_gradients(device, offload):
 
 def test_delayed_init_from_meta_lands_on_the_device_and_equals_eager(device):
     smp.init({"tensor_parallel_degree": 1, "random_seed": 0})
-    eager = build().to(device)
+    torch.manual_seed(0)
+    with torch.device(device):  # the delayed init draws on the device, from its generator: so does this build
+        eager = LlamaForCausalLM(tiny())
     torch.manual_seed(0)
     with smp.delay_param_initialization(enabled=True):
         module = LlamaForCausalLM(tiny())

@@ -83,8 +83,14 @@ def for_group(group: dist.ProcessGroup | None = None) -> torch.device:
 
 def launch_problems(ranks_per_machine: int, fix: str) -> list[str]:
     """A one-line problem when this machine has GPUs but fewer than ``ranks_per_machine`` (each
-    rank needs its own GPU), else none. ``fix`` names the option that sets the ranks per machine."""
-    gpus = gpu_count()
+    rank needs its own GPU), else none. ``fix`` names the option that sets the ranks per machine.
+    A ``MODELPARALLEL_DEVICE`` that cannot be honoured (a bad value, cuda without a GPU) is the
+    problem instead."""
+    try:
+        device_type()
+        gpus = gpu_count()
+    except (ValueError, RuntimeError) as exc:
+        return [str(exc)]
     if gpus == 0 or ranks_per_machine <= gpus:
         return []
     return [f"{ranks_per_machine} ranks per machine but PyTorch sees {gpus} GPU(s), and each rank needs its own: "

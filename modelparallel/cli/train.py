@@ -187,8 +187,12 @@ def _world_problems(args: argparse.Namespace) -> list[str]:
 
 def default_tp() -> int:
     """``DEFAULT_TP``, or the GPUs this machine shows when fewer (one rank per GPU): the default
-    command runs as it is on a one-GPU machine."""
-    gpus = devices.gpu_count()
+    command runs as it is on a one-GPU machine (a bad ``MODELPARALLEL_DEVICE`` is reported by
+    ``_device_problems``)."""
+    try:
+        gpus = devices.gpu_count()
+    except ValueError:
+        return DEFAULT_TP
     return min(DEFAULT_TP, gpus) if gpus else DEFAULT_TP
 
 
@@ -197,11 +201,8 @@ def _device_problems(args: argparse.Namespace) -> list[str]:
     if launch.under_launcher():
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         return devices.launch_problems(local, "start fewer ranks per machine (torchrun --nproc-per-node)")
-    if args.nproc < 1:
-        return []
-    gpus = devices.gpu_count()
-    return devices.launch_problems(args.nproc, f"lower --nproc (ranks per machine; with --tp/--pp/--cp/--ep their "
-                                                f"product fits {max(gpus, 1)} GPU(s)) or spread them with --nnodes")
+    return devices.launch_problems(max(args.nproc, 1), "lower --nproc (the ranks per machine, by default --tp x --pp "
+                                   "x --cp x --ep / --nnodes), or spread them over machines with --nnodes")
 
 
 def _model_problems(args: argparse.Namespace) -> list[str]:

@@ -132,3 +132,17 @@ def test_the_readme_gpu_commands_pass_the_checks(monkeypatch, tmp_path):
         assert train.check_args(args) == [], cmd
         for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
             monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize("gpus,value,needle", [
+    (1, "gpu", "MODELPARALLEL_DEVICE='gpu': use one of cpu, cuda"),
+    (0, "cuda", "MODELPARALLEL_DEVICE=cuda but PyTorch sees no GPU"),
+])
+def test_an_unusable_device_switch_is_refused_before_launch(monkeypatch, data, capsys, gpus, value, needle):
+    fake_gpus(monkeypatch, gpus)
+    monkeypatch.setenv(devices.DEVICE_ENV, value)
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--model", "gpt2-micro", "--data", str(data / "data"), "--steps", "4", "--seq-len", "32",
+              "--out", str(data / "run")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and needle in err and "Traceback" not in err, err

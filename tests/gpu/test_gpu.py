@@ -127,7 +127,7 @@ def plain(device, dtype: torch.dtype, steps: int, scale: float = 1.0):
     return losses, {n: m.detach().cpu() for n, m in masters.items()}
 
 
-def assert_same_training(got, want, dtype: torch.dtype, steps: int):
+def assert_same_training(got, want, dtype: torch.dtype, steps: int, start: dict | None = None):
     """At TP=1 both run the model's own kernels on the same inputs: the differences are
     reordered sums only. A weight moves by LR x (its gradient) per step; a gradient computed in
     ``dtype`` carries at most one rounding per layer crossed, forward and backward, each up to
@@ -139,7 +139,8 @@ def assert_same_training(got, want, dtype: torch.dtype, steps: int):
         assert abs(a - b) <= (LAYERS + 2) * eps * abs(b), (got_losses, want_losses)
     assert got_w.keys() == want_w.keys()
     for name, w in want_w.items():
-        moved = (w - build().get_parameter(name).detach().to(dtype).float()).abs().max().item()  # LR x steps x grad
+        first = start[name] if start is not None else build().get_parameter(name).detach().to(dtype).float()
+        moved = (w - first).abs().max().item()  # LR x steps x gradient
         atol = 2 * (LAYERS + 2) * math.sqrt(64) * eps * moved + steps * torch.finfo(torch.float32).eps * w.abs().max()
         torch.testing.assert_close(got_w[name], w, rtol=0, atol=atol, msg=lambda m: f"{name}: {m}")
         assert moved > 0, f"{name} never changed: no gradient reached it"
@@ -168,6 +169,45 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale(device):
     for name, w in masters.items():
         start = build().get_parameter(name).detach().half().float()
         assert torch.equal(w, start), f"{name} changed in a skipped step"
+
+
+def fsdp2_steps(device, transform: bool, steps: int):
+    """(losses, fp32 weights) of ``steps`` SGD steps of FSDP2 with bf16 compute over fp32 weights,
+    on ``smp.transform``'s output (a SageMaker v2 script) or on the plain HF model; and the start."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    smp.init({"tensor_parallel_degree": 1, "random_seed": 0})
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(tiny())
+    start = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    if transform:
+        model, mesh = smp.transform(model), smp.dp_mesh()
+    else:
+        mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("dp",))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    on(device, model.named_parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=LR, foreach=False)
+    losses = []
+    for _ in range(steps):
+        ids = ids_on(device)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return (losses, {n: gathered(p.detach()).float().cpu() for n, p in model.named_parameters()}), start
+
+
+def test_v2_transform_with_fsdp2_equals_fsdp2_on_the_plain_model(device):
+    got, start = fsdp2_steps(device, transform=True, steps=2)
+    _fresh_world()
+    want, _ = fsdp2_steps(device, transform=False, steps=2)
+    assert_same_training(got, want, torch.bfloat16, steps=2, start=start)
 
 
 # ---- activation checkpointing and offloading ---------------------------------------------------

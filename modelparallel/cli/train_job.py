@@ -236,7 +236,8 @@ def _summary(args, hist, info, val_loss, sample, times: dict, session: dict, n_p
     return {
         "config": {k: (str(v) if k in ("out",) else v) for k, v in vars(args).items()
                    if not k.startswith("_") and k not in ("argv", "data_files")},
-        "world_size": smp.size(), "device": runtime.current().device.type, "tp": smp.tp_size(), "pp": smp.pp_size(), "cp": smp.cp_size(),
+        "world_size": smp.size(), "device": runtime.current().device.type,
+        "tp": smp.tp_size(), "pp": smp.pp_size(), "cp": smp.cp_size(),
         "dp": smp.rdp_size(), "ep": smp.state.ep_size,
         "threads_per_rank": torch.get_num_threads(), "optimizer": type(opt).__name__,
         "parameters": n_params, "corpus": info, **hist,

@@ -74,7 +74,8 @@ class AsyncCallsQueue:
 
     def _all_done(self, pending: saving.PendingSave) -> bool:
         """Whether every rank of the save's group finished writing (a collective)."""
-        done = torch.tensor([1 if pending.job.done() else 0], dtype=torch.int32, device=devices.for_group(pending.group.pg))
+        done = torch.tensor([1 if pending.job.done() else 0], dtype=torch.int32,
+                            device=devices.for_group(pending.group.pg))
         dist.all_reduce(done, op=dist.ReduceOp.MIN, group=pending.group.pg)
         return bool(done.item())
 

@@ -119,6 +119,8 @@ def launch_ranks(args: argparse.Namespace) -> int:
     root = Path(args.sagemaker_dir or env.DEFAULT_DIR).absolute()
     status = Path(tempfile.mkdtemp(prefix="modelparallel-run-"))
     extra = {**_our_env(args), env.DIR_ENV: str(root), outcome.STATUS_ENV: str(status)}
+    if devices.requested() == "cpu":  # the script's own torch.cuda calls must not find the GPUs either
+        extra["CUDA_VISIBLE_DEVICES"] = ""
     try:
         exc = launch.run_agent(args, nproc, extra)
         return 0 if exc is None else _report(exc, status, root / "output" / "failure.log")

@@ -146,3 +146,16 @@ def test_an_unusable_device_switch_is_refused_before_launch(monkeypatch, data, c
               "--out", str(data / "run")])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and needle in err and "Traceback" not in err, err
+
+
+def test_run_on_cpu_hides_the_gpus_from_the_script(monkeypatch, tmp_path):
+    """Under ``MODELPARALLEL_DEVICE=cpu`` a script's own ``.cuda()`` / ``set_device`` must not find a GPU."""
+    fake_gpus(monkeypatch, 1)
+    monkeypatch.setenv(devices.DEVICE_ENV, "cpu")
+    ran = []
+    monkeypatch.setattr("modelparallel.cli.launch.run_agent", lambda args, nproc, extra: ran.append((nproc, extra)))
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    assert main(["run", "--nproc-per-node", "2", "--sagemaker-dir", str(tmp_path / "sm"), str(script)]) == 0
+    (nproc, extra), = ran
+    assert nproc == 2 and extra["CUDA_VISIBLE_DEVICES"] == ""

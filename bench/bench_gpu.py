@@ -43,6 +43,15 @@ import common
 import gpu_variants
 
 VARIANTS = ("plain-v1", "ours-v1", "plain-fsdp2", "ours-v2", "ckpt-dcp", "ckpt-ours")
+NUMERICS = {
+    "plain-v1": "bf16 weights; AdamW on fp32 master copies; bf16 weights copied back after each step",
+    "ours-v1": "smp.DistributedModel, config bf16: bf16 weights, fp32 masters in smp.DistributedOptimizer",
+    "plain-fsdp2": "FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over fp32 weights",
+    "ours-v2": "the same FSDP2 policy over smp.transform's output",
+    "ckpt-dcp": "plain-v1's bf16 weights, fp32 masters and AdamW moments through torch.distributed.checkpoint",
+    "ckpt-ours": "ours-v1's model and optimizer through smp.save_checkpoint / smp.resume_from_checkpoint",
+}
+"""What each variant computes in which precision (each "ours" against the "plain" with the same)."""
 PEAK_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0,
                "A10G": 125.0, "L4": 121.0}
 """Dense bf16 tensor-core peaks (vendor data sheets, without sparsity), by a part of the device
@@ -168,7 +177,8 @@ def main(argv=None) -> int:
             shutil.rmtree(args.ckpt_dir, ignore_errors=True)
     shape = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "seq",
                                            "batch", "steps", "warmup", "repeats", "saves", "adamw")}
-    result = {"shape": shape, **summarize(records, args), "variants": records}
+    result = {"shape": shape, "numerics": {v: NUMERICS[v] for v in args.variants}, **summarize(records, args),
+              "variants": records}
     print(table(records))
     name = f"gpu_{args.device}"
     common.write_result(name, result, args.out)

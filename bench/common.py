@@ -1,8 +1,9 @@
 """What every benchmark shares: starting ranks, one thread each, honest peak memory, the machine's
 load, and where results go.
 
-Ranks start one of two ways, both on gloo with one thread per rank (``OMP_NUM_THREADS=1`` before
-torch is imported, and ``torch.set_num_threads(1)``):
+Ranks start one of two ways, both on CPU and gloo with one thread per rank (``OMP_NUM_THREADS=1``
+before torch is imported, and ``torch.set_num_threads(1)``; ``MODELPARALLEL_DEVICE=cpu`` and no
+visible GPU, also on a GPU machine):
 
 - ``spawn(fn, nproc, *args)``: ``torch.multiprocessing`` processes with the environment torchrun
   would set (``MASTER_ADDR``/``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``...), so
@@ -41,7 +42,9 @@ _ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(os.environ.get("BENCH_RESULTS_DIR") or _ROOT / "bench" / "results")
 _RANK_DIR = "BENCH_RANK_RECORDS"  # where ``report`` writes, set by ``torchrun``
 _ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-               "TOKENIZERS_PARALLELISM": "false"}
+               "TOKENIZERS_PARALLELISM": "false",
+               # CPU benchmarks stay on CPU and gloo on a machine with GPUs (bench_gpu.py is the GPU one)
+               "MODELPARALLEL_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""}
 
 
 # ---- starting ranks -------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .compat import default_group_timeout, flatten_mesh
 from .config import Config, build_config, without_effect
-from . import meshes
+from . import devices, meshes
 from .meshes import (  # noqa: F401 - the group names and layouts are part of this module's API
     CP_GROUP, DIMS, DP_CP_GROUP, DP_GROUP, EDP_GROUP, EP_GROUP, EXPERT_DIMS, GROUP_DIMS, MP_GROUP, PP_GROUP,
     RDP_GROUP, TP_GROUP, WORLD, CommGroup, expert_layout, members, mesh_layout, spanned)
@@ -144,18 +144,16 @@ def _group_name(name: str | CommGroup) -> CommGroup:
 
 
 def _device() -> torch.device:
-    if torch.cuda.is_available():
-        index = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index)
-    return torch.device("cpu")
+    """``cuda:LOCAL_RANK`` when PyTorch sees a GPU, else the CPU (``devices`` has the rule and
+    the ``MODELPARALLEL_DEVICE`` switch)."""
+    return devices.rank_device(int(os.environ.get("LOCAL_RANK", 0)))
 
 
 def _ensure_process_group(timeout: timedelta) -> None:
     """Join the launcher's process group, or make a world of one when run as a plain process."""
     if dist.is_initialized():
         return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = devices.backend()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend, timeout=timeout)
     else:
@@ -197,8 +195,8 @@ def init(config: dict | str | None = None, *, timeout_s: float = 300.0) -> Runti
                 logger.error("the previous job's asynchronous checkpoint failed: %s", str(e).splitlines()[0])
         for lock in _RUNTIME.held_locks.values():
             lock.release()
+    device = _device()  # before the process group: NCCL binds to the current GPU
     _ensure_process_group(timedelta(seconds=timeout_s))
-    device = _device()
     layout, ep = mesh_layout(cfg), cfg.expert_parallel_degree
     cache = meshes.carried(_RUNTIME.mesh_cache if _RUNTIME is not None else None)
     built = cache.get(device, layout, ep, lambda: meshes.build(device, layout, cfg.dp_degree, ep))

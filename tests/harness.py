@@ -24,8 +24,11 @@ AFTER_ERROR_WAIT_S = 15
 
 def _worker(rank: int, world: int, store_path: str, tasks, results) -> None:
     threads = os.environ.get("OMP_NUM_THREADS", "1")  # one per rank unless the run asks for more
+    # before torch: gloo ranks on CPU also on a machine with GPUs (rank r would take cuda:r, which
+    # a one-GPU machine lacks; NCCL refuses two ranks on one GPU)
     os.environ.update(OMP_NUM_THREADS=threads, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+                      LOCAL_WORLD_SIZE=str(world), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+                      CUDA_VISIBLE_DEVICES="", MODELPARALLEL_DEVICE="cpu")
     from datetime import timedelta
 
     import torch

@@ -2,7 +2,7 @@
 
 ``smp.save_checkpoint(..., async_save=True)`` copies this rank's state into host staging
 buffers (``Stager``: one buffer per tensor, reused by the next save when shapes and dtypes
-match, pinned when a GPU is present); a background thread (``AsyncSaver``) then runs the save's
+match, pinned for tensors on a GPU); a background thread (``AsyncSaver``) then runs the save's
 write, checksum and commit phases exactly as a synchronous save does, so every guarantee holds:
 the checkpoint becomes ``newest`` only when every rank's part is durable, a crash at any moment
 leaves the previous newest intact, an error on any rank is an error on every rank.
@@ -105,7 +105,7 @@ class Stager:
         """The buffer kept under ``key`` for a tensor like ``t`` (a new one if none fits)."""
         buf = self.buffers.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=torch.cuda.is_available())
+            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
             self.buffers[key] = buf
         return buf
 

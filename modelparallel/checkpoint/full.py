@@ -76,7 +76,7 @@ def _gather_to_rank0(t: torch.Tensor, writer_rank: int) -> torch.Tensor | None:
     if me != writer_rank:
         dist.send(local.contiguous(), dst=writer_rank, group=mesh.get_group())
         return None
-    full = torch.empty(t.shape, dtype=t.dtype)
+    full = torch.empty(t.shape, dtype=t.dtype, device=local.device)  # NCCL receives into GPU memory
     for index, src in enumerate(group_ranks):
         place = full[block_slices(*local_block(t, [index]))]
         if src == me:
@@ -84,7 +84,7 @@ def _gather_to_rank0(t: torch.Tensor, writer_rank: int) -> torch.Tensor | None:
         elif place.is_contiguous():
             dist.recv(place, src=src, group=mesh.get_group())
         else:
-            piece = torch.empty(place.shape, dtype=t.dtype)
+            piece = torch.empty(place.shape, dtype=t.dtype, device=local.device)
             dist.recv(piece, src=src, group=mesh.get_group())
             place.copy_(piece)
     return full
@@ -113,7 +113,7 @@ def _to_writer(t: torch.Tensor | None, shape, dtype, stage: int, leaders: list[i
         return _gather_to_rank0(t, writer_rank=0)
     me = dist.get_rank()
     if me == 0:
-        full = torch.empty(shape, dtype=dtype)
+        full = torch.empty(shape, dtype=dtype, device=runtime.current().device)
         dist.recv(full, src=leaders[stage])
         return full
     if t is not None:

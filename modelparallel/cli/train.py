@@ -2,7 +2,9 @@
 
 With no arguments it trains a tiny GPT-2 from scratch on the Python standard library's own
 source at tensor-parallel degree 2, on CPU, in a few minutes: a smoke test of the whole stack
-(sharding, vocab-parallel loss, optimizer, generate) that needs no GPU, download or data.
+(sharding, vocab-parallel loss, optimizer, generate) that needs no GPU, download or data. On a
+machine with GPUs each rank takes one (``cuda:LOCAL_RANK``, NCCL) and the default degree is at
+most the GPUs it has (1 on a one-GPU machine); ``MODELPARALLEL_DEVICE=cpu`` keeps a run on CPU.
 Outside torchrun it starts ``--nproc`` ranks itself (on several machines: the same command on
 each with ``--nnodes``, ``--node-rank``, ``--rdzv-endpoint``) and reports how they ended: a failure
 as the first failing rank's error and the file holding every traceback (exit status 1), Ctrl-C as
@@ -17,12 +19,15 @@ import os
 import sys
 from pathlib import Path
 
+from .. import devices
 from . import launch, outcome, resume
 from .data import default_data_path, find_text_files, select_files
 from .presets import DEFAULT_PRESET, PRESETS, causal_lm_problems, load_config, load_tokenizer, size_problems
 
 HELP = ("train / fine-tune a causal LM with tensor and pipeline parallelism (default: tiny GPT-2 on the stdlib, "
-        "TP=2, CPU)")
+        "TP=2 on CPU, one rank per GPU up to TP=2 on a GPU machine)")
+
+DEFAULT_TP = 2
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,7 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--val-fraction", type=float, default=0.02,
                    help="held-out tail of the corpus for validation (default: %(default)s)")
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (default: %(default)s)")
+    g.add_argument("--tp", type=int, default=None,
+                   help=f"tensor-parallel degree (default: {DEFAULT_TP}, or the number of GPUs PyTorch sees when "
+                        f"that is fewer: 1 on a one-GPU machine). Each rank takes one GPU (cuda:LOCAL_RANK) when "
+                        f"PyTorch sees any, else runs on CPU with gloo; {devices.DEVICE_ENV}=cpu keeps a run on CPU")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages: each holds a contiguous range of layers "
                    "(default: %(default)s)")
     g.add_argument("--microbatches", type=int, default=None,
@@ -177,6 +185,26 @@ def _world_problems(args: argparse.Namespace) -> list[str]:
     return []
 
 
+def default_tp() -> int:
+    """``DEFAULT_TP``, or the GPUs this machine shows when fewer (one rank per GPU): the default
+    command runs as it is on a one-GPU machine (a bad ``MODELPARALLEL_DEVICE`` is reported by
+    ``_device_problems``)."""
+    try:
+        gpus = devices.gpu_count()
+    except ValueError:
+        return DEFAULT_TP
+    return min(DEFAULT_TP, gpus) if gpus else DEFAULT_TP
+
+
+def _device_problems(args: argparse.Namespace) -> list[str]:
+    """More ranks on this machine than GPUs, when it has GPUs: each rank takes ``cuda:LOCAL_RANK``."""
+    if launch.under_launcher():
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        return devices.launch_problems(local, "start fewer ranks per machine (torchrun --nproc-per-node)")
+    return devices.launch_problems(max(args.nproc, 1), "lower --nproc (the ranks per machine, by default --tp x --pp "
+                                   "x --cp x --ep / --nnodes), or spread them over machines with --nnodes")
+
+
 def _model_problems(args: argparse.Namespace) -> list[str]:
     """The model must be a causal LM that the run's shape fits, with a tokenizer."""
     try:
@@ -194,11 +222,13 @@ def check_args(args: argparse.Namespace) -> list[str]:
     """Every problem with the arguments, found before any rank starts (so it is reported once,
     not as one traceback per rank). Fills in defaults that depend on other arguments, and
     ``args.resume_tag``: the checkpoint to continue from (None: from step 0)."""
+    if args.tp is None:
+        args.tp = default_tp()
     if args.microbatches is None:
         args.microbatches = 2 * args.pp if args.pp > 1 else 1
     if args.nproc is None:
         args.nproc = max(1, args.tp * max(args.pp, 1) * max(args.cp, 1) * max(args.ep, 1) // max(args.nnodes, 1))
-    problems = _range_problems(args) + _world_problems(args)
+    problems = _range_problems(args) + _world_problems(args) + _device_problems(args)
     try:
         args.data_files = find_text_files(args.data) if args.data else \
             find_text_files([default_data_path()], suffixes=(".py",))

@@ -41,7 +41,7 @@ def count_parameters(model) -> int:
     local = sum(p.numel() for n, p in model.module.named_parameters() if n not in ties)
     if stage is None:
         return local
-    total = torch.tensor([float(local)], dtype=torch.float64)
+    total = torch.tensor([float(local)], dtype=torch.float64, device=runtime.current().device)
     dist.all_reduce(total, group=smp.get_pp_process_group())
     return int(total.item())
 
@@ -77,13 +77,16 @@ def dp_mean(values: list[float]) -> list[float]:
     group, size = _replicas()
     if size == 1:
         return values
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device=runtime.current().device)
     dist.all_reduce(t, group=group)
     return (t / size).tolist()
 
 
 def _cp_part(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """This context-parallel rank's part of input windows and their targets (all of it at --cp 1)."""
+    """This context-parallel rank's part of input windows and their targets (all of it at --cp 1),
+    on the rank's device (the sampler cuts windows from the corpus in host memory)."""
+    device = runtime.current().device
+    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
     return smp.get_batch_for_cp_rank((x, y)) if smp.cp_size() > 1 else (x, y)
 
 
@@ -105,7 +108,7 @@ def evaluate(model, val_tokens: torch.Tensor, args) -> float:
     """Mean loss per token over the first ``--eval-windows`` held-out sequences (a batch's
     rows beyond a multiple of ``--microbatches`` are left out: each microbatch has as many)."""
     model.eval()
-    total = torch.zeros(2, dtype=torch.float64)
+    total = torch.zeros(2, dtype=torch.float64, device=runtime.current().device)
     windows = min((len(val_tokens) - 1) // args.seq_len, args.eval_windows)
     if smp.state.ep_size > 1:  # every rank of an expert-parallel group runs the same number of forwards
         windows -= windows % smp.rdp_size()
@@ -115,7 +118,7 @@ def evaluate(model, val_tokens: torch.Tensor, args) -> float:
         rows = x.shape[0] - x.shape[0] % args.microbatches
         if rows:
             loss = eval_step(model, x[:rows], y[:rows]).reduce_mean()
-            total += torch.tensor([loss.item() * y[:rows].numel(), y[:rows].numel()])
+            total += torch.tensor([loss.item() * y[:rows].numel(), y[:rows].numel()], device=total.device)
     group, size = _replicas()
     if size > 1:
         dist.all_reduce(total, group=group)
@@ -211,7 +214,8 @@ def generate_sample(model, tokenizer, args) -> str:
         return ""
     if smp.cp_size() > 1:
         return "(no sample: generation is not context parallel; train with --cp 1 to sample)"
-    ids = torch.tensor([tokenizer.encode(args.prompt, add_special_tokens=False)], dtype=torch.long)
+    ids = torch.tensor([tokenizer.encode(args.prompt, add_special_tokens=False)], dtype=torch.long,
+                       device=runtime.current().device)
     sampling = {"do_sample": True, "temperature": args.temperature, "top_k": 40} if args.temperature > 0 \
         else {"do_sample": False}
     eos = getattr(tokenizer, "eos_token_id", None)
@@ -232,7 +236,8 @@ def _summary(args, hist, info, val_loss, sample, times: dict, session: dict, n_p
     return {
         "config": {k: (str(v) if k in ("out",) else v) for k, v in vars(args).items()
                    if not k.startswith("_") and k not in ("argv", "data_files")},
-        "world_size": smp.size(), "tp": smp.tp_size(), "pp": smp.pp_size(), "cp": smp.cp_size(),
+        "world_size": smp.size(), "device": runtime.current().device.type,
+        "tp": smp.tp_size(), "pp": smp.pp_size(), "cp": smp.cp_size(),
         "dp": smp.rdp_size(), "ep": smp.state.ep_size,
         "threads_per_rank": torch.get_num_threads(), "optimizer": type(opt).__name__,
         "parameters": n_params, "corpus": info, **hist,

@@ -11,7 +11,8 @@ launcher (``torchrun -m modelparallel.run script.py``) it does the rank part alo
 
 A rank whose script raises records its error and exits; the launcher stops the other ranks and
 prints the first failing rank's error, with every rank's traceback in
-``<sagemaker-dir>/output/failure.log``. Exit status: the script's, 1 on failure, 130 on Ctrl-C.
+``<sagemaker-dir>/output/failure.log``. Exit status: the script's, 1 on failure, 130 on Ctrl-C, 2
+when this machine has GPUs but fewer than ``--nproc-per-node`` (each rank takes ``cuda:LOCAL_RANK``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .. import devices
 from ..cli import launch, outcome
 from . import env, hook
 
@@ -112,9 +114,14 @@ def launch_ranks(args: argparse.Namespace) -> int:
     args.module, args.run_path = True, False
     args.training_script, args.training_script_args = "modelparallel.run", rank_args
     nproc = determine_local_world_size(args.nproc_per_node)
+    for problem in devices.launch_problems(nproc, "lower --nproc-per-node"):
+        print(f"modelparallel run: error: {problem}", file=sys.stderr, flush=True)
+        return 2
     root = Path(args.sagemaker_dir or env.DEFAULT_DIR).absolute()
     status = Path(tempfile.mkdtemp(prefix="modelparallel-run-"))
     extra = {**_our_env(args), env.DIR_ENV: str(root), outcome.STATUS_ENV: str(status)}
+    if devices.requested() == "cpu":  # the script's own torch.cuda calls must not find the GPUs either
+        extra["CUDA_VISIBLE_DEVICES"] = ""
     try:
         exc = launch.run_agent(args, nproc, extra)
         return 0 if exc is None else _report(exc, status, root / "output" / "failure.log")

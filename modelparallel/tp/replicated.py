@@ -92,6 +92,8 @@ class KVReplicatedLinear:
 
     def forward(self, x):
         mesh, rows = self.weight.device_mesh, self.__dict__["_mp_kv_rows"]
+        if isinstance(rows, torch.Tensor) and rows.device != self.weight.device:  # made before the move to the GPU
+            rows = self.__dict__["_mp_kv_rows"] = rows.to(self.weight.device)
         weight = _select(copy_to_tp(self.weight.to_local(), mesh), rows)
         bias = None if self.bias is None else _select(copy_to_tp(self.bias.to_local(), mesh), rows)
         return F.linear(column_input(self, x), weight, bias)

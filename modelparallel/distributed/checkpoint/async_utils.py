@@ -25,6 +25,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
+from ... import devices
 from ...checkpoint.async_save import AsyncSaver
 from . import saving
 
@@ -73,7 +74,8 @@ class AsyncCallsQueue:
 
     def _all_done(self, pending: saving.PendingSave) -> bool:
         """Whether every rank of the save's group finished writing (a collective)."""
-        done = torch.tensor([1 if pending.job.done() else 0], dtype=torch.int32)
+        done = torch.tensor([1 if pending.job.done() else 0], dtype=torch.int32,
+                            device=devices.for_group(pending.group.pg))
         dist.all_reduce(done, op=dist.ReduceOp.MIN, group=pending.group.pg)
         return bool(done.item())
 

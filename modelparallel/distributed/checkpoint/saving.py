@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter, SavePlanner, StorageWriter
 
+from ... import devices
 from ...checkpoint.async_save import AsyncSaver, Job
 from .group_blocks import for_group
 from .staging import StagedPlanner, deferrable, stage
@@ -115,7 +116,8 @@ class PlanCache:
 def _agree_on_plan(group: Group, error: BaseException | None, unchanged: bool) -> bool:
     """Whether every rank of ``group`` has its last plan unchanged (one small all-reduce); an
     error on any rank is raised on every rank, with every rank's message."""
-    flags = torch.tensor([int(error is not None), int(not unchanged)], dtype=torch.int32)
+    flags = torch.tensor([int(error is not None), int(not unchanged)], dtype=torch.int32,
+                         device=devices.for_group(group.pg))
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group.pg)
     if flags[0]:
         collective_outcome(group, error, "checkpoint save (planning)")

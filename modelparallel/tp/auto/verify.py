@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from ... import devices
 from ..plan import ArchSpec
 from .proxy import build_proxy, on_cpu, probe_ids
 from .tolerance import excess
@@ -153,7 +154,7 @@ def verify(model: nn.Module, spec: ArchSpec, tp_mesh: DeviceMesh, parallelize) -
     except Exception as e:  # noqa: BLE001 - a plan whose sharded forward fails is a wrong plan (every rank alike)
         found = Mismatch(f"the sharded forward or backward ({type(e).__name__}: {str(e).splitlines()[0][:200]})",
                          float("inf"), 0.0)
-    flag = torch.tensor([0.0 if found is None else 1.0])
+    flag = torch.tensor([0.0 if found is None else 1.0], device=devices.for_group())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag.item() and found is None:
         found = Mismatch("another rank's comparison", float("inf"), 0.0)

@@ -32,7 +32,7 @@ from ...checkpoint.files import CheckpointFiles
 from ...checkpoint.staging import like
 from ...compat import ShardedTensor, flatten_state_dict, set_element
 from ...tp.layout import local_part
-from .saving import CheckpointLoadError, Group, collective_outcome
+from .outcome import CheckpointLoadError, Group, collective_outcome
 
 
 def _copy_of(value):

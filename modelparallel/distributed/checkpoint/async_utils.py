@@ -64,7 +64,8 @@ class AsyncCallsQueue:
         about to be reused; its errors are raised when it is finalized)."""
         if self.saver.job is not None:
             self.saver.job.join()
-        pending = saving.start(state_dict, writer, planner, group, self.saver, self.plans, self.staging)
+        pending = saving.start(state_dict, writer, planner, group, self.saver, self.plans, self.staging,
+                               busy=self.pending_paths)
         pending.extra_files.update(extra_files or {})
         index = self._next_index
         self._next_index += 1

@@ -57,6 +57,20 @@ def check_replaceable(final: Path) -> None:
                          "this one: move those away or choose another checkpoint_id")
 
 
+def remove_leftovers(final: Path) -> list[str]:
+    """Remove the hidden directories that interrupted saves of ``final`` left beside it (named
+    as ``new_staging`` and ``commit.remove_dir`` name them; nothing else). Only while no other
+    save of ``final`` is in flight."""
+    ours = re.compile(r"^\.mp-(staging|trash)-[0-9a-f]{12}-" + re.escape(final.name) + "$")
+    if not final.parent.is_dir():
+        return []
+    with os.scandir(final.parent) as entries:
+        doomed = sorted(e.name for e in entries if ours.match(e.name) and e.is_dir(follow_symlinks=False))
+    for name in doomed:
+        shutil.rmtree(final.parent / name)
+    return doomed
+
+
 def new_staging(final: Path) -> Path:
     """A fresh hidden directory next to ``final`` (its parent created if needed)."""
     final.parent.mkdir(parents=True, exist_ok=True)

@@ -135,9 +135,10 @@ def _global_plan(planner: SavePlanner, writer: StorageWriter, group: Group, loca
     return planner.finish_plan(mine[0]), metadata
 
 
-def _prepare(state_dict, writer: StorageWriter, group: Group) -> Path:
+def _prepare(state_dict, writer: StorageWriter, group: Group, busy) -> Path:
     """Before anything is written (a collective): a local state dict only over ranks holding
-    the same tensors; the coordinator checks that ``checkpoint_id`` may be replaced and makes the
+    the same tensors; the coordinator checks that ``checkpoint_id`` may be replaced, removes what
+    interrupted saves of it left (unless a save of it is still pending: ``busy``) and makes the
     staging directory, which every rank's writer then writes into. Returns that directory."""
     from .state_dict_utils import check_local_group
 
@@ -147,6 +148,8 @@ def _prepare(state_dict, writer: StorageWriter, group: Group) -> Path:
         check_local_group(state_dict, group.members)
         if group.is_coordinator:
             directory.check_replaceable(final)
+            if str(final) not in busy:
+                directory.remove_leftovers(final)
             name = directory.new_staging(final).name
     except Exception as e:  # noqa: BLE001 - every rank must hear of it
         error = e
@@ -157,19 +160,19 @@ def _prepare(state_dict, writer: StorageWriter, group: Group) -> Path:
 
 
 def start(state_dict, writer: StorageWriter, planner: SavePlanner | None, group: Group, saver: AsyncSaver,
-          cache: PlanCache, staging: str = "background") -> PendingSave:
+          cache: PlanCache, staging: str = "background", busy=()) -> PendingSave:
     """Plan (collectively; a default planner's plan is cached), stage into ``saver``'s buffers
     and start writing ``state_dict`` in its thread. ``staging``: ``"background"`` (what only an
     optimizer step changes is copied by the writer thread first, the optimizers' next step
     waiting for it), ``"call"`` (everything copied here), ``"none"`` (no copy: for a save
     finished before training goes on). A staging failure fails this rank's write (raised on
-    every rank by ``finish``)."""
+    every rank by ``finish``). ``busy``: checkpoint paths with a save still pending."""
     custom = planner is not None
     planner = planner or DefaultSavePlanner()
     deferred_keys = deferrable(state_dict) if staging == "background" else {}
     final = Path(writer.path)
     with for_group(state_dict, group.pg):
-        hidden = _prepare(state_dict, writer, group)
+        hidden = _prepare(state_dict, writer, group, set(busy))
         try:
             plan, metadata = _plan(state_dict, writer, planner, group, None if custom else cache)
         except BaseException:

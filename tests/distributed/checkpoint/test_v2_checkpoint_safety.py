@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 import harness
-from modelparallel.distributed.checkpoint.saving import CheckpointError
+from modelparallel.checkpoint.errors import CheckpointError
 from modelparallel.distributed.checkpoint.state_dict_loader import load
 from modelparallel.distributed.checkpoint.state_dict_saver import save
 
@@ -204,13 +204,22 @@ def failed_save_keeps_the_old(root):
     target = _zeros()
     load(target, checkpoint_id=str(path))
     assert _same(target, _state(2.0)), "the previous checkpoint no longer loads as saved"
+    if dist.get_rank() == 0:  # what a save killed mid-way leaves, and a user's own hidden entry
+        (Path(root) / ".mp-staging-0123456789ab-ck").mkdir()
+        (Path(root) / ".mp-staging-0123456789ab-ck" / "__0_0.distcp").write_bytes(b"half")
+        (Path(root) / ".mp-notes").write_text("mine")
+    dist.barrier()
     save(_state(3.0), checkpoint_id=str(path))  # a save that succeeds replaces it
     load(target, checkpoint_id=str(path))
     assert _same(target, _state(3.0))
+    dist.barrier()
+    assert sorted(os.listdir(root)) == [".mp-notes", "ck"], f"leftovers: {os.listdir(root)}"
     return sorted(os.listdir(path))
 
 
 def test_a_failed_save_leaves_the_previous_checkpoint_whole(tmp_path):
+    """A save failing on one rank leaves the checkpoint it would replace loading as saved and
+    nothing beside it; the next save removes what a killed save left, and nothing else."""
     listing = harness.run(2, failed_save_keeps_the_old, str(tmp_path))[0]
     assert listing == [".metadata", "__0_0.distcp", "__1_0.distcp", "checkpoint_manifest.json"], listing
 

@@ -36,7 +36,9 @@ def metadata(tmp_path_factory):
     with pytest.warns(UserWarning):  # no process group: DCP says it saves as one process
         dcp.save(state, checkpoint_id=str(path))
     with open(path / ".metadata", "rb") as f:
-        return pickle.load(f)  # written just now by DCP itself
+        metadata = pickle.load(f)  # written just now by DCP itself
+    metadata.planner_data = {"blob": b"\x00\xff", "names": {"a", "b"}}  # bytes: protocol 2 writes _codecs.encode
+    return metadata
 
 
 class _EnumByGetattr(pickle.Pickler):
@@ -59,6 +61,7 @@ def _dumps(obj, protocol: int, pickler=pickle.Pickler) -> bytes:
 def test_metadata_of_every_pickling_form_loads(metadata, protocol, form):
     data = _dumps(metadata, protocol, _EnumByGetattr if form == "getattr" else pickle.Pickler)
     assert (b"getattr" in data) == (form == "getattr")
+    assert (b"_codecs" in data) == (protocol == 2)
     got = parse_dcp_metadata(data, "x/.metadata")
     assert got == metadata
     props = [md.properties for md in got.state_dict_metadata.values() if hasattr(md, "properties")]

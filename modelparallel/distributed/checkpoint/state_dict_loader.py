@@ -28,7 +28,7 @@ from . import saving
 from .async_utils import wait_for_staging
 from .directory import checkpoint_files
 from .group_blocks import for_group
-from .state_dict_utils import LOCAL_LAYOUT_FILE, local_layouts
+from .state_dict_utils import LOCAL_LAYOUT_FILE, check_local_group, local_layouts
 from .verified_load import load_all_or_nothing
 
 __all__ = ["load"]
@@ -129,6 +129,7 @@ def load(state_dict, *, checkpoint_id: str | os.PathLike | None = None, storage_
     with for_group(state_dict, group.pg):
         error, files = None, None
         try:
+            check_local_group(state_dict, group.members, "load")
             files = checkpoint_files(path)
             problems = _layout_problems(state_dict, files)
             problems += _problems(state_dict, files.metadata(""), check_keys_matched)

@@ -116,27 +116,27 @@ def _replicas() -> tuple[int, ...]:
     return tuple(Ranker.of(runtime.current()).get_rep_group())
 
 
-def check_local_group(state_dict, members: list[int]) -> None:
-    """A local state dict is saved only over ranks holding the same tensors (a replication
-    group, one directory per shard): over ranks holding different shards, DCP would keep one
-    rank's tensors under each key and every other rank's load would get them.
+def check_local_group(state_dict, members: list[int], what: str = "save") -> None:
+    """A local state dict is saved (``what``) or loaded only over ranks holding the same
+    tensors (a replication group, one directory per shard): over ranks holding different shards,
+    DCP would keep one rank's tensors under each key and every other rank's load would get them.
 
     Raises:
         ValueError: naming the group and the ranks in it that hold other tensors.
     """
     for key, value in (state_dict.items() if isinstance(state_dict, dict) else ()):
         if isinstance(value, LocalStateDict):
-            _check_replicas(str(key), value.replicas, members)
+            _check_replicas(str(key), value.replicas, members, what)
     if isinstance(state_dict, LocalStateDict):
-        _check_replicas("state dict", state_dict.replicas, members)
+        _check_replicas("state dict", state_dict.replicas, members, what)
 
 
-def _check_replicas(key: str, replicas: tuple, members: list[int]) -> None:
+def _check_replicas(key: str, replicas: tuple, members: list[int], what: str) -> None:
     others = sorted(set(members) - set(replicas))
     if others:
-        raise ValueError(f"a local (SM_LOCAL_STATE_DICT) save of {key!r} over the process group {sorted(members)}: "
+        raise ValueError(f"a local (SM_LOCAL_STATE_DICT) {what} of {key!r} over the process group {sorted(members)}: "
                          f"ranks {others} hold other shards than rank {dist.get_rank()} (which shares its tensors "
-                         f"with ranks {list(replicas)} only); save each shard into its own directory over its "
+                         f"with ranks {list(replicas)} only); save and load each shard's directory over its "
                          "replication group (state.ranker.get_rep_groups()), or save a sharded state dict")
 
 

@@ -259,12 +259,16 @@ def local_save_over_the_world(root):
         save(state_dict, checkpoint_id=os.path.join(root, "ck"))  # the world group, one directory
     dist.barrier()
     assert not os.listdir(root), f"a refused save wrote {os.listdir(root)}"
+    with pytest.raises(CheckpointError, match=r"local \(SM_LOCAL_STATE_DICT\) load of 'model' over the process "
+                                              r"group \[0, 1\]: ranks \[1\] hold other shards than rank 0"):
+        load(state_dict, checkpoint_id=os.path.join(root, "ck"))
     return str(info.value).splitlines()[0]
 
 
 def test_a_local_save_over_ranks_holding_other_shards_is_refused(tmp_path):
     """Over the world group both ranks' flat shards have the same keys and shapes: DCP would
-    keep one rank's, and each rank would load rank 0's shard. Refused before writing."""
+    keep one rank's, and each rank would load rank 0's shard. Refused before writing (and a
+    load over such a group before reading)."""
     firsts = harness.run(2, local_save_over_the_world, str(tmp_path))
     assert firsts[0] == firsts[1], f"the ranks raised different errors: {firsts}"
     assert "over the process group [0, 1]: ranks [1] hold other shards than rank 0" in firsts[0], firsts[0]

@@ -44,11 +44,10 @@ from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter, S
 from ...checkpoint.async_save import AsyncSaver, Job
 from ...checkpoint.writer import CheckpointWriter
 from . import directory
-from .outcome import CheckpointLoadError, CheckpointSaveError, Group, collective_outcome, group_of  # noqa: F401
 from .group_blocks import for_group
+from .outcome import CheckpointLoadError, CheckpointSaveError, Group, collective_outcome, group_of  # noqa: F401
 from .staging import StagedPlanner, deferrable, stage
-
-METADATA = ".metadata"
+from .state_dict_utils import check_local_group
 
 
 @dataclass
@@ -140,8 +139,6 @@ def _prepare(state_dict, writer: StorageWriter, group: Group, busy) -> Path:
     the same tensors; the coordinator checks that ``checkpoint_id`` may be replaced, removes what
     interrupted saves of it left (unless a save of it is still pending: ``busy``) and makes the
     staging directory, which every rank's writer then writes into. Returns that directory."""
-    from .state_dict_utils import check_local_group
-
     final = Path(writer.path)
     error, name = None, None
     try:

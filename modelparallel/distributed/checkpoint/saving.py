@@ -245,6 +245,8 @@ def finish(pending: PendingSave) -> None:
         _abandon(group, pending.writer, pending.staging, final)
         raise
     pending.writer.reset(final)
+    if hasattr(pending.writer, "committed"):  # DistributedFileSystemWriter's post-write hooks
+        pending.writer.committed()
 
 
 def _commit(pending: PendingSave, gathered: list) -> None:

@@ -272,3 +272,19 @@ def test_a_local_save_over_ranks_holding_other_shards_is_refused(tmp_path):
     firsts = harness.run(2, local_save_over_the_world, str(tmp_path))
     assert firsts[0] == firsts[1], f"the ranks raised different errors: {firsts}"
     assert "over the process group [0, 1]: ranks [1] hold other shards than rank 0" in firsts[0], firsts[0]
+
+
+def hooks_see_the_committed_checkpoint(root):
+    from modelparallel.distributed.checkpoint.filesystem import DistributedFileSystemWriter
+
+    path, seen = Path(root) / "ck", []
+    hook = lambda w: seen.append((str(w.path), sorted(os.listdir(w.path))))  # noqa: E731
+    save(_state(2.0), storage_writer=DistributedFileSystemWriter(str(path), post_write_hooks=[hook]))
+    return seen
+
+
+def test_post_write_hooks_run_after_the_commit(tmp_path):
+    """``DistributedFileSystemWriter``'s post-write hooks (e.g. a copy elsewhere) run on every
+    rank once, on the committed directory, never on the hidden one being written."""
+    want = [(str(tmp_path / "ck"), [".metadata", "__0_0.distcp", "__1_0.distcp", "checkpoint_manifest.json"])]
+    assert harness.run(2, hooks_see_the_committed_checkpoint, str(tmp_path)) == [want, want]

@@ -217,6 +217,28 @@ def failed_save_keeps_the_old(root):
     return sorted(os.listdir(path))
 
 
+def unfinished_save_keeps_the_old(root):
+    from modelparallel.distributed.checkpoint.async_utils import AsyncCallsQueue
+    from modelparallel.distributed.checkpoint.state_dict_saver import async_save
+
+    path, queue = Path(root) / "ck", AsyncCallsQueue()
+    save(_state(2.0), checkpoint_id=str(path))
+    async_save(_state(3.0), checkpoint_id=str(path), queue=queue)  # written, not finalized yet
+    queue.close()  # its files are all written: only the commit is missing
+    target = _zeros()
+    load(target, checkpoint_id=str(path))
+    old = _same(target, _state(2.0))
+    queue.maybe_finalize_async_calls(blocking=True)
+    load(target, checkpoint_id=str(path))
+    return old, _same(target, _state(3.0))
+
+
+def test_an_unfinished_save_leaves_the_previous_checkpoint_loading(tmp_path):
+    """An ``async_save`` over a checkpoint, written but not finalized: the directory still loads
+    as the previous checkpoint, and as the new one once finalized."""
+    assert harness.run(2, unfinished_save_keeps_the_old, str(tmp_path)) == [(True, True)] * 2
+
+
 def test_a_failed_save_leaves_the_previous_checkpoint_whole(tmp_path):
     """A save failing on one rank leaves the checkpoint it would replace loading as saved and
     nothing beside it; the next save removes what a killed save left, and nothing else."""

@@ -149,7 +149,8 @@ class FastReader(FileSystemReader):
             if getattr(info, "transform_descriptors", None):
                 raise UnsafeCheckpointError(f"{self.path}: entry {item.storage_index.fqn!r} was written with storage "
                                             f"transforms {info.transform_descriptors}, which this reader does not apply")
-            rel = f"{self.part}/{info.relative_path}" if isinstance(info.relative_path, str) else info.relative_path
+            rel = f"{self.part}/{info.relative_path}" if self.part and isinstance(info.relative_path, str) \
+                else info.relative_path
             self.files.entry(rel)  # listed, or refused naming it: DCP's metadata may name any path
             by_file.setdefault(rel, {}).setdefault((info.offset, info.length), []).append(item)
         for rel in sorted(by_file):

@@ -133,7 +133,9 @@ class VerifiedReader:
     over every byte read; ``finish`` reads what is left and compares size and CRC with the
     manifest. Bytes may be consumed into a destination (``read_into``), returned (``read``) or
     only checksummed (``skip_to``); ``prefetch`` reads a region ahead once (e.g. a zip directory)
-    and serves it when the cursor gets there, so those bytes are checksummed as the ones used."""
+    and serves it when the cursor gets there, so those bytes are checksummed as the ones used.
+    An entry whose ``crc32`` is None (a directory plain DCP wrote: no manifest to compare with)
+    is checked for its size only."""
 
     def __init__(self, root: str | Path, rel: str, entry: dict):
         self.path, self.entry = Path(root) / rel, entry
@@ -235,7 +237,7 @@ class VerifiedReader:
         if longer:
             raise CorruptFileError(f"{self.path}: longer than the manifest's {self.entry['size']} bytes")
         got = f"{self.crc:08x}"
-        if got != self.entry["crc32"]:
+        if self.entry["crc32"] is not None and got != self.entry["crc32"]:
             raise CorruptFileError(f"{self.path}: CRC32 {got}, manifest says {self.entry['crc32']} (corrupted)")
 
 
@@ -335,10 +337,11 @@ class CheckpointFiles:
         return read_verified(self.directory, rel, self.entry(rel))
 
     def metadata(self, part: str):
-        """DCP's ``Metadata`` of ``part``, read verified and with no code run (cached)."""
+        """DCP's ``Metadata`` of ``part`` (``""``: a checkpoint that is one DCP directory), read
+        verified and with no code run (cached)."""
         if part not in self._metadata:
             from .safe_load import parse_dcp_metadata
 
-            rel = f"{part}/.metadata"
+            rel = f"{part}/.metadata" if part else ".metadata"
             self._metadata[part] = parse_dcp_metadata(self.read(rel), self.directory / rel)
         return self._metadata[part]

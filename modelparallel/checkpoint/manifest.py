@@ -17,6 +17,8 @@ from .errors import CheckpointError
 from .files import UnsafeCheckpointError, read_json
 
 MANIFEST = "checkpoint_manifest.json"
+FORMATS = ("modelparallel-partial", "modelparallel-full", "modelparallel-dcp")
+"""A partial (``smp.save_checkpoint``), a full one, and one DCP directory (the v2 API's saves)."""
 MAX_MANIFEST_BYTES = 16 * 2**20
 """Largest manifest read (a manifest lists files: ~100 bytes each, so about 150,000 of them);
 anything larger is refused before it is read, so a crafted one cannot exhaust memory."""
@@ -69,8 +71,8 @@ def manifest_problems(m) -> list[str]:
         return [f"expected a JSON object, got {type(m).__name__}"]
     problems = []
     kind = m.get("format")
-    if kind not in ("modelparallel-partial", "modelparallel-full"):
-        problems.append(f"'format' must be modelparallel-partial or modelparallel-full, got {kind!r}")
+    if kind not in FORMATS:
+        problems.append(f"'format' must be one of {', '.join(FORMATS)}, got {kind!r}")
     files = m.get("files")
     if not isinstance(files, dict):
         problems.append("'files' (every file with its size and CRC32) is missing or not an object")

@@ -17,7 +17,9 @@ load. What users save (``user_content``, ``smp.save``) is checked on the way in 
 
 from __future__ import annotations
 
+import _compat_pickle
 import collections
+import enum
 import io
 import pickle
 import struct
@@ -43,10 +45,45 @@ _DCP_CLASSES = {
 }
 
 
+def _enum_member(cls, name):
+    """``getattr(cls, name)`` as the pickles of some Pythons (3.11.2 among them) rebuild an enum
+    member: allowed only for an enum class of the allow-list and the name of one of its members
+    (no method, no dunder, no other class), so it returns a member and nothing callable."""
+    allowed = isinstance(cls, type) and issubclass(cls, enum.Enum) \
+        and cls.__name__ in _DCP_CLASSES.get(cls.__module__, ())
+    if not allowed:
+        raise pickle.UnpicklingError(f"refused getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r}): "
+                                     "only an enum member of DCP's metadata may be looked up")
+    if not isinstance(name, str) or name not in cls.__members__:
+        raise pickle.UnpicklingError(f"refused getattr({cls.__name__}, {name!r}): not a member of that enum")
+    return cls.__members__[name]
+
+
+def _latin1_bytes(text, encoding):
+    """``_codecs.encode(text, "latin1")``: how protocol 2 pickles ``bytes``; nothing else."""
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise pickle.UnpicklingError(f"refused _codecs.encode(..., {encoding!r}): only bytes pickled as latin-1 text")
+    return text.encode("latin1")
+
+
+_REDUCERS = {("builtins", "getattr"): _enum_member, ("_codecs", "encode"): _latin1_bytes}
+"""Callables some picklers use for metadata values, each replaced by a function that accepts
+only that use."""
+
+
 class MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata; refuses every global outside ``_DCP_CLASSES`` and torch dtypes."""
+    """Unpickles DCP metadata; refuses every global outside ``_DCP_CLASSES`` and torch dtypes.
+
+    What any supported Python and torch write is accepted: protocols 2 to 5 (protocol 2 names
+    ``__builtin__`` and ``copy_reg``, mapped as Python's own unpickler maps them, and pickles
+    bytes through ``_codecs.encode``) and enum members pickled as ``getattr(EnumClass, "NAME")``.
+    """
 
     def find_class(self, module: str, name: str):
+        module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
+        module = _compat_pickle.IMPORT_MAPPING.get(module, module)
+        if (module, name) in _REDUCERS:
+            return _REDUCERS[module, name]
         if name in _DCP_CLASSES.get(module, ()):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):

@@ -19,6 +19,8 @@ import modelparallel as smp
 from ckpt_helpers import build, changed, snapshot
 from modelparallel import runtime
 from modelparallel.checkpoint import commit
+from modelparallel.distributed.checkpoint.state_dict_loader import load as v2_load
+from modelparallel.distributed.checkpoint.state_dict_saver import save as v2_save
 
 
 def _tp() -> int:
@@ -192,5 +194,73 @@ class CliResume(PartialResume):
             raise AssertionError(f"resume_run returned step {step}, history {hist}")
 
 
+def _v2_state(model, step: int) -> dict:
+    """What a v2 script saves: the module's state dict (DTensors at TP > 1) and a plain value."""
+    return {"model": model.module.state_dict(), "step": step}
+
+
+def _v2_loads_as(path: Path, want: dict) -> list[str]:
+    """Load ``path`` with the v2 call into a fresh model: [] if it equals ``want``."""
+    model, _ = _fresh(_tp())
+    state = _v2_state(model, -1)
+    try:
+        v2_load(state, checkpoint_id=str(path))
+    except Exception as e:  # noqa: BLE001 - reported
+        return [f"{path.name}: no longer loads: {str(e).splitlines()[0]}"]
+    got = {**snapshot(model), "step": state["step"]}
+    return [f"{path.name}: {k} differs" for k in changed(want, got)][:3]
+
+
+class V2Save:
+    """A v2 ``state_dict_saver.save`` over checkpoint ``ck`` already saved there (from step 1)."""
+
+    def setup(self, root: Path) -> dict:
+        model, _ = _fresh(_tp(), seed=0)
+        v2_save(_v2_state(model, 1), checkpoint_id=str(root / "ck"))
+        before = {**snapshot(model), "step": 1}
+        with torch.no_grad():
+            model.module.transformer.wpe.weight.add_(1.0)
+        return {"root": root, "model": model, "a": before, "b": {**snapshot(model), "step": 2}}
+
+    def run(self, ctx: dict) -> None:
+        v2_save(_v2_state(ctx["model"], 2), checkpoint_id=str(ctx["root"] / "ck"))
+
+    def check(self, ctx: dict, error: str | None) -> list[str]:
+        path = ctx["root"] / "ck"
+        try:
+            manifest = commit.read_manifest(path)
+            problems = [p for rel, e in manifest["files"].items() if (p := commit.verify_file(path, rel, e))]
+        except (OSError, ValueError) as e:
+            problems = [f"ck is no longer a checkpoint: {e}"]
+        a, b = _v2_loads_as(path, ctx["a"]), _v2_loads_as(path, ctx["b"])
+        if error is None and b:
+            problems += ["the save reported success but ck does not load as saved"] + b
+        elif a and b:
+            problems += a
+        return problems
+
+
+class V2Load:
+    """A v2 ``state_dict_loader.load`` into a trained model's state dict."""
+
+    def setup(self, root: Path) -> dict:
+        model, _ = _fresh(_tp(), seed=0)
+        v2_save(_v2_state(model, 3), checkpoint_id=str(root / "ck"))
+        want = {**snapshot(model), "step": 3}
+        model, _ = _fresh(_tp(), seed=1)
+        state = _v2_state(model, 0)
+        return {"root": root, "model": model, "state": state, "want": want, "before": {**snapshot(model), "step": 0}}
+
+    def run(self, ctx: dict) -> None:
+        v2_load(ctx["state"], checkpoint_id=str(ctx["root"] / "ck"))
+
+    def check(self, ctx: dict, error: str | None) -> list[str]:
+        now = {**snapshot(ctx["model"]), "step": ctx["state"]["step"]}
+        if error is not None:
+            return [f"a failed load changed {k}" for k in changed(ctx["before"], now)][:3]
+        return [f"loaded {k} differs from what was saved" for k in changed(ctx["want"], now)][:3]
+
+
 OPERATIONS = {"partial save": PartialSave(), "full save": FullSave(), "partial resume": PartialResume(),
-              "full resume": FullResume(), "smp.load": LegacyLoad(), "train --resume": CliResume()}
+              "full resume": FullResume(), "smp.load": LegacyLoad(), "train --resume": CliResume(),
+              "v2 save": V2Save(), "v2 load": V2Load()}

@@ -2,7 +2,7 @@
 sample of them), on 1 and 2 ranks: SQLite's way of proving that nothing is ever half done.
 
 For each operation (fault_ops.py: partial and full save, partial and full resume, ``smp.load``,
-``train --resume``'s ranks; here: the launcher's resume check and ``convert``) the calls it makes
+``train --resume``'s ranks, v2's ``save`` and ``load``; here: the launcher's resume check and ``convert``) the calls it makes
 under its directory are counted once, then the operation is run again with the N-th call failing
 (faults.py: EIO / ENOSPC / EACCES, or a short read or write) on one rank. Each trial must end
 with: the previous newest checkpoint intact and loading bit for bit; a failed load leaving model,

@@ -7,12 +7,12 @@ first while every optimizer's next step waits for it); the queue's ``AsyncSaver`
 checkpoint package's background writer) writes the files in its thread, one save after another,
 into host buffers its ``Stager`` reuses. A save is *finalized* by
 ``q.maybe_finalize_async_calls(...)``, a collective over the group that saved it: every rank's
-files are written, then the coordinator writes the checkpoint's ``.metadata`` (until
-then the directory does not load). ``blocking=True`` waits for every pending save;
+files are written, then the coordinator writes the checkpoint's ``.metadata`` and commits it
+(until then ``checkpoint_id`` holds what it held before). ``blocking=True`` waits for every pending save;
 ``blocking=False`` finalizes, oldest first, only the saves every rank of their group has finished
 writing (the ranks agree, so they all finalize the same ones). A write that failed on any rank
 raises on every rank at that call. A queue whose saves are never finalized logs a warning at
-exit naming the directories that will not load.
+exit naming the checkpoints that were never written.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ logger = logging.getLogger("modelparallel")
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
-V2_WORDING = ("async_save", "This save fails (its directory has no .metadata and does not load). Change tensors "
+V2_WORDING = ("async_save", "This save fails (its directory keeps what it held before). Change tensors "
               "only in an optimizer's step (which waits for staging), call maybe_finalize_async_calls(blocking=True) "
               "first, or use AsyncCallsQueue(background_staging=False)")
 
@@ -65,7 +65,8 @@ class AsyncCallsQueue:
         about to be reused; its errors are raised when it is finalized)."""
         if self.saver.job is not None:
             self.saver.job.join()
-        pending = saving.start(state_dict, writer, planner, group, self.saver, self.plans, self.staging)
+        pending = saving.start(state_dict, writer, planner, group, self.saver, self.plans, self.staging,
+                               busy=self.pending_paths)
         pending.extra_files.update(extra_files or {})
         index = self._next_index
         self._next_index += 1
@@ -127,5 +128,5 @@ def _warn_unfinalized() -> None:
     for queue in list(_LIVE):
         if queue.pending_paths:
             logger.warning("modelparallel: asynchronous checkpoint saves never finalized (call "
-                           "maybe_finalize_async_calls(blocking=True) before exiting); these directories have "
-                           "no .metadata and will not load: %s", ", ".join(queue.pending_paths))
+                           "maybe_finalize_async_calls(blocking=True) before exiting); these directories keep "
+                           "what they held before (the saves were never committed): %s", ", ".join(queue.pending_paths))

@@ -27,30 +27,20 @@ class DistributedFileSystemReader(FileSystemReader):
 
 class DistributedFileSystemWriter(FileSystemWriter):
     """Writes a DCP checkpoint directory. ``pre_write_hooks`` / ``post_write_hooks`` (SageMaker's):
-    callables ``hook(writer)`` run on every rank before it writes its files and after the
-    checkpoint's metadata is written (on the coordinator) or its files are (elsewhere)."""
+    callables ``hook(writer)`` run on every rank before it writes its files, and after the
+    checkpoint is committed (``writer.path`` is then the checkpoint's directory, complete)."""
 
     def __init__(self, path: str | os.PathLike, *args, pre_write_hooks: Sequence[Callable] = (),
                  post_write_hooks: Sequence[Callable] = (), **kwargs):
         super().__init__(_local_path(path), *args, **kwargs)
         self.pre_write_hooks, self.post_write_hooks = list(pre_write_hooks), list(post_write_hooks)
-        self.is_coordinator = False
-
-    def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
-        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
-        self.is_coordinator = is_coordinator
 
     def write_data(self, plan, planner):
         for hook in self.pre_write_hooks:
             hook(self)
-        result = super().write_data(plan, planner)
-        if not self.is_coordinator:
-            result.wait()
-            for hook in self.post_write_hooks:
-                hook(self)
-        return result
+        return super().write_data(plan, planner)
 
-    def finish(self, metadata, results) -> None:
-        super().finish(metadata, results)
+    def committed(self) -> None:
+        """Called by the save on every rank once the checkpoint is committed."""
         for hook in self.post_write_hooks:
             hook(self)

@@ -23,10 +23,11 @@ as usual and compares its plan with the one it sent last time; if every rank's i
 (one small collective, which also carries planning errors), the last global plan and metadata
 are reused and the plan gather / global planning / scatter are skipped.
 
-Built from DCP's own pieces (``DefaultSavePlanner``, ``FileSystemWriter``...): the files are the
-ones ``torch.distributed.checkpoint.save`` writes, loadable with ``load``. A save into a directory
-that holds a checkpoint removes its ``.metadata`` first, so a save that never finishes leaves a
-directory that refuses to load rather than one that loads half-new files.
+Built from DCP's own pieces (``DefaultSavePlanner``, the checkpoint package's
+``CheckpointWriter``...): the files are the ones ``torch.distributed.checkpoint.save`` writes,
+loadable with ``load``. They are written into a hidden staging directory that the coordinator
+commits as ``checkpoint_id`` by an atomic rename once every rank's files are fsynced and
+checksummed (``directory``): a checkpoint already there stays whole and loadable until then.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from __future__ import annotations
 import copy
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -41,61 +43,12 @@ from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter, S
 
 from ... import devices
 from ...checkpoint.async_save import AsyncSaver, Job
+from ...checkpoint.writer import CheckpointWriter
+from . import directory
 from .group_blocks import for_group
+from .outcome import CheckpointLoadError, CheckpointSaveError, Group, collective_outcome, group_of  # noqa: F401
 from .staging import StagedPlanner, deferrable, stage
-
-METADATA = ".metadata"
-
-
-class CheckpointSaveError(RuntimeError):
-    """A save failed on some rank; raised on every rank of the saving group."""
-
-
-@dataclass
-class Group:
-    """The ranks saving one checkpoint together, and which of them coordinates."""
-
-    pg: dist.ProcessGroup | None
-    coordinator: int
-    """The coordinator's global rank."""
-
-    @property
-    def members(self) -> list[int]:
-        return dist.get_process_group_ranks(self.pg) if self.pg is not None else list(range(dist.get_world_size()))
-
-    @property
-    def is_coordinator(self) -> bool:
-        return dist.get_rank() == self.coordinator
-
-
-def group_of(process_group: dist.ProcessGroup | None, coordinator_rank: int) -> Group:
-    """``process_group`` with its coordinator, given as a global rank of the group (SageMaker's
-    scripts pass ``min(get_global_ranks(group))``).
-
-    Raises:
-        ValueError: when ``coordinator_rank`` is not a member, or this rank is not one.
-    """
-    group = Group(process_group, coordinator_rank)
-    members = group.members
-    if dist.get_rank() not in members:
-        raise ValueError(f"rank {dist.get_rank()} is not in the process group it saves or loads with {members}")
-    if coordinator_rank not in members:
-        raise ValueError(f"coordinator_rank={coordinator_rank} is not a member of the process group {members} "
-                         "(give one of its global ranks, e.g. min(get_global_ranks(group)))")
-    return group
-
-
-def collective_outcome(group: Group, error: BaseException | None, what: str, payload=None) -> list:
-    """Raise on every rank of ``group`` if ``error`` happened on any (a collective); else every
-    rank's ``payload``."""
-    outcomes: list = [None] * len(group.members)
-    mine = None if error is None else f"{type(error).__name__}: {error}"
-    dist.all_gather_object(outcomes, (mine, payload), group=group.pg)
-    failed = [(rank, e) for rank, (e, _) in zip(group.members, outcomes) if e is not None]
-    if failed:
-        lines = "; ".join(f"rank {rank}: {e}" for rank, e in failed)
-        raise CheckpointSaveError(f"{what} failed on {len(failed)} of {len(outcomes)} ranks: {lines}") from error
-    return [p for _, p in outcomes]
+from .state_dict_utils import check_local_group
 
 
 @dataclass
@@ -135,6 +88,8 @@ class PendingSave:
     job: Job
     extra_files: dict = field(default_factory=dict)
     """name -> bytes the coordinator writes next to the metadata (before it)."""
+    staging: Path | None = None
+    """The hidden directory the files are written into, committed as ``path``."""
 
 
 def _plan(state_dict, writer: StorageWriter, planner: SavePlanner, group: Group, cache: PlanCache | None):
@@ -148,8 +103,6 @@ def _plan(state_dict, writer: StorageWriter, planner: SavePlanner, group: Group,
                                is_coordinator=group.is_coordinator)
         writer.set_up_storage_writer(group.is_coordinator, rank=rank_in_group, use_collectives=True)
         local = writer.prepare_local_plan(planner.create_local_plan())
-        if group.is_coordinator:
-            _forget_old_metadata(writer)
     except Exception as e:  # noqa: BLE001 - every rank must hear of it
         error = e
     last = cache.entries.get(key) if cache is not None else None
@@ -183,25 +136,47 @@ def _global_plan(planner: SavePlanner, writer: StorageWriter, group: Group, loca
     return planner.finish_plan(mine[0]), metadata
 
 
-def _forget_old_metadata(writer: StorageWriter) -> None:
-    path = getattr(writer, "path", None)
-    if path is not None and os.path.exists(os.path.join(path, METADATA)):
-        os.remove(os.path.join(path, METADATA))
+def _prepare(state_dict, writer: StorageWriter, group: Group, busy) -> Path:
+    """Before anything is written (a collective): a local state dict only over ranks holding
+    the same tensors; the coordinator checks that ``checkpoint_id`` may be replaced, removes what
+    interrupted saves of it left (unless a save of it is still pending: ``busy``) and makes the
+    staging directory, which every rank's writer then writes into. Returns that directory."""
+    final = Path(writer.path)
+    error, name = None, None
+    try:
+        check_local_group(state_dict, group.members)
+        if group.is_coordinator:
+            directory.check_replaceable(final)
+            if str(final) not in busy:
+                directory.remove_leftovers(final)
+            name = directory.new_staging(final).name
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it
+        error = e
+    names = collective_outcome(group, error, f"checkpoint save to {final} (prepare)", name)
+    staging = final.parent / names[group.members.index(group.coordinator)]
+    writer.reset(staging)
+    return staging
 
 
 def start(state_dict, writer: StorageWriter, planner: SavePlanner | None, group: Group, saver: AsyncSaver,
-          cache: PlanCache, staging: str = "background") -> PendingSave:
+          cache: PlanCache, staging: str = "background", busy=()) -> PendingSave:
     """Plan (collectively; a default planner's plan is cached), stage into ``saver``'s buffers
     and start writing ``state_dict`` in its thread. ``staging``: ``"background"`` (what only an
     optimizer step changes is copied by the writer thread first, the optimizers' next step
     waiting for it), ``"call"`` (everything copied here), ``"none"`` (no copy: for a save
     finished before training goes on). A staging failure fails this rank's write (raised on
-    every rank by ``finish``)."""
+    every rank by ``finish``). ``busy``: checkpoint paths with a save still pending."""
     custom = planner is not None
     planner = planner or DefaultSavePlanner()
     deferred_keys = deferrable(state_dict) if staging == "background" else {}
+    final = Path(writer.path)
     with for_group(state_dict, group.pg):
-        plan, metadata = _plan(state_dict, writer, planner, group, None if custom else cache)
+        hidden = _prepare(state_dict, writer, group, set(busy))
+        try:
+            plan, metadata = _plan(state_dict, writer, planner, group, None if custom else cache)
+        except BaseException:
+            _abandon(group, writer, hidden, final)
+            raise
         error, staged = None, None
         try:
             staged = stage(planner, plan, None if staging == "none" else saver.stager, deferred_keys)
@@ -216,39 +191,84 @@ def start(state_dict, writer: StorageWriter, planner: SavePlanner | None, group:
             raise error
         if deferred:
             saver.stage_deferred()
-        result = writer.write_data(plan, staged_planner)
-        result.wait()
-        return result.value()
+        try:
+            result = writer.write_data(plan, staged_planner)
+            result.wait()
+            return result.value()
+        except Exception as e:
+            if getattr(writer, "errors", None):  # the failed write itself, naming its file
+                raise writer.errors[0] from e
+            raise
 
-    path = str(getattr(writer, "path", ""))
-    job = saver.submit(path, write, at_exit=False, hold_every_optimizer=deferred)
-    return PendingSave(path, group, writer, metadata, job)
+    job = saver.submit(str(final), write, at_exit=False, hold_every_optimizer=deferred)
+    return PendingSave(str(final), group, writer, metadata, job, staging=hidden)
+
+
+def _abandon(group: Group, writer: StorageWriter, staging: Path, final: Path) -> None:
+    """A save that will not commit: its staging directory removed (by the coordinator, once
+    every rank stopped writing), the writer pointed at the checkpoint again."""
+    if group.is_coordinator:
+        directory.discard(staging)
+    writer.reset(final)
+
+
+def _my_sums(pending: PendingSave, results) -> dict[str, dict]:
+    """This rank's files, fsynced and checksummed (those ``CheckpointWriter`` wrote: checksummed
+    as they were written, only fsynced now)."""
+    known = {Path(p).name: v for p, v in getattr(pending.writer, "sums", {}).items()
+             if Path(p).parent == pending.staging}
+    names = {r.storage_data.relative_path for r in results or ()} | set(known)
+    return directory.fsynced_sums(pending.staging, names, known)
 
 
 def finish(pending: PendingSave) -> None:
-    """Wait for this rank's files, then (collectively) let the coordinator write the metadata."""
+    """Wait for this rank's files and checksum them, then (collectively) let the coordinator
+    write the metadata and commit the checkpoint."""
     pending.job.join()
-    error, results = pending.job.error, pending.job.result
-    collective_outcome(pending.group, error, f"checkpoint save to {pending.path} (writing)")
-    group = pending.group
-    gathered: list = [None] * len(group.members) if group.is_coordinator else None
-    dist.gather_object(results, gathered, dst=group.coordinator, group=group.pg)
-    error = None
-    if group.is_coordinator:
-        try:
-            for name, data in pending.extra_files.items():
-                with open(os.path.join(pending.path, name), "wb") as f:
-                    f.write(data)
-            pending.writer.finish(metadata=pending.metadata, results=gathered)
-        except Exception as e:  # noqa: BLE001 - every rank must hear of it
-            error = e
-    collective_outcome(group, error, f"checkpoint save to {pending.path} (metadata)")
+    error, results, group, final = pending.job.error, pending.job.result, pending.group, Path(pending.path)
+    sums = None
+    try:
+        if error is None:
+            try:
+                sums = _my_sums(pending, results)
+            except Exception as e:  # noqa: BLE001 - every rank must hear of it
+                error = e
+        collective_outcome(group, error, f"checkpoint save to {final} (writing)")
+        gathered: list = [None] * len(group.members) if group.is_coordinator else None
+        dist.gather_object((results, sums), gathered, dst=group.coordinator, group=group.pg)
+        error = None
+        if group.is_coordinator:
+            try:
+                _commit(pending, gathered)
+            except Exception as e:  # noqa: BLE001 - every rank must hear of it
+                error = e
+        collective_outcome(group, error, f"checkpoint save to {final} (commit)")
+    except BaseException:
+        _abandon(group, pending.writer, pending.staging, final)
+        raise
+    pending.writer.reset(final)
+    if hasattr(pending.writer, "committed"):  # DistributedFileSystemWriter's post-write hooks
+        pending.writer.committed()
+
+
+def _commit(pending: PendingSave, gathered: list) -> None:
+    """The coordinator: layout record and ``.metadata`` written into the staging directory,
+    which is then committed whole."""
+    for name, data in pending.extra_files.items():
+        with open(pending.staging / name, "wb") as f:
+            f.write(data)
+    pending.writer.finish(metadata=pending.metadata, results=[r for r, _ in gathered])
+    directory.commit_checkpoint(pending.staging, Path(pending.path), {k: v for _, s in gathered for k, v in s.items()})
 
 
 def writer_for(checkpoint_id, storage_writer: StorageWriter | None) -> StorageWriter:
     """The storage writer a call names: the one given, else a ``FileSystemWriter`` at
     ``checkpoint_id`` (a local or shared file system path)."""
     if storage_writer is not None:
+        if not isinstance(storage_writer, FileSystemWriter):
+            raise NotImplementedError(f"storage_writer={type(storage_writer).__name__}: only file system writers "
+                                      "(FileSystemWriter, DistributedFileSystemWriter) are supported: a save is "
+                                      "committed by renaming a directory")
         if checkpoint_id is not None:
             storage_writer.reset(checkpoint_id)
         return storage_writer
@@ -258,4 +278,4 @@ def writer_for(checkpoint_id, storage_writer: StorageWriter | None) -> StorageWr
     if "://" in path:
         raise NotImplementedError(f"checkpoint_id={path!r}: only file system paths are supported here "
                                   "(S3 checkpoints are not built; mount the bucket or copy after saving)")
-    return FileSystemWriter(path)
+    return CheckpointWriter(path)

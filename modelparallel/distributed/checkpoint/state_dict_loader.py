@@ -1,30 +1,35 @@
-"""SageMaker v2's ``torch.sagemaker.distributed.checkpoint.state_dict_loader.load``: DCP's load over
-a process group, checked first.
+"""SageMaker v2's ``torch.sagemaker.distributed.checkpoint.state_dict_loader.load``: a DCP
+checkpoint loaded over a process group, checked first, read verified, applied all or nothing.
 
 Before any tensor is read, every rank checks the checkpoint against its state dict: every key
 present, every tensor the saved shape (global shape for DTensors and ShardedTensors, the local
 shape for a local state dict), and for a local (``SM_LOCAL_STATE_DICT``) state dict the sharding
 it was saved with. The ranks agree on the outcome, so a mismatch on one rank raises on all of
-them, naming the keys, before any collective of the load itself.
+them, naming the keys, before any collective of the load itself. The read is
+``verified_load``'s: only the checkpoint's own files, checksummed, no code run from any of them,
+and nothing in the state dict changes unless every rank read everything.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import LoadPlanner, StorageReader, load as dcp_load
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, LoadPlanner, StorageReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from ...checkpoint.files import CheckpointFiles
 from ...compat import flatten_state_dict
 from ...utils.utils import paused_gc
 from . import saving
 from .async_utils import wait_for_staging
-from .filesystem import DistributedFileSystemReader
+from .directory import checkpoint_files
 from .group_blocks import for_group
-from .state_dict_utils import LOCAL_LAYOUT_FILE, local_layouts
+from .state_dict_utils import LOCAL_LAYOUT_FILE, check_local_group, local_layouts
+from .verified_load import load_all_or_nothing
 
 __all__ = ["load"]
 
@@ -47,22 +52,47 @@ def _problems(state_dict, metadata, check_keys: bool) -> list[str]:
     return out
 
 
-def _layout_problems(state_dict, path: str | None) -> list[str]:
+def _layout_problems(state_dict, files: CheckpointFiles) -> list[str]:
     """A local state dict against the layout recorded when it was saved."""
     wanted = local_layouts(state_dict)
-    if not wanted or path is None or not os.path.exists(os.path.join(path, LOCAL_LAYOUT_FILE)):
+    if not wanted or LOCAL_LAYOUT_FILE not in files.manifest["files"]:
         return []
-    with open(os.path.join(path, LOCAL_LAYOUT_FILE)) as f:
-        saved = json.load(f)
+    try:
+        saved = json.loads(files.read(LOCAL_LAYOUT_FILE))
+    except ValueError as e:
+        raise ValueError(f"{files.directory / LOCAL_LAYOUT_FILE}: unreadable ({e})") from None
     out = []
     for key, layout in wanted.items():
-        old = saved.get(key)
+        old = saved.get(key) if isinstance(saved, dict) else None
         for name in ("fsdp_shard_degree", "tensor_parallel_degree"):
-            if old is not None and old.get(name) != layout.get(name):
+            if isinstance(old, dict) and old.get(name) != layout.get(name):
                 out.append(f"{key or 'state dict'}: a local checkpoint saved with {name} {old.get(name)} loads only "
                            f"into the same sharding; this job has {layout.get(name)} (the number of replicas may "
                            "change; save a sharded SHARDED_STATE_DICT checkpoint to change the sharding)")
     return out
+
+
+def _path_of(checkpoint_id, storage_reader) -> Path:
+    """The directory a call names (a file system reader's, or ``checkpoint_id``)."""
+    if storage_reader is not None and not isinstance(storage_reader, FileSystemReader):
+        raise NotImplementedError(f"storage_reader={type(storage_reader).__name__}: only file system readers "
+                                  "(FileSystemReader, DistributedFileSystemReader) are supported")
+    path = checkpoint_id if checkpoint_id is not None else getattr(storage_reader, "path", None)
+    if path is None:
+        raise ValueError("load needs checkpoint_id (a directory) or storage_reader")
+    path = os.fspath(path)
+    if "://" in path:
+        raise NotImplementedError(f"{path!r}: only file system paths are supported here (S3 is not built)")
+    return Path(path)
+
+
+def _allow_partial(planner: LoadPlanner | None, check_keys: bool) -> bool:
+    """Whether keys may be missing; a planner other than DCP's default is refused (its
+    ``load_bytes`` could unpickle the checkpoint's entries freely)."""
+    if planner is not None and type(planner) is not DefaultLoadPlanner:
+        raise NotImplementedError(f"planner={type(planner).__name__}: only DCP's DefaultLoadPlanner (the default) "
+                                  "is supported; entries are read with the library's own, which runs no code")
+    return not check_keys or bool(planner is not None and planner.allow_partial_load)
 
 
 @paused_gc()
@@ -83,29 +113,29 @@ def load(state_dict, *, checkpoint_id: str | os.PathLike | None = None, storage_
         coordinator_rank: a global rank of ``process_group`` (any member coordinates the same).
 
     Raises:
-        ValueError: on every rank of the group, naming each key whose shape or sharding differs
-            (or that is missing), before anything is read; a coordinator outside the group.
-        NotImplementedError: S3 options.
+        CheckpointLoadError: on every rank of the group, naming each key whose shape or sharding
+            differs (or that is missing) before anything is read, or the file that failed to
+            read or verify; the state dict is then unchanged.
+        ValueError: a coordinator outside the group.
+        NotImplementedError: S3 options, a reader or planner other than DCP's file system
+            reader and default planner.
     """
     if s3_region is not None or s3client_config is not None:
         raise NotImplementedError("s3_region / s3client_config: S3 checkpoints are not built here")
     group = saving.group_of(process_group, coordinator_rank)
-    if storage_reader is None:
-        if checkpoint_id is None:
-            raise ValueError("load needs checkpoint_id (a directory) or storage_reader")
-        storage_reader = DistributedFileSystemReader(checkpoint_id)
-    elif checkpoint_id is not None:
-        storage_reader.reset(checkpoint_id)
-    path = getattr(storage_reader, "path", None)
+    path = _path_of(checkpoint_id, storage_reader)
+    allow_partial = _allow_partial(planner, check_keys_matched)
     wait_for_staging()  # a save still copying from these tensors must finish that first
     with for_group(state_dict, group.pg):
-        error = None
+        error, files = None, None
         try:
-            problems = _layout_problems(state_dict, None if path is None else os.fspath(path))
-            problems += _problems(state_dict, storage_reader.read_metadata(), check_keys_matched)
+            check_local_group(state_dict, group.members, "load")
+            files = checkpoint_files(path)
+            problems = _layout_problems(state_dict, files)
+            problems += _problems(state_dict, files.metadata(""), check_keys_matched)
             if problems:
                 error = ValueError(f"checkpoint {path}: " + "; ".join(problems))
         except Exception as e:  # noqa: BLE001 - every rank must hear of it
             error = e
-        saving.collective_outcome(group, error, "checkpoint load (checks)")
-        dcp_load(state_dict, storage_reader=storage_reader, planner=planner, process_group=group.pg)
+        saving.collective_outcome(group, error, f"checkpoint load from {path} (checks)", kind=saving.CheckpointLoadError)
+        load_all_or_nothing(state_dict, files, group, allow_partial)

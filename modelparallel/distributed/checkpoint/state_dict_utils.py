@@ -28,8 +28,8 @@ from ...tp.layout import local_part
 from ...training.fsdp1_grads import flattened_by_fsdp1, fsdp1_units
 from .optim_init import init_optim_state
 
-__all__ = ["LOCAL_LAYOUT_FILE", "LocalStateDict", "SMStateDictType", "init_optim_state", "local_layouts",
-           "sm_state_dict_type"]
+__all__ = ["LOCAL_LAYOUT_FILE", "LocalStateDict", "SMStateDictType", "check_local_group", "init_optim_state",
+           "local_layouts", "sm_state_dict_type"]
 
 LOCAL_LAYOUT_FILE = ".sm_local_layout.json"
 _WRAPPER_SEGMENTS = {"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod", "module"}
@@ -47,6 +47,9 @@ class LocalStateDict(dict):
 
     layout: dict
     buffer_keys: frozenset = frozenset()
+    replicas: tuple = ()
+    """Global ranks holding the same tensors as this rank (itself included): who may share one
+    directory with it."""
     aliases: dict
     """key -> tensors sharing the entry's memory without sharing its version counter (FSDP's
     original parameters over a flat parameter): an in-place change through them is a change."""
@@ -96,9 +99,45 @@ def local_state_dict(model: nn.Module) -> LocalStateDict:
     from ... import runtime
 
     tp = runtime.current().config.tensor_parallel_degree if runtime.is_initialized() else 1
+    out.replicas = _replicas()
     out.layout = {"fsdp_shard_degree": _shard_degree(units), "tensor_parallel_degree": tp,
                   "shapes": {k: list(v.shape) for k, v in out.items()}}
     return out
+
+
+def _replicas() -> tuple[int, ...]:
+    """This rank's replication group as the job's layout says (``training.replication``); with
+    no runtime to ask, this rank alone."""
+    from ... import runtime
+    from ...training.replication import Ranker
+
+    if not runtime.is_initialized():
+        return (dist.get_rank(),)
+    return tuple(Ranker.of(runtime.current()).get_rep_group())
+
+
+def check_local_group(state_dict, members: list[int], what: str = "save") -> None:
+    """A local state dict is saved (``what``) or loaded only over ranks holding the same
+    tensors (a replication group, one directory per shard): over ranks holding different shards,
+    DCP would keep one rank's tensors under each key and every other rank's load would get them.
+
+    Raises:
+        ValueError: naming the group and the ranks in it that hold other tensors.
+    """
+    for key, value in (state_dict.items() if isinstance(state_dict, dict) else ()):
+        if isinstance(value, LocalStateDict):
+            _check_replicas(str(key), value.replicas, members, what)
+    if isinstance(state_dict, LocalStateDict):
+        _check_replicas("state dict", state_dict.replicas, members, what)
+
+
+def _check_replicas(key: str, replicas: tuple, members: list[int], what: str) -> None:
+    others = sorted(set(members) - set(replicas))
+    if others:
+        raise ValueError(f"a local (SM_LOCAL_STATE_DICT) {what} of {key!r} over the process group {sorted(members)}: "
+                         f"ranks {others} hold other shards than rank {dist.get_rank()} (which shares its tensors "
+                         f"with ranks {list(replicas)} only); save and load each shard's directory over its "
+                         "replication group (state.ranker.get_rep_groups()), or save a sharded state dict")
 
 
 def load_local_state_dict(model: nn.Module, state_dict, strict: bool = True) -> LoadResult:

@@ -110,7 +110,7 @@ def test_training_right_after_async_save_waits_and_the_checkpoint_holds_the_call
 def change_during_staging(root: str) -> dict:
     """A parameter changed in place outside the optimizer (through FSDP's original parameter,
     an alias of the flat parameter saved) while staging is held: the save fails, naming the flat
-    parameter, and its directory does not load (no ``.metadata``). Each rank saves its own
+    parameter, and nothing is left (its hidden directory is removed). Each rank saves its own
     shard's directory here (FSDP over both ranks: one-rank replication groups)."""
     tsm.init({"tensor_parallel_degree": 1})
     model, optimizer = build()
@@ -124,8 +124,8 @@ def change_during_staging(root: str) -> dict:
     release.set()
     with pytest.raises(CheckpointSaveError) as error:
         queue.maybe_finalize_async_calls(blocking=True)
-    where = os.path.join(root, os.listdir(root)[0])
-    return {"msg": str(error.value), "metadata": os.path.exists(os.path.join(where, ".metadata"))}
+    dist.barrier()
+    return {"msg": str(error.value), "left": sorted(os.listdir(root))}
 
 
 def test_an_in_place_change_before_staging_fails_the_save_on_every_rank(tmp_path):
@@ -133,7 +133,7 @@ def test_an_in_place_change_before_staging_fails_the_save_on_every_rank(tmp_path
     for r in results:
         assert "changed in place after async_save returned" in r["msg"] and "model._flat_param" in r["msg"], r["msg"]
         assert "background_staging=False" in r["msg"], r["msg"]
-        assert not r["metadata"], "a failed save left a loadable directory"
+        assert r["left"] == [], f"a failed save left {r['left']}"
 
 
 def staging_in_the_call(root: str) -> dict:

@@ -1,0 +1,132 @@
+"""The directory of a v2 checkpoint: written hidden, committed whole, opened only as committed.
+
+A save writes into a hidden staging directory next to ``checkpoint_id``
+(``.mp-staging-{nonce}-{name}``), every file fsynced and checksummed; the coordinator then
+writes ``checkpoint_manifest.json`` (size and CRC32 of every file) and renames the staging
+directory into place in one atomic step (the checkpoint package's ``commit.commit_dir``: an
+existing checkpoint is swapped out whole). Until then the previous checkpoint under that name is
+untouched and loads; a save that never finishes leaves only a hidden directory.
+
+The committed directory is what ``torch.distributed.checkpoint.save`` writes (``.metadata`` and
+``__{rank}_{n}.distcp``) plus the manifest and, for local state dicts, their layout record:
+plain DCP tools read it as any DCP checkpoint. A load opens it through
+``files.CheckpointFiles``: only the files the manifest lists, each a regular file inside,
+verified as it is read. A directory plain DCP wrote (no manifest) loads the same way with sizes
+taken from the directory and no checksums to compare.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from ...checkpoint import commit
+from ...checkpoint.files import CheckpointFiles
+from ...checkpoint.manifest import MANIFEST, read_manifest
+
+FORMAT = "modelparallel-dcp"
+_CHECKPOINT_FILE = re.compile(r"^(\.metadata(\.tmp)?|__\d+\.metadata|__\d+_\d+\.distcp|"
+                              + re.escape(MANIFEST) + r"|\.sm_local_layout\.json)$")
+"""The names a DCP checkpoint directory holds (a save may replace a directory of only these)."""
+
+
+def check_replaceable(final: Path) -> None:
+    """A save may replace ``final`` only if it is absent, empty or a checkpoint directory.
+
+    Raises:
+        ValueError: naming ``final`` and what in it is not part of a checkpoint.
+    """
+    if final.is_symlink():
+        raise ValueError(f"{final} is a symlink (to {os.readlink(final)}); a save never replaces a link or writes "
+                         "through it: give the directory itself")
+    if not final.exists():
+        return
+    if not final.is_dir():
+        raise ValueError(f"{final} exists and is not a directory; a checkpoint save never replaces it")
+    with os.scandir(final) as entries:
+        others = sorted(e.name for e in entries if not (e.is_file(follow_symlinks=False)
+                                                        and _CHECKPOINT_FILE.match(e.name)))
+    if others:
+        raise ValueError(f"{final} holds {', '.join(others[:5])}{' ...' if len(others) > 5 else ''}, which "
+                         "is not part of a checkpoint; a save replaces the whole directory, so it never replaces "
+                         "this one: move those away or choose another checkpoint_id")
+
+
+def remove_leftovers(final: Path) -> list[str]:
+    """Remove the hidden directories that interrupted saves of ``final`` left beside it (named
+    as ``new_staging`` and ``commit.remove_dir`` name them; nothing else). Only while no other
+    save of ``final`` is in flight."""
+    ours = re.compile(r"^\.mp-(staging|trash)-[0-9a-f]{12}-" + re.escape(final.name) + "$")
+    if not final.parent.is_dir():
+        return []
+    with os.scandir(final.parent) as entries:
+        doomed = sorted(e.name for e in entries if ours.match(e.name) and e.is_dir(follow_symlinks=False))
+    for name in doomed:
+        shutil.rmtree(final.parent / name)
+    return doomed
+
+
+def new_staging(final: Path) -> Path:
+    """A fresh hidden directory next to ``final`` (its parent created if needed)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = final.parent / commit.hidden_name("staging", commit.new_nonce(), final.name)
+    staging.mkdir()
+    return staging
+
+
+def fsynced_sums(staging: Path, names, known: dict[str, dict]) -> dict[str, dict]:
+    """Size and CRC32 of the files ``names`` in ``staging``, each fsynced; ``known`` (by name):
+    sums computed while writing, so those files are not read again."""
+    return {name: commit.synced_checksum(staging / name, known.get(name)) for name in sorted(set(names))}
+
+
+def commit_checkpoint(staging: Path, final: Path, sums: dict[str, dict]) -> None:
+    """The coordinator's commit: every file of ``staging`` checksummed (those in ``sums``
+    already were, by the ranks that wrote them), the manifest written, the directory renamed
+    into place as ``final``, and the result checked against the manifest.
+
+    Raises:
+        OSError: naming the file or directory at fault; ``final`` is then as it was.
+    """
+    files = dict(sums)
+    rest = [name for name in commit.data_files(staging) if name not in files]
+    files.update(fsynced_sums(staging, rest, {}))
+    manifest = {"format": FORMAT, "version": 1, "files": files, "saved_at_ns": time.time_ns(),
+                "torch_version": torch.__version__}
+    commit.write_manifest(staging, manifest)
+    commit.commit_dir(staging, final)
+    commit.check_committed(final, manifest)
+
+
+def discard(staging: Path) -> None:
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def checkpoint_files(path: Path) -> CheckpointFiles:
+    """The files a load of ``path`` may open: the manifest's, or (a directory plain DCP wrote)
+    the regular files in it, with their sizes and no checksums.
+
+    Raises:
+        FileNotFoundError: no checkpoint there, naming ``path``.
+        ManifestError: a manifest that is malformed or of another kind of checkpoint.
+    """
+    if os.path.lexists(path / MANIFEST):
+        manifest = read_manifest(path)
+        if manifest["format"] != FORMAT:
+            raise ValueError(f"{path} is a {manifest['format']} checkpoint (smp.save_checkpoint's): load it with "
+                             "smp.resume_from_checkpoint")
+        return CheckpointFiles(path, manifest)
+    try:
+        with os.scandir(path) as entries:
+            files = {e.name: {"size": e.stat(follow_symlinks=False).st_size, "crc32": None}
+                     for e in entries if e.is_file(follow_symlinks=False)}
+    except OSError as e:
+        raise type(e)(e.errno, e.strerror, str(path)) from None
+    if ".metadata" not in files:
+        raise FileNotFoundError(f"{path} is not a complete checkpoint: no .metadata (nor {MANIFEST})")
+    return CheckpointFiles(path, {"format": "dcp", "files": files})

@@ -1,0 +1,312 @@
+"""The v2 checkpoint calls (``state_dict_saver.save`` / ``state_dict_loader.load``) against a
+hostile or damaged checkpoint directory, on 2 ranks: code in ``.metadata`` or in a non-tensor
+entry, storage paths leaving the checkpoint, a FIFO, a truncated or flipped data file, a save
+that fails over an existing checkpoint, a local save over ranks holding different shards. Each
+must end with the same error on both ranks naming the file, nothing run, nothing in the state
+dict changed, and the previous checkpoint whole. Also: the files stay a plain DCP checkpoint.
+
+A failure points at ``verified_load`` (copies, agreement), ``directory`` (what a load may open,
+the commit) or ``checkpoint.files`` / ``safe_load`` (the reads themselves). The attacker here
+recomputes the manifest's checksums, so every refusal shown is the reader's, not the CRC's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+
+import harness
+from modelparallel.checkpoint.errors import CheckpointError
+from modelparallel.distributed.checkpoint.state_dict_loader import load
+from modelparallel.distributed.checkpoint.state_dict_saver import save
+
+N = 17
+
+
+def _state(seed: float) -> dict:
+    """Each rank's tensors (its own keys) and shared ones (written once), plus a plain value."""
+    rank = dist.get_rank()
+    model = {f"r{rank}.w{i}": torch.arange(64.0).reshape(8, 8) * seed + i + 100 * rank for i in range(N)}
+    model["shared"] = torch.full((5,), seed)
+    return {"model": model, "step": int(seed)}
+
+
+def _zeros() -> dict:
+    state = _state(0.0)
+    for v in state["model"].values():
+        v.zero_()
+    state["step"] = -1
+    return state
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a["step"] == b["step"] and a["model"].keys() == b["model"].keys() \
+        and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+def _reseal(path: Path, name: str, data: bytes | None = None) -> None:
+    """Rank 0 writes ``name`` (when ``data``) and records it in the manifest as an attacker would."""
+    if data is not None:
+        (path / name).write_bytes(data)
+    manifest = json.loads((path / "checkpoint_manifest.json").read_text())
+    body = (path / name).read_bytes()
+    manifest["files"][name] = {"size": len(body), "crc32": f"{zlib.crc32(body):08x}"}
+    (path / "checkpoint_manifest.json").write_text(json.dumps(manifest))
+
+
+def _metadata(path: Path):
+    with open(path / ".metadata", "rb") as f:
+        return pickle.load(f)  # our own file, trusted by the test
+
+
+def _storage_of(metadata, fqn: str):
+    return next(k for k in metadata.storage_data if k.fqn == fqn)
+
+
+def _refused(path: Path, attack, marker: Path | None = None) -> str:
+    """Save a checkpoint, let rank 0 ``attack(path)`` it, load it on both ranks into zeros:
+    the load must raise on both ranks, name a file of ``path``, change nothing, run nothing."""
+    save(_state(2.0), checkpoint_id=str(path))
+    if dist.get_rank() == 0:
+        attack(path)
+    dist.barrier()
+    target = _zeros()
+    with pytest.raises(CheckpointError) as info:
+        load(target, checkpoint_id=str(path))
+    assert _same(target, _zeros()), "a failed load changed the state dict"
+    assert marker is None or not marker.exists(), "the checkpoint ran code"
+    first = str(info.value).splitlines()[0]
+    assert str(path) in first, f"the error names no file of the checkpoint: {first}"
+    return str(info.value)
+
+
+class _Runs:
+    """Unpickling this calls ``exec``: creates the marker file."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.marker)!r}, 'w').close()",)
+
+
+def code_in_metadata(root):
+    path, marker = Path(root) / "ck", Path(root) / "ran"
+    return _refused(path, lambda p: _reseal(p, ".metadata", pickle.dumps(_Runs(marker))), marker)
+
+
+def code_in_entry(root):
+    """The ``step`` entry pointed at a ``torch.save`` file whose object runs code."""
+    path, marker = Path(root) / "ck", Path(root) / "ran"
+
+    def attack(p: Path):
+        metadata = _metadata(p)
+        torch.save(_Runs(marker), p / "__7_0.distcp")
+        size = (p / "__7_0.distcp").stat().st_size
+        info = metadata.storage_data[_storage_of(metadata, "step")]
+        info.relative_path, info.offset, info.length = "__7_0.distcp", 0, size
+        _reseal(p, "__7_0.distcp")
+        _reseal(p, ".metadata", pickle.dumps(metadata))
+
+    return _refused(path, attack, marker)
+
+
+def path_outside(root, where: str):
+    """A tensor entry whose ``relative_path`` leaves the checkpoint (a copy of a real data
+    file placed there, so only the path is wrong)."""
+    path = Path(root) / "ck"
+    outside = Path(root) / "outside.distcp"
+
+    def attack(p: Path):
+        metadata = _metadata(p)
+        key = next(k for k in metadata.storage_data if k.fqn == "model.r0.w3")
+        info = metadata.storage_data[key]
+        outside.write_bytes((p / info.relative_path).read_bytes())
+        info.relative_path = "../outside.distcp" if where == "relative" else str(outside)
+        _reseal(p, ".metadata", pickle.dumps(metadata))
+
+    return _refused(path, attack)
+
+
+def fifo_entry(root, manifest: bool):
+    """A data file replaced by a FIFO (listed in the manifest, or in a plain DCP directory
+    with no manifest): refused at once, neither rank blocks."""
+    path = Path(root) / "ck"
+
+    def attack(p: Path):
+        os.remove(p / "__1_0.distcp")
+        os.mkfifo(p / "__1_0.distcp")
+        if manifest:
+            entries = json.loads((p / "checkpoint_manifest.json").read_text())
+            entries["files"]["__1_0.distcp"] = {"size": 0, "crc32": "00000000"}
+            (p / "checkpoint_manifest.json").write_text(json.dumps(entries))
+        else:
+            os.remove(p / "checkpoint_manifest.json")
+
+    return _refused(path, attack)
+
+
+def damaged(root, how: str):
+    path = Path(root) / "ck"
+
+    def attack(p: Path):
+        data = bytearray((p / "__1_0.distcp").read_bytes())
+        if how == "truncated":
+            data = data[:len(data) // 2]
+        else:
+            data[len(data) // 2] ^= 0x40
+        (p / "__1_0.distcp").write_bytes(bytes(data))
+
+    return _refused(path, attack)
+
+
+@pytest.mark.parametrize("attack,args,expect", [
+    ("code_in_metadata", (), r"\.metadata: not a valid DCP metadata file: refused to load builtins\.exec"),
+    ("code_in_entry", (), r"checkpoint entry 'step': refused to load"),
+    ("path_outside", ("relative",), r"'\.\./outside\.distcp' is not listed in the manifest"),
+    ("path_outside", ("absolute",), r"outside\.distcp' is not listed in the manifest"),
+    ("fifo_entry", (True,), r"__1_0\.distcp: not a regular file \(a FIFO\)"),
+    ("fifo_entry", (False,), r"'__1_0\.distcp' is not listed"),
+    ("damaged", ("truncated",), r"__1_0\.distcp: size \d+ bytes, manifest says \d+ \(truncated"),
+    ("damaged", ("flipped",), r"__1_0\.distcp: CRC32 [0-9a-f]{8}, manifest says [0-9a-f]{8} \(corrupted\)"),
+])
+def test_a_hostile_or_damaged_checkpoint_is_refused_on_both_ranks(tmp_path, attack, args, expect):
+    import re
+
+    errors = harness.run(2, globals()[attack], str(tmp_path), *args)
+    assert errors[0] == errors[1], f"the ranks raised different errors: {errors}"
+    assert re.search(expect, errors[0].splitlines()[0]), errors[0]
+
+
+class _FailsOnRank1(FileSystemWriter):
+    def write_data(self, plan, planner):
+        if dist.get_rank() == 1:
+            raise OSError(28, "No space left on device")
+        return super().write_data(plan, planner)
+
+
+def failed_save_keeps_the_old(root):
+    path = Path(root) / "ck"
+    save(_state(2.0), checkpoint_id=str(path))
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        save(_state(3.0), storage_writer=_FailsOnRank1(str(path)))
+    dist.barrier()
+    assert sorted(os.listdir(root)) == ["ck"], f"a failed save left {os.listdir(root)}"
+    target = _zeros()
+    load(target, checkpoint_id=str(path))
+    assert _same(target, _state(2.0)), "the previous checkpoint no longer loads as saved"
+    if dist.get_rank() == 0:  # what a save killed mid-way leaves, and a user's own hidden entry
+        (Path(root) / ".mp-staging-0123456789ab-ck").mkdir()
+        (Path(root) / ".mp-staging-0123456789ab-ck" / "__0_0.distcp").write_bytes(b"half")
+        (Path(root) / ".mp-notes").write_text("mine")
+    dist.barrier()
+    save(_state(3.0), checkpoint_id=str(path))  # a save that succeeds replaces it
+    load(target, checkpoint_id=str(path))
+    assert _same(target, _state(3.0))
+    dist.barrier()
+    assert sorted(os.listdir(root)) == [".mp-notes", "ck"], f"leftovers: {os.listdir(root)}"
+    return sorted(os.listdir(path))
+
+
+def unfinished_save_keeps_the_old(root):
+    from modelparallel.distributed.checkpoint.async_utils import AsyncCallsQueue
+    from modelparallel.distributed.checkpoint.state_dict_saver import async_save
+
+    path, queue = Path(root) / "ck", AsyncCallsQueue()
+    save(_state(2.0), checkpoint_id=str(path))
+    async_save(_state(3.0), checkpoint_id=str(path), queue=queue)  # written, not finalized yet
+    queue.close()  # its files are all written: only the commit is missing
+    target = _zeros()
+    load(target, checkpoint_id=str(path))
+    old = _same(target, _state(2.0))
+    queue.maybe_finalize_async_calls(blocking=True)
+    load(target, checkpoint_id=str(path))
+    return old, _same(target, _state(3.0))
+
+
+def test_an_unfinished_save_leaves_the_previous_checkpoint_loading(tmp_path):
+    """An ``async_save`` over a checkpoint, written but not finalized: the directory still loads
+    as the previous checkpoint, and as the new one once finalized."""
+    assert harness.run(2, unfinished_save_keeps_the_old, str(tmp_path)) == [(True, True)] * 2
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint_whole(tmp_path):
+    """A save failing on one rank leaves the checkpoint it would replace loading as saved and
+    nothing beside it; the next save removes what a killed save left, and nothing else."""
+    listing = harness.run(2, failed_save_keeps_the_old, str(tmp_path))[0]
+    assert listing == [".metadata", "__0_0.distcp", "__1_0.distcp", "checkpoint_manifest.json"], listing
+
+
+def plain_dcp_reads_it(root):
+    path = Path(root) / "ck"
+    save(_state(2.0), checkpoint_id=str(path))
+    target = _zeros()
+    dcp.load(target, storage_reader=dcp.FileSystemReader(str(path)))
+    assert _same(target, _state(2.0)), "plain DCP loads other values"
+    if dist.get_rank() == 0:
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        dcp_to_torch_save(str(path), str(Path(root) / "all.pt"))
+        full = torch.load(Path(root) / "all.pt", weights_only=True)
+        assert full["step"] == 2 and torch.equal(full["model"]["r0.w5"], _state(2.0)["model"]["r0.w5"])
+    dist.barrier()
+    return dist.get_rank()
+
+
+def test_the_checkpoint_is_a_plain_dcp_checkpoint(tmp_path):
+    """``torch.distributed.checkpoint.load`` with ``FileSystemReader`` and ``dcp_to_torch_save``
+    read what the v2 save wrote."""
+    harness.run(2, plain_dcp_reads_it, str(tmp_path))
+
+
+def local_save_over_the_world(root):
+    import modelparallel as tsm
+    from modelparallel.distributed.checkpoint.state_dict_utils import SMStateDictType, sm_state_dict_type
+    from v2_script import build
+
+    tsm.init({"tensor_parallel_degree": 1})  # FSDP shards over both ranks: each holds other tensors
+    model, optimizer = build()
+    with sm_state_dict_type(model, SMStateDictType.SM_LOCAL_STATE_DICT):
+        state_dict = {"model": model.state_dict(), "step": 1}
+    with pytest.raises(CheckpointError) as info:
+        save(state_dict, checkpoint_id=os.path.join(root, "ck"))  # the world group, one directory
+    dist.barrier()
+    assert not os.listdir(root), f"a refused save wrote {os.listdir(root)}"
+    with pytest.raises(CheckpointError, match=r"local \(SM_LOCAL_STATE_DICT\) load of 'model' over the process "
+                                              r"group \[0, 1\]: ranks \[1\] hold other shards than rank 0"):
+        load(state_dict, checkpoint_id=os.path.join(root, "ck"))
+    return str(info.value).splitlines()[0]
+
+
+def test_a_local_save_over_ranks_holding_other_shards_is_refused(tmp_path):
+    """Over the world group both ranks' flat shards have the same keys and shapes: DCP would
+    keep one rank's, and each rank would load rank 0's shard. Refused before writing (and a
+    load over such a group before reading)."""
+    firsts = harness.run(2, local_save_over_the_world, str(tmp_path))
+    assert firsts[0] == firsts[1], f"the ranks raised different errors: {firsts}"
+    assert "over the process group [0, 1]: ranks [1] hold other shards than rank 0" in firsts[0], firsts[0]
+
+
+def hooks_see_the_committed_checkpoint(root):
+    from modelparallel.distributed.checkpoint.filesystem import DistributedFileSystemWriter
+
+    path, seen = Path(root) / "ck", []
+    hook = lambda w: seen.append((str(w.path), sorted(os.listdir(w.path))))  # noqa: E731
+    save(_state(2.0), storage_writer=DistributedFileSystemWriter(str(path), post_write_hooks=[hook]))
+    return seen
+
+
+def test_post_write_hooks_run_after_the_commit(tmp_path):
+    """``DistributedFileSystemWriter``'s post-write hooks (e.g. a copy elsewhere) run on every
+    rank once, on the committed directory, never on the hidden one being written."""
+    want = [(str(tmp_path / "ck"), [".metadata", "__0_0.distcp", "__1_0.distcp", "checkpoint_manifest.json"])]
+    assert harness.run(2, hooks_see_the_committed_checkpoint, str(tmp_path)) == [want, want]

@@ -26,7 +26,7 @@ MAX_PORT = 65535
 
 def _finite_problems(args: argparse.Namespace) -> list[str]:
     floats = [("--lr", args.lr), ("--weight-decay", args.weight_decay), ("--max-bytes", args.max_bytes),
-              ("--temperature", args.temperature), ("--val-fraction", args.val_fraction)]
+              ("--temperature", args.temperature)]  # --val-fraction: its range check refuses nan already
     problems = [f"{name} must be a finite number, got {value}" for name, value in floats if not math.isfinite(value)]
     if math.isfinite(args.weight_decay) and args.weight_decay < 0:
         problems.append(f"--weight-decay must be >= 0, got {args.weight_decay}")

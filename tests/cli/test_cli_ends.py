@@ -93,3 +93,14 @@ def test_a_script_exiting_with_a_status_on_rank_0_is_the_reported_cause(tmp_path
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert f"modelparallel run failed: rank 0 during {script}" in proc.stderr, proc.stderr[-3000:]
     assert "SystemExit: exited with status 3" in proc.stderr
+
+
+def test_a_rank_whose_launcher_died_before_it_started_exits(tmp_path):
+    """The launcher's pid is checked after ``PR_SET_PDEATHSIG``: a rank whose parent is not the
+    launcher that started it (the launcher died first: the rank was re-parented) exits at once."""
+    code = "from modelparallel.cli.launch import die_with_launcher\ndie_with_launcher()\nprint('alive')"
+    for launcher, alive in ((os.getpid(), True), (1, False)):
+        env = {**_env(), "RANK": "0", "WORLD_SIZE": "1", "MODELPARALLEL_CLI_LAUNCHER": str(launcher)}
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+        assert (proc.returncode == 0 and proc.stdout == "alive\n") if alive else \
+            (proc.returncode == 1 and proc.stdout == ""), (launcher, proc.stdout, proc.stderr[-2000:])

@@ -193,7 +193,7 @@ def _model_problems(args: argparse.Namespace) -> list[str]:
 def _resume_problems(args: argparse.Namespace) -> list[str]:
     """Sets ``args.resume_tag``: the launcher chooses (reading the checkpoint's files once; the
     ranks' load verifies them again) and its ranks take its choice, so they resume exactly it."""
-    chosen, args.resume_tag = resume.launcher_choice()
+    chosen, args.resume_tag = resume.launcher_choice() if launch.under_launcher() else (False, None)
     if chosen:
         return []
     args.resume_notes = []

@@ -140,7 +140,9 @@ def run_agent(args, nproc: int, extra_env: dict[str, str]) -> BaseException | No
     ``torchrun`` above describes; ``modelparallel run`` passes the user's torchrun options."""
     from torch.distributed.run import run
 
-    os.environ.update(rank_env(nproc), **extra_env)
+    added = {**rank_env(nproc), **extra_env}
+    before = {k: os.environ.get(k) for k in added}
+    os.environ.update(added)  # the agent gives the ranks this process's environment
     for name in list(logging.root.manager.loggerDict):  # each sets its own level, so set each
         if name.startswith(("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
@@ -148,4 +150,7 @@ def run_agent(args, nproc: int, extra_env: dict[str, str]) -> BaseException | No
         run(args)
     except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - reported by the caller
         return exc
+    finally:  # none of it outlives the run: a later launch or child of this process must not see it
+        for k, v in before.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     return None

@@ -152,5 +152,8 @@ def run_agent(args, nproc: int, extra_env: dict[str, str]) -> BaseException | No
         return exc
     finally:  # none of it outlives the run: a later launch or child of this process must not see it
         for k, v in before.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
     return None

@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default: ``sys.argv[1:]``) and run the chosen subcommand."""
+    from .launch import die_with_launcher
+
+    die_with_launcher()  # first: a rank must not outlive the launcher that started it
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:  # the separator our own launcher puts before the arguments
         argv = argv[1:]

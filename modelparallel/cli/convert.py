@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import json
 import os
+import sys
 from pathlib import Path
 
 HELP = "convert a Hugging Face model directory to the distributed format, or back"
@@ -34,6 +35,34 @@ def _read_state_dict(directory: Path) -> dict:
     for f in files:
         state_dict.update(load_all(f))
     return state_dict
+
+
+def _read_config(source: Path) -> dict:
+    """``source/config.json`` as a dict, or an error saying what ``source`` is instead."""
+    from ..checkpoint.manifest import MANIFEST
+
+    if not source.exists():
+        raise FileNotFoundError(f"{source}: no such directory")
+    if not source.is_dir():
+        raise NotADirectoryError(f"{source} is a file; the source must be a model directory (config.json + "
+                                 "*.safetensors)")
+    path = source / "config.json"
+    if not path.is_file() and (source / MANIFEST).is_file():
+        raise ValueError(f"{source} is a modelparallel checkpoint without config.json (a partial checkpoint holds "
+                         "training state, not a model directory): resume it and save a full one with "
+                         "smp.save_checkpoint(path, tag, partial=False), whose directory converts")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{source}: no config.json (expected a model directory saved with "
+                                "save_pretrained)") from None
+    except OSError as e:
+        raise type(e)(e.errno, e.strerror, str(path)) from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: not a model configuration (a JSON object), got {type(config).__name__}")
+    return config
 
 
 def _without_aliases(state_dict: dict) -> dict:
@@ -59,10 +88,9 @@ def convert(source: Path, dest: Path, to: str) -> Path:
     from ..nn.huggingface import table_for
     from ..nn.huggingface.translate import from_hf, to_hf
 
-    try:
-        config = json.loads((source / "config.json").read_text())
-    except OSError as e:
-        raise type(e)(e.errno, e.strerror, str(source / "config.json")) from None
+    config = _read_config(source)
+    if dest.exists() and not dest.is_dir():
+        raise NotADirectoryError(f"{dest} is a file; the destination must be a directory (created if missing)")
     table = table_for(config.get("model_type", ""))
     if table is None:
         raise ValueError(f"{source}: model_type {config.get('model_type')!r} has no state-dict translation")
@@ -119,6 +147,16 @@ def _apply_umask(path: Path) -> None:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    out = convert(args.source, args.dest, args.to)
+    """Convert; a bad input is one line naming the file, exit status 2."""
+    from safetensors import SafetensorError
+
+    from ..checkpoint.errors import CheckpointError
+
+    try:
+        out = convert(args.source, args.dest, args.to)
+    except (OSError, ValueError, KeyError, SafetensorError, CheckpointError) as e:
+        message = str(e).strip() or type(e).__name__
+        print(f"modelparallel convert: {message}", file=sys.stderr)
+        return 2
     print(f"wrote {out}")
     return 0

@@ -13,11 +13,17 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 from dataclasses import dataclass
 
 START_TIME_ENV = "MODELPARALLEL_CLI_START"
 """Wall-clock start of the command, passed to the ranks so reported times include the launch."""
+
+LAUNCHER_PID_ENV = "MODELPARALLEL_CLI_LAUNCHER"
+"""The pid of our launcher, the ranks' parent: a rank whose parent is another has lost it."""
+
+_PR_SET_PDEATHSIG = 1
 
 
 def under_launcher() -> bool:
@@ -58,7 +64,33 @@ def rank_env(nproc: int) -> dict[str, str]:
     machine (unless the user chose one) and the start time."""
     return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads_per_rank(nproc))),
             "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "false"),
-            START_TIME_ENV: os.environ.get(START_TIME_ENV, repr(start_time()))}
+            START_TIME_ENV: os.environ.get(START_TIME_ENV, repr(start_time())),
+            LAUNCHER_PID_ENV: str(os.getpid())}
+
+
+def die_with_launcher() -> None:
+    """In a rank our launcher started: be killed when the launcher dies, however it dies.
+
+    torchrun's agent starts every rank in a session of its own, so a SIGKILL of the launcher (or
+    of its process group) reaches no rank, and orphaned ranks would go on training and saving
+    into the run's directory. Linux's ``PR_SET_PDEATHSIG`` has the kernel send SIGKILL to this
+    process when its parent exits; the parent may already have died before the call (this runs
+    after the interpreter and torch started), so the parent pid is then checked against the
+    launcher's. Elsewhere (no ``prctl``) nothing is done; not started by our launcher, nothing
+    is done either (another launcher decides what its ranks' lives depend on)."""
+    expected = os.environ.get(LAUNCHER_PID_ENV)
+    if not expected or not under_launcher():
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(expected):  # the launcher died before the call: its signal is lost
+        os._exit(1)
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -108,7 +140,9 @@ def run_agent(args, nproc: int, extra_env: dict[str, str]) -> BaseException | No
     ``torchrun`` above describes; ``modelparallel run`` passes the user's torchrun options."""
     from torch.distributed.run import run
 
-    os.environ.update(rank_env(nproc), **extra_env)
+    added = {**rank_env(nproc), **extra_env}
+    before = {k: os.environ.get(k) for k in added}
+    os.environ.update(added)  # the agent gives the ranks this process's environment
     for name in list(logging.root.manager.loggerDict):  # each sets its own level, so set each
         if name.startswith(("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
@@ -116,4 +150,10 @@ def run_agent(args, nproc: int, extra_env: dict[str, str]) -> BaseException | No
         run(args)
     except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - reported by the caller
         return exc
+    finally:  # none of it outlives the run: a later launch or child of this process must not see it
+        for k, v in before.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
     return None

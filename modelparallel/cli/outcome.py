@@ -10,7 +10,12 @@ writes every traceback to one log file and prints the cause and that file's path
 
 Ctrl-C reaches every rank as SIGINT (from the terminal, or forwarded by the launcher): a rank
 notes the step it was on and exits without saving anything, so the checkpoints on disk are
-exactly the ones committed before; the launcher says where a rerun resumes from.
+exactly the ones committed before; the launcher says where a rerun resumes from. A SIGTERM
+(``kill``, a scheduler's preemption) ends the ranks at once, wherever they are (a rank blocked in
+a collective could not run a handler); each rank's steps completed are kept current in the status
+directory (``at_step``), so the launcher still says the step reached. A job that returns a non-zero
+status (a script's ``sys.exit(3)``) is recorded too, with that status: otherwise its peers' lost
+connections would be the only records, and the launcher would name one of them as the cause.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NoReturn
 
 STATUS_ENV = "MODELPARALLEL_CLI_STATUS"
 """The directory where ranks started by our launcher record how they ended."""
@@ -38,6 +43,7 @@ class Progress:
     step: int | None = None  # steps completed; None before training starts
     interrupted: bool = False
     stage: str = "set-up"
+    step_fd: int = -2  # the status directory's step file of this rank; -2 not yet opened, -1 none
 
 
 PROGRESS = Progress()
@@ -49,6 +55,19 @@ def _on_sigint(signum, frame) -> None:
     PROGRESS.interrupted = True
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     raise KeyboardInterrupt
+
+
+def at_step(step: int) -> None:
+    """``step`` steps completed on this rank: noted for a record, and under our launcher written
+    in place to ``step{rank}`` in the status directory (one ``pwrite`` per step), which outlives
+    a rank killed without a record."""
+    PROGRESS.step = step
+    if PROGRESS.step_fd == -2:
+        status = os.environ.get(STATUS_ENV)
+        rank = os.environ.get("RANK", "0")
+        PROGRESS.step_fd = os.open(Path(status) / f"step{rank}", os.O_WRONLY | os.O_CREAT, 0o644) if status else -1
+    if PROGRESS.step_fd >= 0:
+        os.pwrite(PROGRESS.step_fd, b"%20d" % step, 0)
 
 
 def _record(status_dir: Path, rank: int, record: dict) -> None:
@@ -67,16 +86,24 @@ def run_rank(job: Callable[[], int]) -> int:
     rank = int(os.environ.get("RANK", "0"))
     signal.signal(signal.SIGINT, _on_sigint)
     try:
-        return job()
+        code = job()
     except BaseException as exc:  # noqa: BLE001 - every end is reported by the launcher
         interrupted = PROGRESS.interrupted or isinstance(exc, KeyboardInterrupt)
-        record = {"rank": rank, "time": time.time(), "step": PROGRESS.step, "stage": PROGRESS.stage,
-                  "interrupted": interrupted, "type": type(exc).__name__, "message": str(exc).strip(),
-                  "traceback": "".join(traceback.format_exception(exc))}
-        _record(Path(status), rank, record)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(INTERRUPTED_EXIT if interrupted else 1)
+        _end(Path(status), rank, INTERRUPTED_EXIT if interrupted else 1, type(exc).__name__, str(exc).strip(),
+             "".join(traceback.format_exception(exc)), interrupted)
+    if code:
+        _end(Path(status), rank, code, "SystemExit", f"exited with status {code}", "", False)
+    return code
+
+
+def _end(status: Path, rank: int, code: int, kind: str, message: str, trace: str, interrupted: bool) -> NoReturn:
+    """Record this rank's end and exit with ``code`` at once (see ``run_rank``)."""
+    record = {"rank": rank, "time": time.time(), "step": PROGRESS.step, "stage": PROGRESS.stage,
+              "interrupted": interrupted, "type": kind, "message": message, "traceback": trace, "exit_code": code}
+    _record(status, rank, record)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @dataclass
@@ -85,6 +112,7 @@ class Ending:
 
     records: list[dict] = field(default_factory=list)
     interrupted: bool = False
+    steps: list[int] = field(default_factory=list)  # each rank's steps completed (its step file)
 
     @classmethod
     def read(cls, status_dir: Path, interrupted: bool) -> "Ending":
@@ -95,15 +123,26 @@ class Ending:
             except (OSError, ValueError):
                 continue
         records.sort(key=lambda r: r["time"])
-        return cls(records, interrupted or any(r["interrupted"] for r in records))
+        steps = []
+        for f in status_dir.glob("step*"):
+            try:
+                steps.append(int(f.read_bytes()))
+            except (OSError, ValueError):
+                continue
+        return cls(records, interrupted or any(r["interrupted"] for r in records), steps)
 
     def errors(self) -> list[dict]:
         return [r for r in self.records if not r["interrupted"]]
 
     def step(self) -> int | None:
         """Steps completed when the run stopped: the furthest any rank got."""
-        steps = [r["step"] for r in self.records if r["step"] is not None]
+        steps = [r["step"] for r in self.records if r["step"] is not None] + self.steps
         return max(steps) if steps else None
+
+    def exit_code(self) -> int:
+        """The status of the rank that ended first (1 if it recorded none)."""
+        errors = self.errors()
+        return (errors[0].get("exit_code") or 1) if errors else 1
 
 
 def write_log(log_path: Path, records: list[dict]) -> Path:

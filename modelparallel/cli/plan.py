@@ -33,6 +33,10 @@ def _model(directory: Path):
     import transformers
     from transformers import AutoConfig
 
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory}: " + ("not a directory" if directory.exists() else "no such directory"))
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(f"{directory}: no config.json (expected a Hugging Face model directory)")
     config = AutoConfig.from_pretrained(directory)
     names = getattr(config, "architectures", None) or []
     cls = next((getattr(transformers, n) for n in names if hasattr(transformers, n)), None)
@@ -40,6 +44,29 @@ def _model(directory: Path):
         raise ValueError(f"{directory}/config.json: no architecture transformers knows ({names or 'none named'})")
     with torch.device("meta"):
         return cls(config)
+
+
+PROXY_MAX_BYTES = 2 * 2**30
+"""Largest proxy the automatic plan builds here: it is real fp32 weights of two layers at the
+model's full widths, so a very wide config would take gigabytes before anything is printed."""
+
+
+def _check_proxy_size(model) -> None:
+    """Refuse, naming the size, a model whose automatic-plan proxy exceeds ``PROXY_MAX_BYTES``
+    (measured on the meta device: nothing allocated)."""
+    import torch
+
+    from ..tp.auto.proxy import proxy_config
+
+    with torch.device("meta"):
+        proxy = type(model)(proxy_config(model.config))
+    size = sum(p.numel() for p in proxy.parameters()) * 4
+    if size > PROXY_MAX_BYTES:
+        hidden = getattr(model.config, "hidden_size", None) or getattr(model.config, "n_embd", "?")
+        raise ValueError(f"the automatic plan's proxy of this model (two layers at its full widths, hidden size "
+                         f"{hidden}) would hold {size / 2**30:.1f} GiB of fp32 weights, above the "
+                         f"{PROXY_MAX_BYTES / 2**30:.0f} GiB this command builds; plan a copy of config.json with "
+                         "the same head counts and architecture but narrower layers")
 
 
 def plan(directory: Path, tp: int, save: Path | None = None, auto: bool = False) -> str:
@@ -55,15 +82,19 @@ def plan(directory: Path, tp: int, save: Path | None = None, auto: bool = False)
 
     if tp < 1:
         raise ValueError(f"--tp {tp}: the degree is at least 1")
-    if save is not None and save.exists():
-        raise FileExistsError(f"{save} exists; choose a new file")
+    if save is not None and (save.exists() or save.is_symlink()):
+        what = "is a symlink" if save.is_symlink() else "exists"
+        raise FileExistsError(f"{save} {what}; choose a new file")
     model = _model(directory)
     builtin = ARCHITECTURES.get(model.config.model_type)
+    if builtin is None or auto:
+        _check_proxy_size(model)
     spec = builtin if builtin is not None and not auto else derive(model, tp).spec
     source = f"built in (modelparallel/models/{model.config.model_type}.py)" if spec is builtin else \
         "automatic (no model file; verified again over the ranks when the model is wrapped)"
     if save is not None:
-        save.write_text(model_file(model, spec, tp))
+        with open(save, "x", encoding="utf-8") as f:  # never through a link made since the check
+            f.write(model_file(model, spec, tp))
     return f"{type(model).__name__}: {source}\n{describe(spec, tp)}"
 
 

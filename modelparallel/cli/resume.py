@@ -7,15 +7,24 @@ what exists. The ranks then resume exactly the checkpoint the launcher chose.
 
 ``--resume``: the newest checkpoint, which must exist. ``--resume auto``: the newest if there is
 one, else a fresh start. ``--resume-from TAG``: that checkpoint (e.g. an older one next to a
-damaged newest).
+damaged newest). The newest is the one ``newest`` names; without that file (lost, deleted), the
+intact checkpoint committed last (its manifest's commit time), said in a note.
+
+A run writes only over its own history: with ``--save-every``, a directory holding checkpoints the
+run did not grow from (any, for a fresh start; later steps or other tags, for a resume) is
+refused before launch, since the run would overwrite their tags and retention (``--keep``) would
+delete them.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 PARTIAL = "_partial"
+TAG_ENV = "MODELPARALLEL_CLI_RESUME_TAG"
+"""The checkpoint the launcher chose for the ranks (empty: a fresh start): they resume exactly it."""
 _STEP_TAG = re.compile(r"^step(\d+)$")
 
 
@@ -70,10 +79,38 @@ def _nothing_there(ckpt_dir: Path, how: str) -> str:
             "there is none")
 
 
+def _newest(ckpt_dir: Path, verify: bool) -> tuple[str | None, str, list[str]]:
+    """(tag, note, problems) of ``--resume``: the checkpoint ``newest`` names; without that file,
+    the intact ``train`` checkpoint committed last, with a note saying so."""
+    from ..checkpoint import commit
+
+    newest = commit.read_newest(ckpt_dir) if ckpt_dir.is_dir() else None
+    tags = saved_tags(ckpt_dir)
+    if newest is not None:
+        if not newest.endswith(PARTIAL):
+            return None, "", []
+        tag = newest[:-len(PARTIAL)]
+        if tag not in tags:
+            return None, "", [f"--resume: {ckpt_dir}/newest names {newest}, which is not a complete checkpoint; "
+                              f"saved: {', '.join(tags) or 'none'} (pick one with --resume-from TAG)"]
+        return tag, "", []
+    steps = [t for t in tags if tag_step(t) is not None]
+    damaged = []
+    for tag in steps:
+        if not verify or not damage(ckpt_dir, tag):
+            skipped = f" (skipping damaged {', '.join(damaged)})" if damaged else ""
+            return tag, (f"{ckpt_dir}/newest is missing: resuming {tag}, the intact checkpoint committed "
+                         f"last{skipped}"), []
+        damaged.append(tag)
+    return None, "", [f"--resume: {ckpt_dir}/newest is missing and every checkpoint is damaged "
+                      f"({', '.join(damaged)})"] if damaged else []
+
+
 def choose(out: Path, resume: str | None, resume_from: str | None, steps: int,
-           verify: bool) -> tuple[str | None, list[str]]:
+           verify: bool, notes: list[str] | None = None) -> tuple[str | None, list[str]]:
     """(tag to resume or None for a fresh start, problems). ``verify`` reads the chosen
-    checkpoint's files against their checksums (done once, by the launcher)."""
+    checkpoint's files against their checksums (done once, by the launcher). A note for the
+    user (the checkpoint chosen without ``newest``) is appended to ``notes``."""
     ckpt_dir = checkpoint_dir(out)
     tags = saved_tags(ckpt_dir)
     if resume_from is not None:
@@ -85,15 +122,14 @@ def choose(out: Path, resume: str | None, resume_from: str | None, steps: int,
     elif resume is None:
         return None, []
     else:
-        from ..checkpoint import commit
-
-        newest = commit.read_newest(ckpt_dir) if ckpt_dir.is_dir() else None
-        if newest is None or not newest.endswith(PARTIAL):
+        tag, note, problems = _newest(ckpt_dir, verify)
+        if problems:
+            return None, problems
+        if tag is None:
             return None, [] if resume == "auto" else [_nothing_there(ckpt_dir, "--resume")]
-        tag, how = newest[:-len(PARTIAL)], "--resume"
-        if tag not in tags:
-            return None, [f"--resume: {ckpt_dir}/newest names {newest}, which is not a complete checkpoint; "
-                          f"saved: {', '.join(tags) or 'none'} (pick one with --resume-from TAG)"]
+        if note and notes is not None:
+            notes.append(note)
+        how = "--resume"
     step = tag_step(tag)
     if step is not None and step >= steps:
         return None, [f"{how}: checkpoint {tag} is at step {step}, and --steps is {steps}: nothing left "
@@ -105,3 +141,48 @@ def choose(out: Path, resume: str | None, resume_from: str | None, steps: int,
                  if others else "no other intact checkpoint")
         return None, [f"{how}: checkpoint {tag} in {ckpt_dir} is damaged: {'; '.join(problems[:5])}; {offer}"]
     return tag, []
+
+
+def launcher_choice() -> tuple[bool, str | None]:
+    """(whether our launcher chose, its tag or None for a fresh start), as a rank sees it."""
+    if TAG_ENV not in os.environ:
+        return False, None
+    return True, os.environ[TAG_ENV] or None
+
+
+def foreign_problems(out: Path, tag: str | None, save_every: int) -> list[str]:
+    """Checkpoints a run that saves would overwrite or let retention delete without having grown
+    from them: with a fresh start, every checkpoint there; with a resume from ``tag``, those of
+    later steps (an abandoned continuation) and those of other tags."""
+    if not save_every:
+        return []
+    ckpt_dir = checkpoint_dir(out)
+    start = 0 if tag is None else tag_step(tag)
+    if start is None:  # resumed from a tag train does not write: its own saves are all new
+        start = -1
+    others = [t for t in saved_tags(ckpt_dir) if t != tag and ((s := tag_step(t)) is None or s > start)]
+    if not others:
+        return []
+    what = "a fresh start" if tag is None else f"a run resumed from {tag}"
+    fix = ("continue that run with --resume, or choose another --out" if tag is None else
+           "move them elsewhere (or delete them) if that continuation is to be replaced, or choose another --out")
+    return [f"--save-every {save_every}: {ckpt_dir} holds checkpoints {', '.join(others)} that {what} did not "
+            f"save; its saves would overwrite them and --keep would delete them: {fix}"]
+
+
+def config_problems(out: Path, tag: str, config) -> list[str]:
+    """How checkpoint ``tag`` was saved from another model than ``config`` (empty if the same),
+    read from its manifest: the ranks' load would refuse it after launch."""
+    from ..checkpoint import commit, model_config
+
+    try:
+        manifest = commit.read_manifest(checkpoint_dir(out) / (tag + PARTIAL))
+    except (OSError, ValueError):
+        return []  # reported by the damage check
+    return model_config.differences(manifest.get("config"), config)
+
+
+def matching_tags(out: Path, config, skip: str | None = None) -> list[str]:
+    """Intact tags (newest first) saved from the same model as ``config``: what a rerun can resume."""
+    ckpt_dir = checkpoint_dir(out)
+    return [t for t in intact_tags(ckpt_dir, skip=skip) if not config_problems(out, t, config)]

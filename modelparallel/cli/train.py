@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from .. import devices
-from . import launch, outcome, resume
+from . import checks, launch, outcome, resume
 from .data import default_data_path, find_text_files, select_files
 from .presets import DEFAULT_PRESET, PRESETS, causal_lm_problems, load_config, load_tokenizer, size_problems
 
@@ -218,6 +218,23 @@ def _model_problems(args: argparse.Namespace) -> list[str]:
         return [str(exc)]
 
 
+def _resume_problems(args: argparse.Namespace) -> list[str]:
+    """Sets ``args.resume_tag``: the launcher chooses (reading the checkpoint's files once; the
+    ranks' load verifies them again) and its ranks take its choice, so they resume exactly it."""
+    chosen, args.resume_tag = resume.launcher_choice() if launch.under_launcher() else (False, None)
+    if chosen:
+        return []
+    args.resume_notes = []
+    args.resume_tag, problems = resume.choose(args.out, args.resume, args.resume_from, args.steps,
+                                              verify=not launch.under_launcher(), notes=args.resume_notes)
+    if problems:
+        return problems
+    problems = resume.foreign_problems(args.out, args.resume_tag, args.save_every)
+    if args.resume_tag is not None and args.tp >= 1:
+        problems += checks.resume_model_problems(args)
+    return problems
+
+
 def check_args(args: argparse.Namespace) -> list[str]:
     """Every problem with the arguments, found before any rank starts (so it is reported once,
     not as one traceback per rank). Fills in defaults that depend on other arguments, and
@@ -228,7 +245,7 @@ def check_args(args: argparse.Namespace) -> list[str]:
         args.microbatches = 2 * args.pp if args.pp > 1 else 1
     if args.nproc is None:
         args.nproc = max(1, args.tp * max(args.pp, 1) * max(args.cp, 1) * max(args.ep, 1) // max(args.nnodes, 1))
-    problems = _range_problems(args) + _world_problems(args) + _device_problems(args)
+    problems = _range_problems(args) + checks.value_problems(args) + _world_problems(args) + _device_problems(args)
     try:
         args.data_files = find_text_files(args.data) if args.data else \
             find_text_files([default_data_path()], suffixes=(".py",))
@@ -238,10 +255,7 @@ def check_args(args: argparse.Namespace) -> list[str]:
         problems += _corpus_problems(args)
     if args.tp >= 1:  # with --tp < 1 the model's sizes cannot be checked (and --tp is already refused)
         problems += _model_problems(args)
-    # the launcher reads the chosen checkpoint's files once; the ranks' load verifies them again
-    args.resume_tag, resume_problems = resume.choose(args.out, args.resume, args.resume_from, args.steps,
-                                                     verify=not launch.under_launcher())
-    problems += resume_problems
+    problems += _resume_problems(args)
     if args.warmup is None:
         args.warmup = max(1, args.steps // 20)
     if args.eval_every is None:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import modelparallel as smp
 
 from .. import runtime
-from . import launch, outcome, plot, resume
+from . import checks, launch, outcome, plot, resume
 from .data import WindowSampler, eval_batches, read_corpus, select_files, split_holdout
 from .progress import progress
 from .presets import build_distributed, load_tokenizer
@@ -139,7 +139,8 @@ def train_loop(model, opt, sampler, val_tokens, args, hist: dict) -> dict:
     tokens_per_step = args.batch_size * args.seq_len * smp.rdp_size()
     session = {"steps": 0, "step_time_s": 0.0}
     bar = progress(args.steps, args.start_step, "train", disable=smp.rank() != 0)
-    outcome.PROGRESS.stage, outcome.PROGRESS.step = "training", args.start_step
+    outcome.PROGRESS.stage = "training"
+    outcome.at_step(args.start_step)
     model.train()
     for step in range(args.start_step, args.steps):
         start = time.perf_counter()
@@ -150,8 +151,9 @@ def train_loop(model, opt, sampler, val_tokens, args, hist: dict) -> dict:
         opt.step()
         opt.zero_grad()
         (loss_value,) = dp_mean([loss.item()])
+        checks.finite_loss(loss_value, step + 1, lr_at(step, args))
         elapsed = time.perf_counter() - start
-        outcome.PROGRESS.step = step + 1
+        outcome.at_step(step + 1)
         session["steps"] += 1
         session["step_time_s"] += elapsed
         hist["loss"].append(loss_value)

@@ -34,9 +34,12 @@ def launch_ranks(args: argparse.Namespace) -> int:
           f"{world // (args.tp * args.pp * args.cp)}, "
           f"{launch.rank_env(args.nproc)['OMP_NUM_THREADS']} thread(s) each), from {start}",
           file=sys.stderr, flush=True)
+    for note in getattr(args, "resume_notes", []):
+        print(f"modelparallel train: {note}", file=sys.stderr, flush=True)
     status = Path(tempfile.mkdtemp(prefix="modelparallel-train-"))
     try:
-        exc = launch.torchrun(nodes, args.argv, {outcome.STATUS_ENV: str(status)})
+        exc = launch.torchrun(nodes, args.argv, {outcome.STATUS_ENV: str(status),
+                                                 resume.TAG_ENV: args.resume_tag or ""})
         return 0 if exc is None else _report(args, exc, status)
     finally:
         shutil.rmtree(status, ignore_errors=True)
@@ -97,6 +100,11 @@ def _hint(args: argparse.Namespace, first: dict) -> str:
     """For a failed resume: the checkpoints a rerun could use instead."""
     if args.resume_tag is None or ("Checkpoint" not in first["type"] and first["step"] is not None):
         return ""
-    others = resume.intact_tags(resume.checkpoint_dir(args.out), skip=args.resume_tag)
+    from .presets import load_config
+
+    try:  # only checkpoints of the model this run builds: the others fail the same way
+        others = resume.matching_tags(args.out, load_config(args.model, args.seq_len), skip=args.resume_tag)
+    except (OSError, ValueError):
+        others = resume.intact_tags(resume.checkpoint_dir(args.out), skip=args.resume_tag)
     return (f"intact checkpoints: {', '.join(others)} (rerun with --resume-from {others[0]})" if others
             else "")

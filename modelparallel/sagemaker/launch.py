@@ -110,6 +110,11 @@ def launch_ranks(args: argparse.Namespace) -> int:
 
     if args.no_python:
         raise SystemExit("modelparallel run: --no-python cannot be used: the ranks run Python (the script)")
+    script = Path(args.training_script)
+    if not args.module and not script.is_file():  # found now, not once per rank after launch
+        what = "is a directory, not a script" if script.is_dir() else "no such script"
+        print(f"modelparallel run: {args.training_script}: {what}", file=sys.stderr)
+        return 2
     rank_args = (["-m"] if args.module else []) + [args.training_script, *args.training_script_args]
     args.module, args.run_path = True, False
     args.training_script, args.training_script_args = "modelparallel.run", rank_args
@@ -140,15 +145,17 @@ def _report(exc: BaseException, status: Path, log_path: Path) -> int:
         print(f"\nmodelparallel run failed: {type(exc).__name__}: {str(exc).strip()}", file=sys.stderr, flush=True)
         return 1
     log = outcome.write_log(log_path, errors)
-    print("\n" + errors[0]["traceback"].rstrip(), file=sys.stderr)
+    if errors[0]["traceback"]:
+        print("\n" + errors[0]["traceback"].rstrip(), file=sys.stderr)
     print(outcome.failure_block(errors[0], log, len(errors), command="run"), file=sys.stderr, flush=True)
-    return 1
+    return ending.exit_code()  # the script's own status when it exited with one
 
 
 def main(argv: list[str] | None = None) -> int:
     """``modelparallel run`` / ``python -m modelparallel.run``: launch, or (under a launcher)
     run this rank."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    launch.die_with_launcher()
     if launch.under_launcher():
         return run_script(rank_parser().parse_args(argv))
     return launch_ranks(launcher_parser().parse_args(argv))

@@ -23,6 +23,15 @@ from modelparallel.cli.progress import LineProgress, progress
     (["--max-files", "0"], "--max-files must be >= 1, got 0"),
     (["--seq-len", "5000"], "--seq-len 5000: the corpus (1 file(s), 4000 bytes) cannot hold"),
     (["--out", "FILE"], "is a file; it must be a directory"),
+    (["--out", "FILE/run"], "FILE is a file, so no directory can be created under it"),
+    (["--lr", "nan"], "--lr must be a finite number, got nan"),
+    (["--lr", "inf"], "--lr must be a finite number, got inf"),
+    (["--weight-decay", "nan"], "--weight-decay must be a finite number, got nan"),
+    (["--weight-decay", "-5"], "--weight-decay must be >= 0, got -5.0"),
+    (["--max-bytes", "nan"], "--max-bytes must be a finite number, got nan"),
+    (["--temperature", "nan"], "--temperature must be a finite number, got nan"),
+    (["--rdzv-endpoint", "host:99999"], "--rdzv-endpoint host:99999: the port must be in 1..65535, got 99999"),
+    (["--seq-len", "100000"], "--seq-len 100000 exceeds the 8192 positions a preset model (gpt2-micro) can have"),
 ])
 def test_bad_arguments_are_reported_before_launch(tmp_path, capsys, args, needle):
     data = tmp_path / "data"
@@ -30,12 +39,39 @@ def test_bad_arguments_are_reported_before_launch(tmp_path, capsys, args, needle
     (data / "a.py").write_text("x = 1\n" * 666 + "xxxx")  # 4000 bytes
     (tmp_path / "FILE").write_text("not a directory")
     args = [a.replace("FILE", str(tmp_path / "FILE")) for a in args]
+    needle = needle.replace("FILE", str(tmp_path / "FILE"))
     out = [] if "--out" in args else ["--out", str(tmp_path / "run")]
     with pytest.raises(SystemExit) as exc:
         main(["train", "--model", "gpt2-micro", "--data", str(data), "--steps", "4", "--seq-len", "32", *out, *args])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err, err
+
+
+def test_an_out_on_a_read_only_mount_is_one_line(tmp_path, capsys, monkeypatch):
+    """What the kernel answers for a read-only mount (EROFS: not writable, even for root),
+    reproduced for ``tmp_path`` alone: this machine has no read-only mount a test may use."""
+    import os
+
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if str(p) == str(tmp_path) and mode & os.W_OK
+                        else real(p, mode, **kw))
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--model", "gpt2-micro", "--steps", "4", "--seq-len", "32", "--max-files", "2",
+              "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err
+    assert f"--out {tmp_path / 'run'}: {tmp_path} is not writable" in err, err
+
+
+def test_run_refuses_a_missing_script_before_launch(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "adir").mkdir()
+    assert main(["run", "--nproc-per-node", "2", "missing.py", "--lr", "1"]) == 2
+    assert capsys.readouterr().err.strip() == "modelparallel run: missing.py: no such script"
+    assert main(["run", "adir"]) == 2
+    assert "adir: is a directory, not a script" in capsys.readouterr().err
+    assert not (tmp_path / "sagemaker").exists()  # nothing of a launch was made
 
 
 class Clock:

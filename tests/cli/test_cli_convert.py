@@ -56,3 +56,32 @@ def test_convert_names_a_damaged_source_file(tmp_path):
     with pytest.raises(ValueError, match=r"model\.safetensors: not a complete safetensors file"):
         convert(tmp_path / "hf", tmp_path / "dist", "distributed")
     assert not (tmp_path / "dist").exists()
+
+
+def test_every_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
+    """Missing source, a file, bad JSON, destination a file, no weights, a partial checkpoint:
+    each one line naming the path, exit status 2, nothing written."""
+    from modelparallel.cli import main
+
+    GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=31, n_positions=8)).save_pretrained(
+        tmp_path / "hf")
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "bad_json").mkdir()
+    (tmp_path / "bad_json" / "config.json").write_text("{not json")
+    (tmp_path / "no_weights").mkdir()
+    (tmp_path / "no_weights" / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "step4_partial").mkdir()
+    (tmp_path / "step4_partial" / "checkpoint_manifest.json").write_text("{}")
+    cases = [(tmp_path / "missing", tmp_path / "d1", "missing: no such directory"),
+             (tmp_path / "a_file", tmp_path / "d2", "a_file is a file; the source must be a model directory"),
+             (tmp_path / "bad_json", tmp_path / "d3", "bad_json/config.json: not valid JSON"),
+             (tmp_path / "hf", tmp_path / "a_file", "a_file is a file; the destination must be a directory"),
+             (tmp_path / "no_weights", tmp_path / "d5", "no_weights: no *.safetensors files"),
+             (tmp_path / "step4_partial", tmp_path / "d6", "step4_partial is a modelparallel checkpoint without "
+                                                           "config.json")]
+    capsys.readouterr()
+    for source, dest, needle in cases:
+        assert main(["convert", str(source), str(dest), "--to", "distributed"]) == 2, needle
+        out, err = capsys.readouterr()
+        assert needle in err and len(err.strip().splitlines()) == 1 and out == "", err
+        assert "Traceback" not in err and not (dest.is_dir() and any(dest.iterdir())), err

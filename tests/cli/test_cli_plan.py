@@ -101,3 +101,26 @@ def test_train_fine_tunes_a_model_without_a_file_through_the_automatic_plan(tmp_
     losses = json.loads((tmp_path / "run" / "metrics.json").read_text())["loss"]
     assert len(losses) == 2 and all(abs(loss - math.log(vocab)) < 1.5 for loss in losses), losses
     assert "automatic tensor-parallel plan for OlmoForCausalLM" in done.stdout + done.stderr
+
+
+def test_plan_refuses_a_missing_directory_a_link_and_a_proxy_too_large(tmp_path, capsys):
+    """A missing directory is named as such (not as a Hub repo id); ``--save`` never writes
+    through a symlink, even a dangling one; a model whose proxy would take gigabytes is refused
+    naming the size, before anything is allocated."""
+    import resource
+
+    done = _plan(tmp_path / "nowhere", capsys=capsys)
+    assert done.returncode == 2 and done.stderr.strip() == f"modelparallel plan: {tmp_path / 'nowhere'}: no such directory"
+    T.OlmoForCausalLM(T.OlmoConfig(**CONFIG)).save_pretrained(tmp_path / "olmo")
+    (tmp_path / "link.py").symlink_to(tmp_path / "elsewhere.py")
+    done = _plan(tmp_path / "olmo", "--save", tmp_path / "link.py", capsys=capsys)
+    assert done.returncode == 2 and "link.py is a symlink" in done.stderr
+    assert not (tmp_path / "elsewhere.py").exists()
+    T.OlmoConfig(**{**CONFIG, "hidden_size": 32768, "num_attention_heads": 256, "num_key_value_heads": 256,
+                    "intermediate_size": 4096}).save_pretrained(tmp_path / "wide")
+    (tmp_path / "wide" / "config.json").write_text((tmp_path / "wide" / "config.json").read_text().replace(
+        '"model_type"', '"architectures": ["OlmoForCausalLM"], "model_type"'))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    done = _plan(tmp_path / "wide", capsys=capsys)
+    assert done.returncode == 2 and "hidden size 32768" in done.stderr and "GiB of fp32 weights" in done.stderr
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 2**20  # KiB: under 1 GiB more

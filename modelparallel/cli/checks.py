@@ -1,0 +1,102 @@
+"""Checks of ``modelparallel train`` arguments that a range check misses, run before launch.
+
+``nan`` passes every comparison (``nan <= 0`` is false), so a bound alone lets ``--lr nan``
+through to a run that trains to NaN and exits 0; ``inf`` is a float too. A port is a number
+below 65536, an output directory must be creatable by this user, a preset's positions grow with
+``--seq-len`` only so far, and a resumed checkpoint must hold the model being trained. Each
+problem names the option, as the rest of ``check_args`` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from pathlib import Path
+
+from . import resume
+from .presets import PRESETS, load_config
+
+PRESET_MAX_POSITIONS = 8192
+"""Longest ``--seq-len`` a preset is built for: its position table grows with ``--seq-len`` (at
+least 1024), but attention over longer windows holds seq_len^2 scores per head and batch row."""
+
+MAX_PORT = 65535
+
+
+def _finite_problems(args: argparse.Namespace) -> list[str]:
+    floats = [("--lr", args.lr), ("--weight-decay", args.weight_decay), ("--max-bytes", args.max_bytes),
+              ("--temperature", args.temperature)]  # --val-fraction: its range check refuses nan already
+    problems = [f"{name} must be a finite number, got {value}" for name, value in floats if not math.isfinite(value)]
+    if math.isfinite(args.weight_decay) and args.weight_decay < 0:
+        problems.append(f"--weight-decay must be >= 0, got {args.weight_decay}")
+    return problems
+
+
+def _endpoint_problems(endpoint: str | None) -> list[str]:
+    port = (endpoint or "").rpartition(":")[2]
+    if port.isdigit() and not 1 <= int(port) <= MAX_PORT:
+        return [f"--rdzv-endpoint {endpoint}: the port must be in 1..{MAX_PORT}, got {int(port)}"]
+    return []
+
+
+def out_problems(out: Path, option: str = "--out") -> list[str]:
+    """``out`` must be a directory this user can create (or write into): its nearest existing
+    ancestor a directory (not a file) on a writable mount with write permission."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        return []  # reported by the range check
+    ancestor = out.absolute()
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return [f"{option} {out}: {ancestor} is a file, so no directory can be created under it"]
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return [f"{option} {out}: {ancestor} is not writable (a read-only mount or no write permission); "
+                "choose another --out"]
+    return []
+
+
+def _seq_len_problems(args: argparse.Namespace) -> list[str]:
+    if args.model in PRESETS and args.seq_len > PRESET_MAX_POSITIONS:
+        return [f"--seq-len {args.seq_len} exceeds the {PRESET_MAX_POSITIONS} positions a preset model "
+                f"({args.model}) can have"]
+    return []
+
+
+def value_problems(args: argparse.Namespace) -> list[str]:
+    """Non-finite numbers, ports out of range, an ``--out`` that cannot be made, a preset
+    ``--seq-len`` beyond its positions."""
+    return (_finite_problems(args) + _endpoint_problems(args.rdzv_endpoint) + out_problems(args.out)
+            + _seq_len_problems(args))
+
+
+def resume_model_problems(args: argparse.Namespace) -> list[str]:
+    """The checkpoint chosen to resume (``args.resume_tag``) must have been saved from the model
+    this run builds; else the ranks' load would refuse it after launch, and so would the same
+    load of every other checkpoint of that run. Offers only checkpoints of this model."""
+    try:
+        config = load_config(args.model, args.seq_len)
+    except (OSError, ValueError):
+        return []  # reported by the model check
+    diffs = resume.config_problems(args.out, args.resume_tag, config)
+    if not diffs:
+        return []
+    others = resume.matching_tags(args.out, config, skip=args.resume_tag)
+    offer = (f"checkpoints of this model: {', '.join(others)} (--resume-from {others[0]})" if others else
+             "resume with the --model (and --seq-len) it was saved with, or choose another --out to start fresh")
+    return [f"checkpoint {args.resume_tag} was saved from another model than --model {args.model} "
+            f"({'; '.join(diffs[:4])}); {offer}"]
+
+
+class NonFiniteLoss(FloatingPointError):
+    """The training loss became NaN or infinite: every later step would train on it."""
+
+
+def finite_loss(loss: float, step: int, lr: float) -> None:
+    """Stop a run whose loss at ``step`` is no longer a number. ``train`` passes the data-parallel
+    mean, the same on every rank, so every rank stops at the same step (no collective is left
+    waiting) and nothing of the diverged run is saved over the checkpoints on disk."""
+    if not math.isfinite(loss):
+        raise NonFiniteLoss(f"the training loss is {loss} at step {step} (learning rate {lr:.3g}); training "
+                            "stopped: lower --lr, and resume from a checkpoint saved before it diverged")

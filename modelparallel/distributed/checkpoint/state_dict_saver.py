@@ -24,7 +24,7 @@ from . import saving
 from .async_utils import AsyncCallsQueue
 from .state_dict_utils import LOCAL_LAYOUT_FILE, local_layouts
 
-__all__ = ["AsyncCallsQueue", "async_save", "maybe_finalize_async_calls", "save"]
+__all__ = ["AsyncCallsQueue", "PyTorchDistSaveShardedStrategy", "async_save", "maybe_finalize_async_calls", "save"]
 
 _DEFAULT: list[AsyncCallsQueue] = []
 
@@ -36,9 +36,22 @@ def _default_queue() -> AsyncCallsQueue:
     return _DEFAULT[0]
 
 
+class PyTorchDistSaveShardedStrategy:
+    """SageMaker's default ``sharded_strategy``: the checkpoint in DCP's own file layout, which
+    is how both saves here write. Scripts import it (and may pass an instance, with the
+    arguments of the strategy it stands for, ``backend``, ``version``, ``thread_count``...);
+    nothing is configured by them here."""
+
+    def __init__(self, *args, **kwargs):
+        self.args, self.kwargs = args, kwargs
+
+
 def _refuse_unsupported(sharded_strategy, s3_region, s3client_config) -> None:
-    if sharded_strategy is not None:
-        raise NotImplementedError("sharded_strategy: only DCP's own file layout (the default) is built")
+    default = sharded_strategy is None or sharded_strategy is PyTorchDistSaveShardedStrategy \
+        or isinstance(sharded_strategy, PyTorchDistSaveShardedStrategy)
+    if not default:
+        raise NotImplementedError(f"sharded_strategy={type(sharded_strategy).__name__}: only DCP's own file layout "
+                                  "(PyTorchDistSaveShardedStrategy, the default) is built")
     if s3_region is not None or s3client_config is not None:
         raise NotImplementedError("s3_region / s3client_config: S3 checkpoints are not built here")
 

@@ -43,3 +43,29 @@ def failing_write(root):
 
 def test_background_write_failure_raised_on_every_rank(tmp_path):
     harness.run(2, failing_write, str(tmp_path))
+
+
+def default_strategy_named(root):
+    """SageMaker's default ``sharded_strategy`` named by the script saves as without it; any other
+    strategy is refused before anything is written."""
+    from torch.distributed.checkpoint import FileSystemReader, load
+
+    from modelparallel.distributed.checkpoint.state_dict_saver import PyTorchDistSaveShardedStrategy
+
+    queue = AsyncCallsQueue()
+    where = os.path.join(root, "ckpt")
+    state = {f"t{dist.get_rank()}": torch.full((4,), float(dist.get_rank() + 1))}
+    async_save(state, checkpoint_id=where, queue=queue,
+               sharded_strategy=PyTorchDistSaveShardedStrategy("torch_dist", 1, thread_count=2))
+    queue.maybe_finalize_async_calls(blocking=True)
+    back = {k: torch.zeros(4) for k in state}
+    load(back, storage_reader=FileSystemReader(where))
+    with pytest.raises(NotImplementedError, match="sharded_strategy=object"):
+        async_save(state, checkpoint_id=os.path.join(root, "other"), queue=queue, sharded_strategy=object())
+    queue.close()
+    assert not os.path.exists(os.path.join(root, "other"))
+    return all(torch.equal(back[k], state[k]) for k in state)
+
+
+def test_default_sharded_strategy_accepted(tmp_path):
+    assert harness.run(2, default_strategy_named, str(tmp_path)) == [True, True]

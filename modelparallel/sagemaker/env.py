@@ -18,11 +18,6 @@ default ``./sagemaker``); variables already set are kept, ``--channel NAME=DIR``
 ``SM_CURRENT_HOST``           ``algo-<node rank + 1>``
 ============================  ==========================================================
 
-``init_process_group(backend="smddp")`` (SageMaker's data-parallel backend, which its scripts ask
-for after ``import smdistributed.dataparallel.torch.torch_smddp``) starts NCCL on a machine with
-CUDA and gloo without: SageMaker's backend is its own collective library for NCCL's job, which
-outside SageMaker NCCL does itself.
-
 On a machine without CUDA, ``torch.cuda.set_device(i)`` (which the scripts call with
 ``smp.local_rank()``) becomes a no-op for ``0 <= i < ranks per machine``: the rank runs on the CPU,
 as ``smp.init`` chose. Nothing else of ``torch.cuda`` is changed.
@@ -110,25 +105,3 @@ def cpu_set_device() -> None:
 
     torch.cuda.set_device = set_device
 
-
-SMDDP = "smddp"
-
-
-def smddp_backend() -> None:
-    """Let ``torch.distributed.init_process_group`` take SageMaker's backend name (see above)."""
-    import torch
-    import torch.distributed as dist
-
-    real = dist.init_process_group
-    if getattr(real, "smddp_aware", False):
-        return
-
-    def init_process_group(backend=None, *args, **kwargs):
-        if isinstance(backend, str) and backend.lower() == SMDDP:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-        return real(backend, *args, **kwargs)
-
-    init_process_group.smddp_aware = True
-    init_process_group.__wrapped__ = real
-    init_process_group.__doc__ = real.__doc__
-    dist.init_process_group = init_process_group

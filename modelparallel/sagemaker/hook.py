@@ -27,7 +27,7 @@ STAND_INS = ("smdistributed", "smdistributed.modelparallel", "smdistributed.data
              "smdistributed.dataparallel.torch", "smdistributed.dataparallel.torch.torch_smddp")
 """Parent packages of the v1 path that exist only to hold it, and SageMaker's data-parallel
 backend module, which scripts import only to make the ``smddp`` backend name known (under
-``modelparallel run`` it is: ``sagemaker.env.smddp_backend``)."""
+``modelparallel run`` it is: ``sagemaker.torch_calls``)."""
 
 
 def target_of(name: str) -> str | None:

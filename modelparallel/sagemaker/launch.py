@@ -28,7 +28,7 @@ from pathlib import Path
 
 from .. import devices
 from ..cli import launch, outcome
-from . import env, hook
+from . import env, hook, torch_calls
 
 HELP = "run a SageMaker (v1 or v2) training script unchanged, on torchrun's ranks"
 
@@ -84,7 +84,7 @@ def run_script(args: argparse.Namespace) -> int:
     os.environ.update(_our_env(args))
     env.apply()
     env.cpu_set_device()
-    env.smddp_backend()
+    torch_calls.install()
     hook.install()
     script = args.training_script
     sys.argv = [script, *args.training_script_args]

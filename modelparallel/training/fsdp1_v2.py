@@ -122,15 +122,17 @@ _ONE_SHARD_GROUP = {ShardingStrategy.HYBRID_SHARD: ShardingStrategy.FULL_SHARD,
 
 
 def _shard_over(args: dict, mesh: DeviceMesh, lay: Layout) -> None:
-    """FSDP1 shards over the 1-D ``mesh``: given as the mesh when TP shards are DTensors on it
-    (FSDP1 flattens those only when it has the mesh), else as its process group, since FSDP1
-    refuses a mesh for ``LOCAL_STATE_DICT``, which the v2 scripts' local checkpoints use. (A
-    hybrid layout keeps its 2-D mesh: FSDP1's local state dict over a (shard, replicate) pair of
-    groups names shards by their rank in the shard group as if it were the global rank.)"""
+    """FSDP1 shards over ``mesh`` (1-D, or hybrid 2-D ("replicate", "shard")): given as the mesh
+    when TP shards are DTensors on it (FSDP1 flattens those only when it has the mesh), else as
+    its process group(s), as SageMaker's FSDP1 calls are: FSDP1 then makes its sharded state dicts
+    of ShardedTensors over the shard group, which the scripts' optimizer loading expects, and
+    accepts ``LOCAL_STATE_DICT`` (refused with a mesh) for their local checkpoints."""
     if lay.tp_size > 1:
         args["device_mesh"], args["process_group"] = mesh, None
-    else:
+    elif mesh.ndim == 1:
         args["device_mesh"], args["process_group"] = None, mesh.get_group()
+    else:
+        args["device_mesh"], args["process_group"] = None, (mesh.get_group("shard"), mesh.get_group("replicate"))
 
 
 def _apply_hybrid(args: dict, lay: Layout) -> None:
@@ -151,7 +153,7 @@ def _apply_hybrid(args: dict, lay: Layout) -> None:
             f"hybrid_shard_degree 0 or {d}, or tensor_parallel_degree 1")
     if args.get("sharding_strategy") != ShardingStrategy._HYBRID_SHARD_ZERO2:
         args["sharding_strategy"] = ShardingStrategy.HYBRID_SHARD
-    args["device_mesh"], args["process_group"] = _hsdp_mesh(lay), None
+    _shard_over(args, _hsdp_mesh(lay), lay)
 
 
 def complete(args: dict, lay: Layout) -> None:

@@ -101,9 +101,9 @@ def test_cpu_set_device(monkeypatch):
 
 SMDDP_SCRIPT = """
 import sys, torch, torch.distributed as dist
-from modelparallel.sagemaker import env, hook
-env.smddp_backend()
-env.smddp_backend()  # a second call wraps nothing twice
+from modelparallel.sagemaker import hook, torch_calls
+torch_calls.install()
+torch_calls.install()  # a second call wraps nothing twice
 hook.install()
 import smdistributed.dataparallel.torch.torch_smddp  # what SageMaker's scripts import first
 dist.init_process_group(backend="smddp", init_method="file://" + sys.argv[1], rank=0, world_size=1)

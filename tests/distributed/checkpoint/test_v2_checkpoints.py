@@ -21,8 +21,8 @@ import torch.distributed as dist
 import harness
 import modelparallel as tsm
 from modelparallel.distributed.checkpoint.async_utils import AsyncCallsQueue
-from v2_script import (build, load_local, load_sharded, load_sharded_dcp, replication_group, save_local, save_sharded,
-                       save_sharded_dcp, train_step)
+from v2_script import (build, load_local, load_sharded, load_sharded_dcp, load_sharded_dcp_script_form, replication_group,
+                       save_local, save_sharded, save_sharded_dcp, train_step)
 
 MODES = ("sharded-async", "sharded-sync", "local-async", "local-sync", "sharded-dcp")
 SAVED_AT, MORE = 3, 3
@@ -140,3 +140,39 @@ def test_local_checkpoint_at_context_parallelism_resumes_exactly(tmp_path):
     """CP=2 x DP=2, hybrid_shard_degree 2: FSDP shards over the data x context ranks, so the
     replication groups pair rank r with r + 2 (same half); each group shares one directory."""
     harness.run(4, local_round_trip_at_context_parallelism, str(tmp_path))
+
+
+def script_form_optimizer_load(config, root):
+    """The scripts' sharded resume with ``load_sharded_optimizer_state_dict(process_group=...)``,
+    as ``modelparallel run`` provides it: it continues exactly like the uninterrupted run, or,
+    where PyTorch's function would place the state wrongly (TP, hybrid sharding), it is refused
+    before anything is loaded."""
+    from modelparallel.sagemaker import torch_calls
+
+    torch_calls.install()
+    tsm.init(config)
+    model, optimizer = build()
+    [train_step(model, optimizer, s) for s in range(SAVED_AT)]
+    save_sharded_dcp(model, optimizer, root, {"total_steps": SAVED_AT})
+    after = [train_step(model, optimizer, s) for s in range(SAVED_AT, SAVED_AT + MORE)]
+    fresh, fresh_opt = build(seed=1)
+    try:
+        loaded = load_sharded_dcp_script_form(fresh, fresh_opt, root, {"total_steps": 0})
+    except NotImplementedError as e:
+        return str(e)
+    resumed = [train_step(fresh, fresh_opt, s) for s in range(SAVED_AT, SAVED_AT + MORE)]
+    return loaded["total_steps"], resumed, after
+
+
+@pytest.mark.parametrize("config,world,refused", [
+    ({"tensor_parallel_degree": 1}, 2, None),
+    ({"tensor_parallel_degree": 1, "hybrid_shard_degree": 2}, 4, "hybrid sharding"),
+    ({"tensor_parallel_degree": 2}, 4, "is a DTensor"),
+], ids=["tp1-dp2", "tp1-hybrid2of4", "tp2-dp2"])
+def test_script_form_sharded_optimizer_load(config, world, refused, tmp_path):
+    for out in harness.run(world, script_form_optimizer_load, config, str(tmp_path)):
+        if refused:
+            assert refused in out and "load_sharded_optimizer_state_dict" in out, out
+        else:
+            steps, resumed, after = out
+            assert steps == SAVED_AT and resumed == after, (resumed, after)

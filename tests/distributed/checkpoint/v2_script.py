@@ -153,3 +153,29 @@ def load_sharded_dcp(model, optimizer, root: str, extra: dict) -> dict:
         model.load_state_dict(state_dict["model"])
         optimizer.load_state_dict(FSDP.optim_state_dict_to_load(model, optimizer, state_dict["optimizer"]))
     return state_dict
+
+
+def load_sharded_dcp_script_form(model, optimizer, root: str, extra: dict) -> dict:
+    """The scripts' ``_load_sharded`` as written: the model state through DCP over the FSDP group,
+    then ``load_sharded_optimizer_state_dict(..., process_group=model.process_group)`` (the call
+    form of SageMaker's torch build, given by ``modelparallel run``: ``sagemaker.torch_calls``)
+    and ``FSDP.optim_state_dict_to_load``."""
+    from torch.distributed import checkpoint
+    from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+    from torch.distributed.fsdp.api import ShardedOptimStateDictConfig
+
+    process_group = model.process_group
+    coordinator_rank = min(get_global_ranks(process_group))
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT,
+                              optim_state_dict_config=ShardedOptimStateDictConfig(offload_to_cpu=True)):
+        state_dict = {"model": model.state_dict(), **extra}
+        checkpoint.load_state_dict(state_dict=state_dict, storage_reader=checkpoint.FileSystemReader(sharded_dir(root)),
+                                   process_group=process_group, coordinator_rank=coordinator_rank,
+                                   planner=checkpoint.DefaultLoadPlanner())
+        model.load_state_dict(state_dict["model"])
+        optim_state = load_sharded_optimizer_state_dict(
+            model_state_dict=state_dict["model"], optimizer_key="optimizer",
+            storage_reader=checkpoint.FileSystemReader(sharded_dir(root)), process_group=model.process_group)
+        flattened = FSDP.optim_state_dict_to_load(model=model, optim=optimizer, optim_state_dict=optim_state["optimizer"])
+        optimizer.load_state_dict(flattened)
+    return state_dict

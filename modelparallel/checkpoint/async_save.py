@@ -12,9 +12,13 @@ changes (parameters, optimizer slots, fp32 masters) are copied by the background
 it writes, while the call copies at once what a forward can change (buffers, the loss scaler,
 step counters, anything else). The call registers a step pre-hook on the optimizers the save
 covers that waits until staging is done, so the step after a save cannot change a tensor not
-yet copied. Anything else that changes a deferred tensor in place is caught: each tensor's
-version counter is recorded at the call and compared after its copy and once more when all
-copies are done; a changed tensor fails that save on every rank, naming it.
+yet copied. Anything else that changes a deferred tensor in place, by any means (``p.data.mul_()``,
+a numpy view, another thread), is caught on the memory itself: the call takes the CRC32 of each
+deferred tensor's bytes (a read at memory speed, about half the cost of copying them), and the
+background thread compares it with the CRC32 of its copy; a tensor whose copy differs fails that
+save on every rank, naming it, so a checkpoint never holds values other than the call's. A
+deferred tensor on a GPU is instead copied by the call on the tensor's stream, without waiting:
+the stream orders the copy before any later change there, and the background thread waits for it.
 
 The background phases are collectives. They run on their own gloo process group
 (``meshes.background_group``: never interleaved with the training's collectives on the default
@@ -48,6 +52,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..meshes import MeshCache, background_group
 from ..tp.layout import from_local_like
+from .files import crc32
 
 logger = logging.getLogger("modelparallel")
 
@@ -59,21 +64,27 @@ class StagedTensorChanged(RuntimeError):
 @dataclass
 class _Deferred:
     """A copy left to the background: the live tensor (a DTensor's local shard in ``local``),
-    its staging buffer, the tensors whose version counters are watched (the tensor itself and
-    aliases that do not share its counter, e.g. FSDP's original parameters over a flat
-    parameter) and their counters at the call."""
+    its staging buffer, and the CRC32 of its bytes at the call (``None``: already copied by the
+    call on a GPU stream, ``event`` marks the copy's end)."""
 
     name: str
     buffer: torch.Tensor
     local: torch.Tensor
-    watched: tuple
-    versions: tuple = ()
+    crc: int | None
+    event: Any = None
 
-    def __post_init__(self):
-        self.versions = self.versions or tuple(t._version for t in self.watched)
+    def copy(self) -> bool:
+        """Fill the buffer; True if it now holds the bytes of the call."""
+        if self.crc is None:
+            self.event.synchronize()
+            return True
+        self.buffer.copy_(self.local.detach())
+        return fingerprint(self.buffer) == self.crc
 
-    def changed(self) -> bool:
-        return tuple(t._version for t in self.watched) != self.versions
+
+def fingerprint(t: torch.Tensor) -> int:
+    """CRC32 of the bytes of a contiguous CPU tensor (any dtype)."""
+    return crc32(t.detach().reshape(-1).view(torch.uint8).numpy())
 
 
 OUR_WORDING = ("save_checkpoint(async_save=True)",
@@ -112,9 +123,19 @@ class Stager:
     def defer(self, name: str, source: torch.Tensor, local: torch.Tensor, buf: torch.Tensor,
               aliases: tuple = ()) -> None:
         """Leave the copy of ``local`` (``source``'s local tensor) into ``buf`` to
-        ``copy_deferred``, recording the version counters it (and ``aliases``) must still have
-        then."""
-        self.deferred.append(_Deferred(name, buf, local, (source, local, *aliases)))
+        ``copy_deferred``, recording the CRC32 of its bytes now (``source`` and ``aliases``, e.g.
+        FSDP's original parameters over a flat one, share those bytes, so one check covers all).
+        A GPU tensor is copied now on its stream without waiting; a non-contiguous one now."""
+        if local.device.type == "cuda":
+            buf.copy_(local.detach(), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self.deferred.append(_Deferred(name, buf, local, None, event))
+        elif not local.is_contiguous():
+            self.copy_now(local, buf)
+            return
+        else:
+            self.deferred.append(_Deferred(name, buf, local, fingerprint(local)))
         self.deferred_bytes += buf.numel() * buf.element_size()
 
     def copy_now(self, t: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
@@ -148,19 +169,14 @@ class Stager:
         return copy.deepcopy(state)
 
     def copy_deferred(self) -> None:
-        """Fill the deferred buffers; raise ``StagedTensorChanged`` naming every tensor changed
-        in place since ``stage`` (checked after its copy, and again after the last copy, which
-        catches a change that overlapped a copy)."""
+        """Fill the deferred buffers; raise ``StagedTensorChanged`` naming every tensor whose copy
+        does not hold the bytes it had at ``stage`` (changed in place by any means since, or
+        during the copy)."""
         pending, self.deferred = self.deferred, []
         if self.before_copy is not None and pending:
             self.before_copy()
-        changed = []
         with torch.no_grad():
-            for d in pending:
-                d.buffer.copy_(d.local.detach())
-                if d.changed():
-                    changed.append(d.name)
-        changed += [d.name for d in pending if d.changed() and d.name not in changed]
+            changed = [d.name for d in pending if not d.copy()]
         if changed:
             raise StagedTensorChanged(
                 f"{len(changed)} tensor(s) changed in place after {self.wording[0]} returned and before they were "

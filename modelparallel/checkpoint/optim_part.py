@@ -151,6 +151,7 @@ def plan_load(module: nn.Module, optimizer, metadata, reuse: bool = False) -> Pl
     names = param_names(module)
     others = elsewhere(module)
     slots_now = _live_slots(optimizer, names) if reuse else {}
+    live_masters = _live_slots(optimizer, names)[MASTERS]
     reused = {}
     live = {names[id(p)] for g in optimizer.optimizer.param_groups for p in g["params"]}
     state: dict[str, dict] = {}
@@ -167,6 +168,8 @@ def plan_load(module: nn.Module, optimizer, metadata, reuse: bool = False) -> Pl
             if name not in live:
                 if name not in others:
                     unexpected.add(name)
+            elif prefix == MASTERS:
+                _plan_master(key, md, param, live_masters.get(name), masters, reused, slots_now)
             elif not isinstance(md, TensorStorageMetadata):  # a non-tensor slot: read (restricted) as is
                 bucket.setdefault(name, {})[slot] = None
             elif tuple(md.size) not in ((), tuple(param.shape)):
@@ -190,6 +193,33 @@ def plan_load(module: nn.Module, optimizer, metadata, reuse: bool = False) -> Pl
     group_keys = {f"{GROUPS}{i}.{f}" for i, g in groups.items() for f in g}
     return Planned(nested, group_keys, live, unexpected, mismatched, len(optimizer.optimizer.param_groups), others,
                    reused)
+
+
+def _plan_master(key: str, md, param: torch.Tensor, live: dict | None, masters: dict, reused: dict,
+                 slots_now: dict) -> None:
+    """Plan a saved fp32 master: it must be a tensor of its live master's global shape and dtype
+    (checked here, before anything is read or changed, not when it is copied in). A master of a
+    parameter that is not half precision here is not read (nothing would hold it).
+
+    Raises:
+        ValueError: naming the key, the saved and the expected shape or dtype.
+    """
+    if live is None:
+        return
+    want = live["master"]
+    if not isinstance(md, TensorStorageMetadata):
+        raise ValueError(f"{key}: an fp32 master weight saved as a {type(md).__name__}, not a tensor")
+    size, dtype = tuple(md.size), md.properties.dtype
+    if size != tuple(want.shape) or dtype != want.dtype:
+        raise ValueError(f"{key}: checkpoint {size} {dtype}, this optimizer's master weight {tuple(want.shape)} "
+                         f"{want.dtype}")
+    name = key[len(MASTERS):].rpartition(".")[0]
+    existing = slots_now.get(MASTERS, {}).get(name, {}).get("master")
+    if _reusable(existing, param, md):
+        masters.setdefault(name, {})["master"] = existing
+        reused[key] = (masters[name], "master")
+    else:
+        masters.setdefault(name, {})["master"] = _target(param, md)
 
 
 def _live_slots(optimizer, names: dict[int, str]) -> dict[str, dict[str, dict[str, torch.Tensor]]]:

@@ -44,6 +44,8 @@ from ..training.optimizer_state import load_masters
 from .parts import LoadReport
 
 STATE, GROUPS, SCALER = "optimizer.state.", "optimizer.param_groups.", "loss_scaler."
+SCALE = "loss_scale"
+"""The one entry every loss scaler's state has."""
 MASTERS = "fp16_states."
 """fp32 master weights of half-precision parameters: ``fp16_states.{param name}.master``."""
 PARAM_KEYED = (STATE, MASTERS)
@@ -138,7 +140,8 @@ class Planned:
         mismatched = list(self.mismatched)
         if groups and len(groups) != self.ours:
             mismatched.append(f"param_groups: checkpoint has {len(groups)}, this optimizer {self.ours}")
-        return LoadReport(sorted(self.live - listed) if groups else [],
+        scaler = [] if scaler_state(self.nested) is not None else [f"{SCALER}{SCALE}"]
+        return LoadReport((sorted(self.live - listed) if groups else []) + scaler,
                           sorted(self.unexpected | (listed - self.live - self.others)), mismatched)
 
 
@@ -256,6 +259,7 @@ def apply_optimizer_state(module: nn.Module, optimizer, loaded: dict[str, Any]) 
     inner = optimizer.optimizer
     params = _params(module)
     check_scaler(optimizer, loaded)
+    scaler = scaler_state(loaded)
     saved_groups = loaded["optimizer"]["param_groups"]
     if len(saved_groups) == len(inner.param_groups):
         for group, saved in zip(inner.param_groups, saved_groups):
@@ -264,7 +268,8 @@ def apply_optimizer_state(module: nn.Module, optimizer, loaded: dict[str, Any]) 
     for name, slots in loaded["optimizer"]["state"].items():
         state[params[name]] = slots
     inner.state = state
-    optimizer.loss_scaler.load_state_dict(loaded["loss_scaler"])
+    if scaler is not None:  # absent (strict=False): the live scaler is kept, and reported missing
+        optimizer.loss_scaler.load_state_dict(scaler)
     saved = loaded.get(MASTERS.rstrip("."), {})
     names = param_names(module)
     load_masters(optimizer, {i: saved[names[id(p)]]["master"] for i, (p, m) in
@@ -272,9 +277,17 @@ def apply_optimizer_state(module: nn.Module, optimizer, loaded: dict[str, Any]) 
                              if m is not p and names[id(p)] in saved} or None)
 
 
+def scaler_state(loaded: dict[str, Any]) -> dict | None:
+    """The saved loss-scaler state, None if the checkpoint holds none (e.g. the pipeline stage
+    that saved it is missing): ``strict=True`` refuses that, ``strict=False`` keeps the live one."""
+    state = loaded.get("loss_scaler") or {}
+    return state if SCALE in state else None
+
+
 def check_scaler(optimizer, loaded: dict[str, Any]) -> None:
     """Raise (changing nothing) if the saved loss-scaler state cannot be applied."""
-    copy.deepcopy(optimizer.loss_scaler).load_state_dict(loaded["loss_scaler"])
+    if (state := scaler_state(loaded)) is not None:
+        copy.deepcopy(optimizer.loss_scaler).load_state_dict(state)
 
 
 def check_names_against_model(module: nn.Module, metadata) -> list[str]:

@@ -99,7 +99,7 @@ def agree(phase: str, error: BaseException | None, payload: Any = None, group=No
         agreed = cls(f"{lead} (rank {first_rank}, during checkpoint {phase})\n"
                      f"checkpoint {phase} failed on rank(s) {[r for r, _ in failed]}:\n  "
                      + "\n  ".join(lines))
-        if isinstance(root, KeyboardInterrupt):  # Ctrl-C stays itself on the ranks it hit, once all know
+        if isinstance(root, KeyboardInterrupt) and here == rank:  # Ctrl-C stays itself where it hit, once all know
             raise root.with_traceback(root.__traceback__) from agreed
         raise agreed from error
     return [p for _, p, _ in outcomes]

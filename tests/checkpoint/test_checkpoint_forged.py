@@ -7,6 +7,7 @@ TP=2 where collectives matter.
 """
 
 import io
+import os
 import tempfile
 from pathlib import Path
 
@@ -81,3 +82,93 @@ def test_a_forged_master_shape_is_refused_before_anything_changes(tmp_path):
         assert MASTER in msg and "a_partial/optimizer/.metadata" in msg and "()" in msg, msg
         for r in results:
             assert r[f"{mode} changed"] == [], (mode, r[f"{mode} changed"][:5])
+
+
+def _drop_entries(part: Path, prefixes: tuple[str, ...]) -> None:
+    """Remove every entry whose key starts with one of ``prefixes`` from a part's metadata (what
+    a checkpoint missing a pipeline stage's share looks like)."""
+    def drop(md):
+        for key in [k for k in md.state_dict_metadata if k.startswith(prefixes)]:
+            del md.state_dict_metadata[key]
+        for index in [i for i in md.storage_data if i.fqn.startswith(prefixes)]:
+            del md.storage_data[index]
+
+    rewrite_metadata(part / ".metadata", drop)
+
+
+DROPPED = "transformer.h.0.mlp.c_fc.weight"
+
+
+def missing_entries(path: str) -> dict:
+    """Without the loss scaler's state and one parameter's slots (a parameter may have none):
+    ``strict=True`` names the scaler's, ``strict=False`` loads the rest, keeps the live scaler
+    and reports it missing."""
+    from ckpt_helpers import build
+
+    model, optimizer = build()
+    smp.save_checkpoint(path, "a")
+    want = snapshot(model, optimizer)
+    directory = Path(path) / "a_partial"
+    on_rank0(lambda: (_drop_entries(directory / "optimizer", ("loss_scaler.", f"optimizer.state.{DROPPED}.")),
+                      refresh_manifest(directory)))
+    model, optimizer = build(seed=3)
+    scale = optimizer.loss_scaler.state_dict()
+    strict = error_of(smp.resume_from_checkpoint, path, "a")
+    smp.resume_from_checkpoint(path, "a", strict=False)
+    got = snapshot(model, optimizer)
+    return {"strict": strict, "report": smp.last_load_report()["optimizer"].missing_keys,
+            "scale kept": optimizer.loss_scaler.state_dict() == scale,
+            "differ": [k for k in changed(want, got) if DROPPED not in k and not k.startswith("scaler/")]}
+
+
+def test_strict_false_tolerates_a_missing_loss_scaler_and_slots(tmp_path):
+    for r in harness.run(2, missing_entries, str(tmp_path)):
+        assert "loss_scaler.loss_scale" in r["strict"] and "missing" in r["strict"], r["strict"]
+        assert r["report"] == ["loss_scaler.loss_scale"], r["report"]
+        assert r["scale kept"] and r["differ"] == [], r
+
+
+def interrupted_journal_resume(path: str, journal_dir: str) -> dict:
+    """Ctrl-C on rank 0 while the optimizer part is read through the undo journal (the model
+    already overwritten in place): rank 0 gets ``KeyboardInterrupt`` itself, rank 1 an error
+    naming it, and both get back the state they had before the resume."""
+    from ckpt_helpers import build
+    from modelparallel.checkpoint import fastread
+
+    model, optimizer = build()
+    smp.save_checkpoint(path, "a")
+    model, optimizer = build(seed=3)
+    before = snapshot(model, optimizer)
+    read_chunk, seen = fastread.FastReader._read_chunk, []
+
+    def interrupted(self, reader, *args):
+        if "/optimizer/" in str(reader.path) and smp.rank() == 0:
+            seen.append(reader.path)
+            if len(seen) == 3:
+                raise KeyboardInterrupt
+        return read_chunk(self, reader, *args)
+
+    fastread.FastReader._read_chunk = interrupted
+    tempfile.tempdir = journal_dir
+    try:
+        smp.resume_from_checkpoint(path, "a", staging="journal", staging_bucket=1 << 10)
+        outcome = "returned"
+    except KeyboardInterrupt:
+        outcome = "KeyboardInterrupt"
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        outcome = f"{type(e).__name__}: {e}"
+    finally:
+        fastread.FastReader._read_chunk = read_chunk
+        tempfile.tempdir = None
+    return {"outcome": outcome, "changed": changed(before, snapshot(model, optimizer)),
+            "journals": sorted(os.listdir(journal_dir))}
+
+
+def test_ctrl_c_during_a_journal_resume_stays_a_keyboard_interrupt(tmp_path):
+    (tmp_path / "j").mkdir()
+    results = harness.run(2, interrupted_journal_resume, str(tmp_path / "ck"), str(tmp_path / "j"))
+    assert results[0]["outcome"] == "KeyboardInterrupt", results[0]["outcome"]
+    assert "KeyboardInterrupt" in results[1]["outcome"] and "rank 0" in results[1]["outcome"], results[1]
+    for r in results:
+        assert r["changed"] == [], r["changed"][:5]
+    assert results[0]["journals"] == [], "the undo journal is deleted"

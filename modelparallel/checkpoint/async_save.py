@@ -87,6 +87,29 @@ def fingerprint(t: torch.Tensor) -> int:
     return crc32(t.detach().reshape(-1).view(torch.uint8).numpy())
 
 
+class _Early:
+    """CRC32s of tensors computed by a thread (zlib releases the GIL while it reads), keyed by
+    the memory they cover."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.sums: dict[tuple, int] = {}
+        self.thread = threading.Thread(target=self._run, args=(tensors,), name="modelparallel-crc", daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def key(t: torch.Tensor) -> tuple:
+        return t.data_ptr(), t.numel() * t.element_size(), t.dtype
+
+    def _run(self, tensors: list[torch.Tensor]) -> None:
+        for t in tensors:
+            if t.device.type == "cpu" and t.is_contiguous():
+                self.sums[self.key(t)] = fingerprint(t)
+
+    def take(self, t: torch.Tensor) -> int | None:
+        self.thread.join()
+        return self.sums.get(self.key(t))
+
+
 OUR_WORDING = ("save_checkpoint(async_save=True)",
                "This save is abandoned (the previous newest checkpoint is intact). Change parameters only in "
                "the optimizer's step (which waits for staging), call smp.wait_for_checkpoints() first, or save "
@@ -106,6 +129,7 @@ class Stager:
         """Bytes the last ``stage`` copied in the call / left to ``copy_deferred``."""
         self.wording = wording
         """(the call, what to do) for the message of a tensor changed before its copy."""
+        self._early: _Early | None = None
 
     @property
     def nbytes(self) -> int:
@@ -119,6 +143,16 @@ class Stager:
             buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=torch.cuda.is_available())
             self.buffers[key] = buf
         return buf
+
+    def fingerprint_early(self, tensors: list[torch.Tensor] | None) -> None:
+        """Start the CRC32s of ``tensors`` (those ``defer`` will get) in a thread now, so that
+        the call's other work (state dicts, collectives) overlaps their reading; the save's
+        call must not return before ``defer`` took them. ``None``: drop what is left."""
+        self._early = _Early(tensors) if tensors else None
+
+    def _crc(self, local: torch.Tensor) -> int:
+        early = self._early.take(local) if self._early is not None else None
+        return early if early is not None else fingerprint(local)
 
     def defer(self, name: str, source: torch.Tensor, local: torch.Tensor, buf: torch.Tensor,
               aliases: tuple = ()) -> None:
@@ -135,7 +169,7 @@ class Stager:
             self.copy_now(local, buf)
             return
         else:
-            self.deferred.append(_Deferred(name, buf, local, fingerprint(local)))
+            self.deferred.append(_Deferred(name, buf, local, self._crc(local)))
         self.deferred_bytes += buf.numel() * buf.element_size()
 
     def copy_now(self, t: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:

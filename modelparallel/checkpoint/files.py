@@ -198,6 +198,13 @@ def read_json(root: str | Path, rel: str, limit: int) -> object:
         raise ValueError(f"{path}: unreadable ({e})") from None
 
 
+def inside(directory: str | Path, rel: str) -> tuple[Path, str]:
+    """``(directory's parent, "{directory's name}/{rel}")``: ``open_inside`` then opens the
+    checkpoint directory too without following a symlink."""
+    directory = Path(directory)
+    return directory.parent, f"{directory.name}/{rel}"
+
+
 class CheckpointFiles:
     """The files of one committed checkpoint, opened only as its manifest lists them; DCP
     metadata is read (verified) once per part."""
@@ -218,11 +225,16 @@ class CheckpointFiles:
                                         "the files the checkpoint committed)")
         return entry
 
+    def inside(self, rel: str) -> tuple[Path, str]:
+        """(root, relative path) that open ``rel`` with the checkpoint directory itself opened
+        without following a symlink (one swapped in after the directory was checked)."""
+        return inside(self.directory, rel)
+
     def reader(self, rel: str) -> VerifiedReader:
-        return VerifiedReader(self.directory, rel, self.entry(rel))
+        return VerifiedReader(*self.inside(rel), self.entry(rel))
 
     def read(self, rel: str) -> bytes:
-        return read_verified(self.directory, rel, self.entry(rel))
+        return read_verified(*self.inside(rel), self.entry(rel))
 
     def metadata(self, part: str):
         """DCP's ``Metadata`` of ``part``, read verified and with no code run (cached)."""

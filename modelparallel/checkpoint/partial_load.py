@@ -43,7 +43,7 @@ def _stat_problem(files: CheckpointFiles, rel: str) -> str | None:
     import os
 
     try:
-        fd = open_inside(files.directory, rel)
+        fd = open_inside(*files.inside(rel))
     except FileNotFoundError:
         return f"{files.directory / rel}: missing (listed in the manifest)"
     except (OSError, ValueError) as e:

@@ -115,3 +115,16 @@ def test_a_lock_file_that_is_a_hard_link_is_refused_and_its_target_untouched(tmp
     with pytest.raises(CheckpointError, match="hard link"):
         DirectoryLock(tmp_path / "ck").acquire()
     assert victim.read_text() == "precious\n"
+
+
+def test_a_checkpoint_directory_swapped_for_a_symlink_is_not_followed(tmp_path):
+    """The directory was checked when the load began; a symlink put in its place afterwards
+    (to a directory holding other files) is refused when a file of it is opened."""
+    from modelparallel.checkpoint.files import CheckpointFiles
+
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "f").write_bytes(b"outside")
+    files = CheckpointFiles(tmp_path / "a_partial", {"files": {"f": {"size": 7, "crc32": "00000000"}}})
+    (tmp_path / "a_partial").symlink_to(tmp_path / "other")
+    with pytest.raises(UnsafeCheckpointError, match="a_partial"):
+        files.read("f")

@@ -18,6 +18,7 @@ load. What users save (``user_content``, ``smp.save``) is checked on the way in 
 from __future__ import annotations
 
 import collections
+import errno
 import io
 import pickle
 import struct
@@ -91,6 +92,10 @@ def torch_load(source: str | Path | io.BytesIO, name: str | None = None, trusted
         why = next((line for line in first if "Unsupported" in line or "GLOBAL" in line), first[0] if first else "")
         raise UnsafeCheckpointError(f"{name}: refused to load (it holds more than tensors and plain data, "
                                     f"and loading never runs code from a checkpoint): {why.strip()}") from e
+    except OSError as e:  # torch's zip reader: EINVAL for a truncated file, the errno of a failed read
+        if e.errno == errno.EINVAL or e.errno is None:
+            raise CorruptFileError(f"{name}: not a readable torch.save file (truncated or damaged: {e})") from e
+        raise type(e)(e.errno, e.strerror, str(name)) from e
     except _DAMAGED as e:
         first = (str(e).strip().splitlines() or ["no data"])[0]
         raise CorruptFileError(f"{name}: not a readable torch.save file (empty, truncated or damaged: "

@@ -172,3 +172,25 @@ def test_ctrl_c_during_a_journal_resume_stays_a_keyboard_interrupt(tmp_path):
     for r in results:
         assert r["changed"] == [], r["changed"][:5]
     assert results[0]["journals"] == [], "the undo journal is deleted"
+
+
+def truncated_single_file(path: str) -> dict:
+    """A single-file full checkpoint cut short: the resume fails on every rank alike, naming
+    the file, and the model is unchanged."""
+    from ckpt_helpers import build
+
+    model, optimizer = build()
+    smp.save_checkpoint(path, "fullmodel.pt", partial=False)
+    f = Path(path) / "fullmodel.pt"
+    on_rank0(lambda: os.truncate(f, f.stat().st_size // 2))
+    model, optimizer = build(seed=3)
+    before = snapshot(model)
+    msg = error_of(smp.resume_from_checkpoint, path, "fullmodel.pt", partial=False, load_optimizer=False)
+    return {"msg": msg, "changed": changed(before, snapshot(model))}
+
+
+def test_a_truncated_single_file_names_it(tmp_path):
+    results = harness.run(2, truncated_single_file, str(tmp_path))
+    assert results[0]["msg"] == results[1]["msg"], results
+    assert f"{tmp_path / 'fullmodel.pt'}: not a readable torch.save file" in results[0]["msg"], results[0]["msg"]
+    assert all(r["changed"] == [] for r in results), results

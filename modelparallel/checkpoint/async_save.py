@@ -163,7 +163,7 @@ class Stager:
         if local.device.type == "cuda":
             buf.copy_(local.detach(), non_blocking=True)
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(local.device))
             self.deferred.append(_Deferred(name, buf, local, None, event))
         elif not local.is_contiguous():
             self.copy_now(local, buf)

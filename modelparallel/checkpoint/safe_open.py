@@ -173,11 +173,14 @@ def read_path(path: str | Path) -> bytes:
 
 def read_from(fd: int, path: str | Path, limit: int | None = None) -> bytes:
     """The bytes of open file ``fd`` from where it stands (at most ``limit``); errors name ``path``."""
-    chunks, got = [], 0
+    chunks, left = [], limit
     try:
-        while (limit is None or got < limit) and (chunk := os.read(fd, CHUNK if limit is None else min(CHUNK, limit - got))):
+        while left is None or left > 0:
+            chunk = os.read(fd, CHUNK if left is None else min(CHUNK, left))
+            if not chunk:
+                break
             chunks.append(chunk)
-            got += len(chunk)
+            left = None if left is None else left - len(chunk)
     except OSError as e:
         raise type(e)(e.errno, e.strerror, str(path)) from None
     return b"".join(chunks)

@@ -9,7 +9,6 @@ raised an error that does not say which file is at fault.
 
 import io
 import os
-from pathlib import Path
 
 import pytest
 import torch

@@ -16,7 +16,9 @@ yet copied. Anything else that changes a deferred tensor in place, by any means 
 a numpy view, another thread), is caught on the memory itself: the call takes the CRC32 of each
 deferred tensor's bytes (a read at memory speed, about half the cost of copying them), and the
 background thread compares it with the CRC32 of its copy; a tensor whose copy differs fails that
-save on every rank, naming it, so a checkpoint never holds values other than the call's. A
+save on every rank, naming it, so a checkpoint never holds values other than the call's. The
+version counters of the tensor and its aliases (FSDP's original parameters over a flat one) are
+compared too, which also refuses a change through an alias that missed the saved memory. A
 deferred tensor on a GPU is instead copied by the call on the tensor's stream, without waiting:
 the stream orders the copy before any later change there, and the background thread waits for it.
 
@@ -64,22 +66,31 @@ class StagedTensorChanged(RuntimeError):
 @dataclass
 class _Deferred:
     """A copy left to the background: the live tensor (a DTensor's local shard in ``local``),
-    its staging buffer, and the CRC32 of its bytes at the call (``None``: already copied by the
-    call on a GPU stream, ``event`` marks the copy's end)."""
+    its staging buffer, the CRC32 of its bytes at the call (``None``: already copied by the call
+    on a GPU stream, ``event`` marks the copy's end), and the version counters of the tensors
+    ``watched`` (itself and aliases such as FSDP's original parameters over a flat one) at the
+    call: a cheap second check, for a change through an alias whose memory is not the saved one."""
 
     name: str
     buffer: torch.Tensor
     local: torch.Tensor
     crc: int | None
     event: Any = None
+    watched: tuple = ()
+    versions: tuple = ()
+
+    def __post_init__(self):
+        self.versions = tuple(t._version for t in self.watched)
 
     def copy(self) -> bool:
-        """Fill the buffer; True if it now holds the bytes of the call."""
+        """Fill the buffer; True if it now holds the bytes of the call and no watched tensor
+        was changed in place."""
         if self.crc is None:
             self.event.synchronize()
-            return True
-        self.buffer.copy_(self.local.detach())
-        return fingerprint(self.buffer) == self.crc
+        else:
+            self.buffer.copy_(self.local.detach())
+        same = self.crc is None or fingerprint(self.buffer) == self.crc
+        return same and tuple(t._version for t in self.watched) == self.versions
 
 
 def fingerprint(t: torch.Tensor) -> int:
@@ -157,19 +168,20 @@ class Stager:
     def defer(self, name: str, source: torch.Tensor, local: torch.Tensor, buf: torch.Tensor,
               aliases: tuple = ()) -> None:
         """Leave the copy of ``local`` (``source``'s local tensor) into ``buf`` to
-        ``copy_deferred``, recording the CRC32 of its bytes now (``source`` and ``aliases``, e.g.
-        FSDP's original parameters over a flat one, share those bytes, so one check covers all).
+        ``copy_deferred``, recording the CRC32 of its bytes now, and the version counters of
+        ``source``, ``local`` and ``aliases`` (e.g. FSDP's original parameters over a flat one).
         A GPU tensor is copied now on its stream without waiting; a non-contiguous one now."""
+        watched = (source, local, *aliases)
         if local.device.type == "cuda":
             buf.copy_(local.detach(), non_blocking=True)
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(local.device))
-            self.deferred.append(_Deferred(name, buf, local, None, event))
+            self.deferred.append(_Deferred(name, buf, local, None, event, watched))
         elif not local.is_contiguous():
             self.copy_now(local, buf)
             return
         else:
-            self.deferred.append(_Deferred(name, buf, local, self._crc(local)))
+            self.deferred.append(_Deferred(name, buf, local, self._crc(local), None, watched))
         self.deferred_bytes += buf.numel() * buf.element_size()
 
     def copy_now(self, t: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
@@ -205,7 +217,7 @@ class Stager:
     def copy_deferred(self) -> None:
         """Fill the deferred buffers; raise ``StagedTensorChanged`` naming every tensor whose copy
         does not hold the bytes it had at ``stage`` (changed in place by any means since, or
-        during the copy)."""
+        during the copy) or whose version counter (or an alias's) moved."""
         pending, self.deferred = self.deferred, []
         if self.before_copy is not None and pending:
             self.before_copy()

@@ -203,3 +203,29 @@ def test_changes_through_data_and_numpy_fail_the_save(tmp_path):
         for what in ("data.clamp_", "data.mul_", "numpy view"):
             assert "model.transformer.h.0.mlp.c_fc.weight" in r[what] and "changed in place" in r[what], (what, r)
         assert "changed in place" in r["exp_avg.data.zero_"] and "exp_avg" in r["exp_avg.data.zero_"], r
+
+
+def test_the_stager_compares_bytes_for_every_dtype_and_copies_views_at_once():
+    """One process: a bf16 tensor changed through ``.data`` after ``defer`` is named; a
+    non-contiguous view is copied in the call (its later change does not reach the buffer)."""
+    from modelparallel.checkpoint.async_save import Stager, StagedTensorChanged
+
+    stager = Stager()
+    half = torch.arange(64, dtype=torch.bfloat16)
+    buf = stager.buffer(("half",), half)
+    stager.defer("half", half, half, buf)
+    half.data.add_(1)
+    try:
+        stager.copy_deferred()
+        raise AssertionError("a bf16 change through .data was not caught")
+    except StagedTensorChanged as e:
+        assert "half" in str(e), e
+    base = torch.arange(12.0).reshape(3, 4)
+    view = base.t()
+    want = view.clone()
+    vbuf = stager.buffer(("view",), view)
+    deferred = stager.deferred_bytes
+    stager.defer("view", view, view, vbuf)
+    base.data.mul_(2)
+    stager.copy_deferred()
+    assert torch.equal(vbuf, want) and stager.deferred_bytes == deferred, "the view was not copied in the call"

@@ -54,71 +54,13 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..meshes import MeshCache, background_group
 from ..tp.layout import from_local_like
-from .files import crc32
+from .deferred import Deferred, Early, fingerprint
 
 logger = logging.getLogger("modelparallel")
 
 
 class StagedTensorChanged(RuntimeError):
     """A tensor staged in the background was changed in place before its copy was complete."""
-
-
-@dataclass
-class _Deferred:
-    """A copy left to the background: the live tensor (a DTensor's local shard in ``local``),
-    its staging buffer, the CRC32 of its bytes at the call (``None``: already copied by the call
-    on a GPU stream, ``event`` marks the copy's end), and the version counters of the tensors
-    ``watched`` (itself and aliases such as FSDP's original parameters over a flat one) at the
-    call: a cheap second check, for a change through an alias whose memory is not the saved one."""
-
-    name: str
-    buffer: torch.Tensor
-    local: torch.Tensor
-    crc: int | None
-    event: Any = None
-    watched: tuple = ()
-    versions: tuple = ()
-
-    def __post_init__(self):
-        self.versions = tuple(t._version for t in self.watched)
-
-    def copy(self) -> bool:
-        """Fill the buffer; True if it now holds the bytes of the call and no watched tensor
-        was changed in place."""
-        if self.crc is None:
-            self.event.synchronize()
-        else:
-            self.buffer.copy_(self.local.detach())
-        same = self.crc is None or fingerprint(self.buffer) == self.crc
-        return same and tuple(t._version for t in self.watched) == self.versions
-
-
-def fingerprint(t: torch.Tensor) -> int:
-    """CRC32 of the bytes of a contiguous CPU tensor (any dtype)."""
-    return crc32(t.detach().reshape(-1).view(torch.uint8).numpy())
-
-
-class _Early:
-    """CRC32s of tensors computed by a thread (zlib releases the GIL while it reads), keyed by
-    the memory they cover."""
-
-    def __init__(self, tensors: list[torch.Tensor]):
-        self.sums: dict[tuple, int] = {}
-        self.thread = threading.Thread(target=self._run, args=(tensors,), name="modelparallel-crc", daemon=True)
-        self.thread.start()
-
-    @staticmethod
-    def key(t: torch.Tensor) -> tuple:
-        return t.data_ptr(), t.numel() * t.element_size(), t.dtype
-
-    def _run(self, tensors: list[torch.Tensor]) -> None:
-        for t in tensors:
-            if t.device.type == "cpu" and t.is_contiguous():
-                self.sums[self.key(t)] = fingerprint(t)
-
-    def take(self, t: torch.Tensor) -> int | None:
-        self.thread.join()
-        return self.sums.get(self.key(t))
 
 
 OUR_WORDING = ("save_checkpoint(async_save=True)",
@@ -133,14 +75,14 @@ class Stager:
 
     def __init__(self, wording: tuple[str, str] = OUR_WORDING):
         self.buffers: dict[tuple, torch.Tensor] = {}
-        self.deferred: list[_Deferred] = []
+        self.deferred: list[Deferred] = []
         self.before_copy: Callable[[], None] | None = None
         """Called by ``copy_deferred`` before its first copy (tests pause staging with it)."""
         self.copied_bytes = self.deferred_bytes = 0
         """Bytes the last ``stage`` copied in the call / left to ``copy_deferred``."""
         self.wording = wording
         """(the call, what to do) for the message of a tensor changed before its copy."""
-        self._early: _Early | None = None
+        self._early: Early | None = None
 
     @property
     def nbytes(self) -> int:
@@ -159,7 +101,7 @@ class Stager:
         """Start the CRC32s of ``tensors`` (those ``defer`` will get) in a thread now, so that
         the call's other work (state dicts, collectives) overlaps their reading; the save's
         call must not return before ``defer`` took them. ``None``: drop what is left."""
-        self._early = _Early(tensors) if tensors else None
+        self._early = Early(tensors) if tensors else None
 
     def _crc(self, local: torch.Tensor) -> int:
         early = self._early.take(local) if self._early is not None else None
@@ -176,12 +118,12 @@ class Stager:
             buf.copy_(local.detach(), non_blocking=True)
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(local.device))
-            self.deferred.append(_Deferred(name, buf, local, None, event, watched))
+            self.deferred.append(Deferred(name, buf, local, None, event, watched))
         elif not local.is_contiguous():
             self.copy_now(local, buf)
             return
         else:
-            self.deferred.append(_Deferred(name, buf, local, self._crc(local), None, watched))
+            self.deferred.append(Deferred(name, buf, local, self._crc(local), None, watched))
         self.deferred_bytes += buf.numel() * buf.element_size()
 
     def copy_now(self, t: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:

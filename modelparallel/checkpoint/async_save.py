@@ -12,9 +12,15 @@ changes (parameters, optimizer slots, fp32 masters) are copied by the background
 it writes, while the call copies at once what a forward can change (buffers, the loss scaler,
 step counters, anything else). The call registers a step pre-hook on the optimizers the save
 covers that waits until staging is done, so the step after a save cannot change a tensor not
-yet copied. Anything else that changes a deferred tensor in place is caught: each tensor's
-version counter is recorded at the call and compared after its copy and once more when all
-copies are done; a changed tensor fails that save on every rank, naming it.
+yet copied. Anything else that changes a deferred tensor in place, by any means (``p.data.mul_()``,
+a numpy view, another thread), is caught on the memory itself: the call takes the CRC32 of each
+deferred tensor's bytes (a read at memory speed, about half the cost of copying them), and the
+background thread compares it with the CRC32 of its copy; a tensor whose copy differs fails that
+save on every rank, naming it, so a checkpoint never holds values other than the call's. The
+version counters of the tensor and its aliases (FSDP's original parameters over a flat one) are
+compared too, which also refuses a change through an alias that missed the saved memory. A
+deferred tensor on a GPU is instead copied by the call on the tensor's stream, without waiting:
+the stream orders the copy before any later change there, and the background thread waits for it.
 
 The background phases are collectives. They run on their own gloo process group
 (``meshes.background_group``: never interleaved with the training's collectives on the default
@@ -48,32 +54,13 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..meshes import MeshCache, background_group
 from ..tp.layout import from_local_like
+from .deferred import Deferred, Early, fingerprint
 
 logger = logging.getLogger("modelparallel")
 
 
 class StagedTensorChanged(RuntimeError):
     """A tensor staged in the background was changed in place before its copy was complete."""
-
-
-@dataclass
-class _Deferred:
-    """A copy left to the background: the live tensor (a DTensor's local shard in ``local``),
-    its staging buffer, the tensors whose version counters are watched (the tensor itself and
-    aliases that do not share its counter, e.g. FSDP's original parameters over a flat
-    parameter) and their counters at the call."""
-
-    name: str
-    buffer: torch.Tensor
-    local: torch.Tensor
-    watched: tuple
-    versions: tuple = ()
-
-    def __post_init__(self):
-        self.versions = self.versions or tuple(t._version for t in self.watched)
-
-    def changed(self) -> bool:
-        return tuple(t._version for t in self.watched) != self.versions
 
 
 OUR_WORDING = ("save_checkpoint(async_save=True)",
@@ -88,13 +75,14 @@ class Stager:
 
     def __init__(self, wording: tuple[str, str] = OUR_WORDING):
         self.buffers: dict[tuple, torch.Tensor] = {}
-        self.deferred: list[_Deferred] = []
+        self.deferred: list[Deferred] = []
         self.before_copy: Callable[[], None] | None = None
         """Called by ``copy_deferred`` before its first copy (tests pause staging with it)."""
         self.copied_bytes = self.deferred_bytes = 0
         """Bytes the last ``stage`` copied in the call / left to ``copy_deferred``."""
         self.wording = wording
         """(the call, what to do) for the message of a tensor changed before its copy."""
+        self._early: Early | None = None
 
     @property
     def nbytes(self) -> int:
@@ -109,12 +97,33 @@ class Stager:
             self.buffers[key] = buf
         return buf
 
+    def fingerprint_early(self, tensors: list[torch.Tensor] | None) -> None:
+        """Start the CRC32s of ``tensors`` (those ``defer`` will get) in a thread now, so that
+        the call's other work (state dicts, collectives) overlaps their reading; the save's
+        call must not return before ``defer`` took them. ``None``: drop what is left."""
+        self._early = Early(tensors) if tensors else None
+
+    def _crc(self, local: torch.Tensor) -> int:
+        early = self._early.take(local) if self._early is not None else None
+        return early if early is not None else fingerprint(local)
+
     def defer(self, name: str, source: torch.Tensor, local: torch.Tensor, buf: torch.Tensor,
               aliases: tuple = ()) -> None:
         """Leave the copy of ``local`` (``source``'s local tensor) into ``buf`` to
-        ``copy_deferred``, recording the version counters it (and ``aliases``) must still have
-        then."""
-        self.deferred.append(_Deferred(name, buf, local, (source, local, *aliases)))
+        ``copy_deferred``, recording the CRC32 of its bytes now, and the version counters of
+        ``source``, ``local`` and ``aliases`` (e.g. FSDP's original parameters over a flat one).
+        A GPU tensor is copied now on its stream without waiting; a non-contiguous one now."""
+        watched = (source, local, *aliases)
+        if local.device.type == "cuda":
+            buf.copy_(local.detach(), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(local.device))
+            self.deferred.append(Deferred(name, buf, local, None, event, watched))
+        elif not local.is_contiguous():
+            self.copy_now(local, buf)
+            return
+        else:
+            self.deferred.append(Deferred(name, buf, local, self._crc(local), None, watched))
         self.deferred_bytes += buf.numel() * buf.element_size()
 
     def copy_now(self, t: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
@@ -148,19 +157,14 @@ class Stager:
         return copy.deepcopy(state)
 
     def copy_deferred(self) -> None:
-        """Fill the deferred buffers; raise ``StagedTensorChanged`` naming every tensor changed
-        in place since ``stage`` (checked after its copy, and again after the last copy, which
-        catches a change that overlapped a copy)."""
+        """Fill the deferred buffers; raise ``StagedTensorChanged`` naming every tensor whose copy
+        does not hold the bytes it had at ``stage`` (changed in place by any means since, or
+        during the copy) or whose version counter (or an alias's) moved."""
         pending, self.deferred = self.deferred, []
         if self.before_copy is not None and pending:
             self.before_copy()
-        changed = []
         with torch.no_grad():
-            for d in pending:
-                d.buffer.copy_(d.local.detach())
-                if d.changed():
-                    changed.append(d.name)
-        changed += [d.name for d in pending if d.changed() and d.name not in changed]
+            changed = [d.name for d in pending if not d.copy()]
         if changed:
             raise StagedTensorChanged(
                 f"{len(changed)} tensor(s) changed in place after {self.wording[0]} returned and before they were "

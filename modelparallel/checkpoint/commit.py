@@ -41,7 +41,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     from zlib import crc32
 
 from .errors import CheckpointError
-from .files import check_file
+from .files import check_file, read_small
 from .lock import LOCK, DirectoryLock, DirectoryLocked  # noqa: F401 - part of this module's API
 from .manifest import (  # noqa: F401 - part of this module's API
     MANIFEST, ManifestError, check_committed, manifest_problems, read_manifest, safe_name, unlisted_files)
@@ -296,10 +296,29 @@ def write_newest(path: str | Path, name: str) -> None:
     write_file_atomic(Path(path) / NEWEST, (name + "\n").encode())
 
 
+NEWEST_LIMIT = 4096
+"""Most bytes a ``newest`` pointer may have (a directory name and a newline): a forged large
+file is refused, not read into memory on every rank."""
+
+
 def read_newest(path: str | Path) -> str | None:
-    """The checkpoint directory name in ``path/newest``, or None if there is no such file."""
+    """The checkpoint directory name in ``path/newest``, or None if there is no such file. Read
+    once from its descriptor (``read_small``: no symlink, a regular file, at most
+    ``NEWEST_LIMIT`` bytes).
+
+    Raises:
+        ValueError: too large or not text, naming the file.
+        UnsafeCheckpointError: a symlink, FIFO or hard link, naming the file.
+    """
     f = Path(path) / NEWEST
-    return (f.read_text().strip() or None) if f.is_file() else None
+    try:
+        data = read_small(f, NEWEST_LIMIT)
+    except FileNotFoundError:
+        return None
+    try:
+        return data.decode().strip() or None
+    except UnicodeDecodeError:
+        raise ValueError(f"{f}: not a checkpoint name (not UTF-8 text)") from None
 
 
 def saved_checkpoints(path: str | Path, suffix: str = "_partial") -> list[tuple[int, str]]:

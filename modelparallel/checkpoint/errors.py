@@ -70,6 +70,8 @@ def agree(phase: str, error: BaseException | None, payload: Any = None, group=No
         CheckpointError: naming the phase and each failing rank's error (chained to this rank's
             own exception, if it had one); the error a rank reports first is one that started
             on that rank (DCP passes a failure on to every rank). If a peer died, naming it.
+        KeyboardInterrupt: on a rank interrupted during the phase (even inside DCP, which wraps
+            it), itself, after every rank learned of it.
     """
     root = cause(error) if error is not None else None
     mine = None if root is None else (type(root).__name__, _message(root))
@@ -94,9 +96,12 @@ def agree(phase: str, error: BaseException | None, payload: Any = None, group=No
         first_rank, (name, msg) = started[0]
         first_rank = outcomes[first_rank][2]  # where DCP says the error happened
         lead = msg.splitlines()[0] if msg.strip() else name
-        raise cls(f"{lead} (rank {first_rank}, during checkpoint {phase})\n"
-                  f"checkpoint {phase} failed on rank(s) {[r for r, _ in failed]}:\n  "
-                  + "\n  ".join(lines)) from error
+        agreed = cls(f"{lead} (rank {first_rank}, during checkpoint {phase})\n"
+                     f"checkpoint {phase} failed on rank(s) {[r for r, _ in failed]}:\n  "
+                     + "\n  ".join(lines))
+        if isinstance(root, KeyboardInterrupt) and here == rank:  # Ctrl-C stays itself where it hit, once all know
+            raise root.with_traceback(root.__traceback__) from agreed
+        raise agreed from error
     return [p for _, p, _ in outcomes]
 
 
@@ -176,7 +181,7 @@ def run_phase(phase: str, fn: Callable[[], Any], group=None) -> list[Any]:
     raised anywhere."""
     try:
         result, error = fn(), None
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported to every rank by agree()
+    except (Exception, CheckpointException, KeyboardInterrupt) as e:  # noqa: BLE001 - agree() tells every rank
         result, error = None, e
     return agree(phase, error, result, group)
 

@@ -173,7 +173,10 @@ class FastReader(FileSystemReader):
         for req in reqs:
             data.seek(0)
             if req.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(req, data)
+                try:
+                    planner.load_bytes(req, data)
+                except (UnsafeCheckpointError, CorruptFileError) as e:  # the entry's error, with its file
+                    raise type(e)(f"{reader.path}: {e}") from e
                 continue
             if tensor is None:
                 tensor = torch_load(data, name=f"{reader.path} (entry {req.storage_index.fqn!r} at byte {start})")

@@ -8,8 +8,9 @@ names its data files, a manifest names everything. So every file a load opens is
 2. reached from the checkpoint directory through real directories only: each component is opened
    relative to its parent with ``O_NOFOLLOW`` (``open_inside``), so no symlink is ever followed,
    whatever changes between a check and the open;
-3. a regular file, checked on the open descriptor (a FIFO would block the read forever, a device
-   never end): opened non-blocking, so even a FIFO's open returns at once;
+3. opened once (``safe_open.open_file``), non-blocking, so even a FIFO's open returns at once,
+   and checked on that descriptor: a regular file (a FIFO would block the read forever, a
+   device never end) with one link (a hard link reaches a file elsewhere);
 4. read front to back through that one descriptor while its CRC32 is computed
    (``VerifiedReader``): what is checked is exactly what is used. A file truncated, replaced or
    flipped after an earlier check is caught by the read itself, and the caller uses the bytes
@@ -20,13 +21,13 @@ Errors name the file first: ``{path}: CRC32 ..., manifest says ... (corrupted)``
 
 from __future__ import annotations
 
-import errno
 import json
 import os
-import stat
 from pathlib import Path
 
 from .errors import CheckpointError
+from .safe_open import (UnsafeCheckpointError, read_capped, fstat, open_file, open_inside,  # noqa: F401
+                        plain_parts, read_from, read_path, read_small)
 
 try:  # zlib's CRC-32 with SIMD, same values, about 3x faster (pip install modelparallel[fastcrc])
     from zlib_ng.zlib_ng import crc32
@@ -37,95 +38,8 @@ CHUNK = 1 << 22
 """Bytes per read when a file is only checksummed (skipped regions, verification)."""
 
 
-class UnsafeCheckpointError(CheckpointError):
-    """A checkpoint file asked for something a checkpoint may not contain (code, classes), or a
-    path that leaves the checkpoint (a symlink, ``..``, a file the manifest does not list)."""
-
-
 class CorruptFileError(CheckpointError, ValueError):
     """A checkpoint file does not match its manifest (size or CRC32); names the file."""
-
-
-def plain_parts(rel: str, what: str) -> list[str]:
-    """The components of a plain relative path (no ``..``, ``.``, empty part, backslash, NUL).
-
-    Raises:
-        UnsafeCheckpointError: naming ``what`` and the path.
-    """
-    parts = rel.split("/") if isinstance(rel, str) else []
-    if not parts or any(p in ("", ".", "..") or "\\" in p or "\0" in p for p in parts):
-        raise UnsafeCheckpointError(f"{what} names {rel!r}: only plain relative paths inside the checkpoint "
-                                    "are allowed")
-    return parts
-
-
-def _refuse_link(path: Path, e: OSError):
-    if e.errno in (errno.ELOOP, errno.EMLINK):
-        raise UnsafeCheckpointError(f"{path}: a symlink (a checkpoint holds regular files only, and no "
-                                    "link is followed)") from None
-    if e.errno == errno.ENOTDIR:
-        raise UnsafeCheckpointError(f"{path}: a path component is not a directory (or is a symlink)") from None
-    raise type(e)(e.errno, e.strerror, str(path)) from None
-
-
-def open_inside(root: str | Path, rel: str, what: str = "the checkpoint") -> int:
-    """A read-only descriptor of the regular file ``root/rel``, every component opened without
-    following a symlink. The caller closes it.
-
-    Raises:
-        UnsafeCheckpointError: a symlink, a non-regular file or a path that is not plain.
-        OSError: naming the file (e.g. ``FileNotFoundError``).
-    """
-    parts = plain_parts(rel, what)
-    root = Path(root)
-    path = root.joinpath(*parts)
-    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
-    try:
-        dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as e:
-        raise type(e)(e.errno, e.strerror, str(root)) from None
-    try:
-        for part in parts[:-1]:
-            try:
-                sub = os.open(part, flags | os.O_DIRECTORY, dir_fd=dir_fd)
-            except OSError as e:
-                _refuse_link(path, e)
-            os.close(dir_fd)
-            dir_fd = sub
-        try:
-            st = os.stat(parts[-1], dir_fd=dir_fd, follow_symlinks=False)
-            if stat.S_ISREG(st.st_mode):
-                fd = os.open(parts[-1], flags | os.O_NONBLOCK, dir_fd=dir_fd)
-        except OSError as e:
-            _refuse_link(path, e)
-    finally:
-        os.close(dir_fd)
-    if not stat.S_ISREG(st.st_mode):
-        raise UnsafeCheckpointError(f"{path}: not a regular file ({_kind(st.st_mode)}); a checkpoint holds "
-                                    "regular files only")
-    try:
-        if not stat.S_ISREG(fstat(fd, path).st_mode):  # replaced between the two looks
-            raise UnsafeCheckpointError(f"{path}: not a regular file; a checkpoint holds regular files only")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def fstat(fd: int, path) -> os.stat_result:
-    """``os.fstat``, its error naming ``path`` (a descriptor's error names no file)."""
-    try:
-        return os.fstat(fd)
-    except OSError as e:
-        raise type(e)(e.errno, e.strerror, str(path)) from None
-
-
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISLNK, "a symlink"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"),
-                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")):
-        if test(mode):
-            return name
-    return "not a file"
 
 
 class VerifiedReader:
@@ -201,6 +115,9 @@ class VerifiedReader:
         self.pos += n
 
     def read(self, n: int) -> bytearray:
+        if n < 0 or self.pos + n > self.entry["size"]:  # checked before the memory is taken
+            raise CorruptFileError(f"{self.path}: a read of {n} bytes at {self.pos} passes the end "
+                                   f"({self.entry['size']} bytes)")
         out = bytearray(n)
         self.read_into(memoryview(out))
         return out
@@ -263,30 +180,6 @@ def check_file(root: str | Path, rel: str, entry: dict) -> str | None:
     return None
 
 
-def read_path(path: str | Path) -> bytes:
-    """The bytes of the file the user named (its own path: links followed), read here rather than
-    by ``torch.load``, whose reader turns an I/O error into an unrelated ``SystemError``; errors
-    name the file."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as e:
-        raise type(e)(e.errno, e.strerror, str(path)) from None
-    try:
-        return _read_all(fd, Path(path))
-    finally:
-        os.close(fd)
-
-
-def _read_all(fd: int, path: Path) -> bytes:
-    chunks = []
-    try:
-        while chunk := os.read(fd, CHUNK):
-            chunks.append(chunk)
-    except OSError as e:
-        raise type(e)(e.errno, e.strerror, str(path)) from None
-    return b"".join(chunks)
-
-
 def read_json(root: str | Path, rel: str, limit: int) -> object:
     """A JSON file of at most ``limit`` bytes, opened as any checkpoint file (no symlink, regular).
 
@@ -296,10 +189,7 @@ def read_json(root: str | Path, rel: str, limit: int) -> object:
     path = Path(root) / rel
     fd = open_inside(root, rel)
     try:
-        size = fstat(fd, path).st_size
-        if size > limit:
-            raise ValueError(f"{path}: {size} bytes, more than the {limit} a manifest may have")
-        data = _read_all(fd, path)
+        data = read_capped(fd, path, limit)
     finally:
         os.close(fd)
     try:
@@ -308,6 +198,13 @@ def read_json(root: str | Path, rel: str, limit: int) -> object:
         raise ValueError(f"{path}: nested too deeply to be a manifest") from None
     except ValueError as e:
         raise ValueError(f"{path}: unreadable ({e})") from None
+
+
+def inside(directory: str | Path, rel: str) -> tuple[Path, str]:
+    """``(directory's parent, "{directory's name}/{rel}")``: ``open_inside`` then opens the
+    checkpoint directory too without following a symlink."""
+    directory = Path(directory)
+    return directory.parent, f"{directory.name}/{rel}"
 
 
 class CheckpointFiles:
@@ -330,11 +227,16 @@ class CheckpointFiles:
                                         "the files the checkpoint committed)")
         return entry
 
+    def inside(self, rel: str) -> tuple[Path, str]:
+        """(root, relative path) that open ``rel`` with the checkpoint directory itself opened
+        without following a symlink (one swapped in after the directory was checked)."""
+        return inside(self.directory, rel)
+
     def reader(self, rel: str) -> VerifiedReader:
-        return VerifiedReader(self.directory, rel, self.entry(rel))
+        return VerifiedReader(*self.inside(rel), self.entry(rel))
 
     def read(self, rel: str) -> bytes:
-        return read_verified(self.directory, rel, self.entry(rel))
+        return read_verified(*self.inside(rel), self.entry(rel))
 
     def metadata(self, part: str):
         """DCP's ``Metadata`` of ``part`` (``""``: a checkpoint that is one DCP directory), read

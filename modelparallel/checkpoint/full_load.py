@@ -18,6 +18,7 @@ rank then reads all weights (verified) into memory first.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Callable
 
@@ -130,10 +131,12 @@ def _read_file(files: CheckpointFiles, name: str, header: dict, wanted: dict[str
                          key=lambda kv: kv[1]["data_offsets"][0])
         for key, info in entries:
             begin, end = info["data_offsets"]
-            tensor = torch.empty(info["shape"], dtype=DTYPES[info["dtype"]])
-            if end - begin != tensor.numel() * tensor.element_size():
-                raise CorruptFileError(f"{reader.path}: {key} spans {end - begin} bytes, its shape and dtype "
-                                       f"need {tensor.numel() * tensor.element_size()}")
+            dtype = DTYPES[info["dtype"]]
+            need = math.prod(info["shape"]) * dtype.itemsize  # checked before the memory is taken
+            if end - begin != need or 8 + n + end > files.entry(name)["size"]:
+                raise CorruptFileError(f"{reader.path}: {key} spans bytes {begin}..{end} of the data, its shape and "
+                                       f"dtype need {need}, the file has {files.entry(name)['size'] - 8 - n}")
+            tensor = torch.empty(info["shape"], dtype=dtype)
             reader.skip_to(8 + n + begin)
             reader.read_into(memoryview(tensor.view(-1).view(torch.uint8).numpy()))
             items = dict(from_hf(key, tensor) if from_hf else [(key, tensor)])

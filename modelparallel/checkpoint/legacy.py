@@ -30,8 +30,8 @@ from .. import runtime
 from ..tp.layout import assemble
 from . import commit
 from .files import read_path
-from .plain import from_plain, to_plain
-from .safe_load import torch_load
+from .plain import to_plain
+from .safe_load import rebuild, torch_load
 
 RECORD = "__modelparallel_shard__"
 
@@ -132,12 +132,13 @@ def _is_record(obj: Any) -> bool:
 
 
 def _read(path: Path, weights_only: bool) -> Any:
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such checkpoint file")
-    data = io.BytesIO(read_path(path))
-    if weights_only:
-        return from_plain(torch_load(data, name=str(path)))
-    return from_plain(torch.load(data, map_location="cpu", weights_only=False))
+    """The object in file ``path``, opened once (``read_path``: a regular file, read from its
+    descriptor); every error names the file."""
+    try:
+        data = io.BytesIO(read_path(path))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such checkpoint file") from None
+    return rebuild(torch_load(data, name=str(path), trusted=not weights_only), path)
 
 
 def _decode(objs: list[Any], same_layout: bool) -> Any:
@@ -176,10 +177,13 @@ def load(f: str | Path, partial: bool = True, weights_only: bool = True, map_loc
     if not partial:
         return _read(Path(f), weights_only)
     own = Path(f"{f}_{runtime.pp_rank()}_{runtime.tp_rank()}")
-    first = _read(own if own.is_file() else Path(f"{f}_{runtime.pp_rank()}_0"), weights_only)
+    try:  # opened, not checked then opened: rank 0's file only if this rank's does not exist
+        first, mine = _read(own, weights_only), True
+    except FileNotFoundError:
+        first, mine = _read(Path(f"{f}_{runtime.pp_rank()}_0"), weights_only), False
     records = list(_find(first, _is_record))
     degree = records[0]["degree"] if records else 1
-    if own.is_file() and degree == runtime.tp_size():
+    if mine and degree == runtime.tp_size():
         return _decode([first], same_layout=True)
     objs = [_read(Path(f"{f}_{runtime.pp_rank()}_{r}"), weights_only) for r in range(degree)]
     return _decode(objs, same_layout=False)

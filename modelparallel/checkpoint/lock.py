@@ -45,9 +45,11 @@ class DirectoryLock:
                 raise CheckpointError(f"{where}: the writer lock is a symlink (to {os.readlink(where)}); "
                                       "refusing to write through it: remove it") from None
             raise type(e)(e.errno, e.strerror, str(where)) from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:  # a hard link: truncating it would empty its target
             os.close(fd)
-            raise CheckpointError(f"{where}: the writer lock is not a regular file; remove it")
+            what = "not a regular file" if not stat.S_ISREG(st.st_mode) else f"a file with {st.st_nlink} hard links"
+            raise CheckpointError(f"{where}: the writer lock is {what}; refusing to write through it: remove it")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:

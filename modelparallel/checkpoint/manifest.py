@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 from .errors import CheckpointError
-from .files import UnsafeCheckpointError, read_json
+from .files import UnsafeCheckpointError, inside, read_json
 
 MANIFEST = "checkpoint_manifest.json"
 FORMATS = ("modelparallel-partial", "modelparallel-full", "modelparallel-dcp")
@@ -37,7 +37,7 @@ def read_manifest(directory: str | Path, name: str = MANIFEST) -> dict:
     """
     path = Path(directory) / name
     try:
-        manifest = read_json(directory, name, MAX_MANIFEST_BYTES)
+        manifest = read_json(*inside(directory, name), MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         raise FileNotFoundError(f"{directory} is not a complete modelparallel checkpoint: no {name}") from None
     except UnsafeCheckpointError as e:

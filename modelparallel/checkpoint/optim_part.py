@@ -44,6 +44,8 @@ from ..training.optimizer_state import load_masters
 from .parts import LoadReport
 
 STATE, GROUPS, SCALER = "optimizer.state.", "optimizer.param_groups.", "loss_scaler."
+SCALE = "loss_scale"
+"""The one entry every loss scaler's state has."""
 MASTERS = "fp16_states."
 """fp32 master weights of half-precision parameters: ``fp16_states.{param name}.master``."""
 PARAM_KEYED = (STATE, MASTERS)
@@ -138,7 +140,8 @@ class Planned:
         mismatched = list(self.mismatched)
         if groups and len(groups) != self.ours:
             mismatched.append(f"param_groups: checkpoint has {len(groups)}, this optimizer {self.ours}")
-        return LoadReport(sorted(self.live - listed) if groups else [],
+        scaler = [] if scaler_state(self.nested) is not None else [f"{SCALER}{SCALE}"]
+        return LoadReport((sorted(self.live - listed) if groups else []) + scaler,
                           sorted(self.unexpected | (listed - self.live - self.others)), mismatched)
 
 
@@ -151,6 +154,7 @@ def plan_load(module: nn.Module, optimizer, metadata, reuse: bool = False) -> Pl
     names = param_names(module)
     others = elsewhere(module)
     slots_now = _live_slots(optimizer, names) if reuse else {}
+    live_masters = _live_slots(optimizer, names)[MASTERS]
     reused = {}
     live = {names[id(p)] for g in optimizer.optimizer.param_groups for p in g["params"]}
     state: dict[str, dict] = {}
@@ -167,6 +171,8 @@ def plan_load(module: nn.Module, optimizer, metadata, reuse: bool = False) -> Pl
             if name not in live:
                 if name not in others:
                     unexpected.add(name)
+            elif prefix == MASTERS:
+                _plan_master(key, md, param, live_masters.get(name), masters, reused, slots_now)
             elif not isinstance(md, TensorStorageMetadata):  # a non-tensor slot: read (restricted) as is
                 bucket.setdefault(name, {})[slot] = None
             elif tuple(md.size) not in ((), tuple(param.shape)):
@@ -190,6 +196,33 @@ def plan_load(module: nn.Module, optimizer, metadata, reuse: bool = False) -> Pl
     group_keys = {f"{GROUPS}{i}.{f}" for i, g in groups.items() for f in g}
     return Planned(nested, group_keys, live, unexpected, mismatched, len(optimizer.optimizer.param_groups), others,
                    reused)
+
+
+def _plan_master(key: str, md, param: torch.Tensor, live: dict | None, masters: dict, reused: dict,
+                 slots_now: dict) -> None:
+    """Plan a saved fp32 master: it must be a tensor of its live master's global shape and dtype
+    (checked here, before anything is read or changed, not when it is copied in). A master of a
+    parameter that is not half precision here is not read (nothing would hold it).
+
+    Raises:
+        ValueError: naming the key, the saved and the expected shape or dtype.
+    """
+    if live is None:
+        return
+    want = live["master"]
+    if not isinstance(md, TensorStorageMetadata):
+        raise ValueError(f"{key}: an fp32 master weight saved as a {type(md).__name__}, not a tensor")
+    size, dtype = tuple(md.size), md.properties.dtype
+    if size != tuple(want.shape) or dtype != want.dtype:
+        raise ValueError(f"{key}: checkpoint {size} {dtype}, this optimizer's master weight {tuple(want.shape)} "
+                         f"{want.dtype}")
+    name = key[len(MASTERS):].rpartition(".")[0]
+    existing = slots_now.get(MASTERS, {}).get(name, {}).get("master")
+    if _reusable(existing, param, md):
+        masters.setdefault(name, {})["master"] = existing
+        reused[key] = (masters[name], "master")
+    else:
+        masters.setdefault(name, {})["master"] = _target(param, md)
 
 
 def _live_slots(optimizer, names: dict[int, str]) -> dict[str, dict[str, dict[str, torch.Tensor]]]:
@@ -226,6 +259,7 @@ def apply_optimizer_state(module: nn.Module, optimizer, loaded: dict[str, Any]) 
     inner = optimizer.optimizer
     params = _params(module)
     check_scaler(optimizer, loaded)
+    scaler = scaler_state(loaded)
     saved_groups = loaded["optimizer"]["param_groups"]
     if len(saved_groups) == len(inner.param_groups):
         for group, saved in zip(inner.param_groups, saved_groups):
@@ -234,7 +268,8 @@ def apply_optimizer_state(module: nn.Module, optimizer, loaded: dict[str, Any]) 
     for name, slots in loaded["optimizer"]["state"].items():
         state[params[name]] = slots
     inner.state = state
-    optimizer.loss_scaler.load_state_dict(loaded["loss_scaler"])
+    if scaler is not None:  # absent (strict=False): the live scaler is kept, and reported missing
+        optimizer.loss_scaler.load_state_dict(scaler)
     saved = loaded.get(MASTERS.rstrip("."), {})
     names = param_names(module)
     load_masters(optimizer, {i: saved[names[id(p)]]["master"] for i, (p, m) in
@@ -242,9 +277,17 @@ def apply_optimizer_state(module: nn.Module, optimizer, loaded: dict[str, Any]) 
                              if m is not p and names[id(p)] in saved} or None)
 
 
+def scaler_state(loaded: dict[str, Any]) -> dict | None:
+    """The saved loss-scaler state, None if the checkpoint holds none (e.g. the pipeline stage
+    that saved it is missing): ``strict=True`` refuses that, ``strict=False`` keeps the live one."""
+    state = loaded.get("loss_scaler") or {}
+    return state if SCALE in state else None
+
+
 def check_scaler(optimizer, loaded: dict[str, Any]) -> None:
     """Raise (changing nothing) if the saved loss-scaler state cannot be applied."""
-    copy.deepcopy(optimizer.loss_scaler).load_state_dict(loaded["loss_scaler"])
+    if (state := scaler_state(loaded)) is not None:
+        copy.deepcopy(optimizer.loss_scaler).load_state_dict(state)
 
 
 def check_names_against_model(module: nn.Module, metadata) -> list[str]:

@@ -66,6 +66,9 @@ def save(path: Path, tag: str, model, optimizer, user_content: Any, keep: int | 
     name = f"{tag}_partial"
     states: dict[str, Any] = {}
     content: dict[str, bytes] = {}
+    defer = step_only(optimizer) if saver is not None and background_staging and optimizer is not None else None
+    if defer is not None:  # their CRC32s, read while the call does the rest (see async_save.Stager)
+        saver.stager.fingerprint_early(_step_tensors(optimizer))
 
     everywhere = optim_part.group_names_everywhere(model.module, optimizer, runtime.current().group(
         runtime.PP_GROUP)) if optimizer is not None else None  # a collective of the pipeline group
@@ -89,7 +92,6 @@ def save(path: Path, tag: str, model, optimizer, user_content: Any, keep: int | 
         phases.run(states)
         return path / name
     group = saver.process_group()
-    defer = step_only(optimizer) if background_staging and optimizer is not None else None
     found: dict[str, Any] = {}
     try:
         run_phase("save (stage)", lambda: found.update(states=saver.stager.stage(states, defer)))
@@ -97,20 +99,28 @@ def save(path: Path, tag: str, model, optimizer, user_content: Any, keep: int | 
         saver.stager.deferred.clear()
         phases.discard()
         raise
+    finally:
+        saver.stager.fingerprint_early(None)
     before = saver.stage_deferred if defer is not None else None
     saver.submit(tag, lambda: phases.run(found.pop("states"), group, before),
                  hold=(optimizer.optimizer,) if defer is not None else ())
     return path / name
 
 
-def step_only(optimizer) -> Callable[[torch.Tensor], bool]:
-    """Which local tensors only ``optimizer``'s step changes (its parameters, slots and fp32
-    masters): those may be staged in the background while the step waits for it. Scalars
-    (step counters) are not: they are copied at once."""
+def _step_tensors(optimizer) -> list[torch.Tensor]:
+    """The local tensors only ``optimizer``'s step changes: its parameters, slots and fp32
+    masters (scalars such as step counters excluded)."""
     tensors = [p for group in optimizer.optimizer.param_groups for p in group["params"]]
     tensors += [v for slots in optimizer.optimizer.state.values() for v in slots.values() if isinstance(v, torch.Tensor)]
     tensors += [m for _, m in optimizer.master_weights.pairs]
-    ptrs = {local_part(t).data_ptr() for t in tensors if t.dim() > 0 and t.numel() > 0}
+    return [local_part(t) for t in tensors if t.dim() > 0 and t.numel() > 0]
+
+
+def step_only(optimizer) -> Callable[[torch.Tensor], bool]:
+    """Which local tensors only ``optimizer``'s step changes (``_step_tensors``): those may be
+    staged in the background while the step waits for it. Scalars (step counters) are not:
+    they are copied at once."""
+    ptrs = {t.data_ptr() for t in _step_tensors(optimizer)}
     return lambda t: t.dim() > 0 and t.numel() > 0 and t.data_ptr() in ptrs
 
 

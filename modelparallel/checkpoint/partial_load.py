@@ -43,7 +43,7 @@ def _stat_problem(files: CheckpointFiles, rel: str) -> str | None:
     import os
 
     try:
-        fd = open_inside(files.directory, rel)
+        fd = open_inside(*files.inside(rel))
     except FileNotFoundError:
         return f"{files.directory / rel}: missing (listed in the manifest)"
     except (OSError, ValueError) as e:
@@ -158,8 +158,14 @@ def prepare_optimizer(files: CheckpointFiles, model, optimizer, strict: bool,
     run_phase("load (optimizer: present)", present)
     found: dict[str, Any] = {}  # tensors stay local: a phase's result is sent to every rank
     reuse = policy is not None and _class_problem(files, optimizer) is None
-    run_phase("load (optimizer: plan)", lambda: found.update(
-        plan=optim_part.plan_load(model.module, optimizer, files.metadata(OPTIMIZER), reuse)))
+    def plan():
+        metadata = files.metadata(OPTIMIZER)
+        try:
+            found["plan"] = optim_part.plan_load(model.module, optimizer, metadata, reuse)
+        except ValueError as e:  # a saved entry that cannot be loaded: name the file that holds it
+            raise ValueError(f"{files.directory / OPTIMIZER / '.metadata'}: {e}") from None
+
+    run_phase("load (optimizer: plan)", plan)
     planned = found["plan"]
     journal, cost = _protect(planned, policy)
     keys = set(parts.flatten(planned.nested))

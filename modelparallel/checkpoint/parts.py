@@ -35,8 +35,8 @@ from .errors import cause, origin
 from .lock import job_lock
 from .fastread import ContiguousSavePlanner, FastReader, SafeLoadPlanner
 from .files import CheckpointFiles
-from .plain import from_plain, to_plain
-from .safe_load import check_loadable, torch_load
+from .plain import to_plain
+from .safe_load import check_loadable, rebuild, torch_load
 
 USER_CONTENT = "user_content.pt"
 CONTIGUOUS = "contiguous"  # manifest "tensor_layout": tensors stored contiguous (fastread's direct path)
@@ -156,6 +156,5 @@ def read_user_content(data: bytes, name: str | Path, trusted: bool = False) -> A
     """The user's object from the (verified) bytes of file ``name``, read with ``weights_only``
     (no code runs) unless the caller passed ``trust_user_content=True``, which unpickles freely
     and so runs what the file names."""
-    if trusted:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
-    return from_plain(torch_load(io.BytesIO(data), name=str(name)))
+    obj = torch_load(io.BytesIO(data), name=str(name), trusted=trusted)
+    return obj if trusted else rebuild(obj, name)

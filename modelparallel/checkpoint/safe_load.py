@@ -20,6 +20,7 @@ from __future__ import annotations
 import _compat_pickle
 import collections
 import enum
+import errno
 import io
 import pickle
 import struct
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .files import UnsafeCheckpointError
+from .files import CorruptFileError, UnsafeCheckpointError
 
 # class name -> module of every class DCP's metadata pickles (torch 2.x)
 _DCP_CLASSES = {
@@ -104,20 +105,52 @@ def parse_dcp_metadata(data: bytes, name: str | Path):
         raise UnsafeCheckpointError(f"{name}: not a valid DCP metadata file: {e}") from e
 
 
-def torch_load(source: str | Path | io.BytesIO, name: str | None = None, **kwargs) -> Any:
-    """``torch.load(source, weights_only=True)`` on CPU; a refusal names the file.
+_DAMAGED = (EOFError, RuntimeError, ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError,
+            UnicodeDecodeError, RecursionError, struct.error)
+"""What ``torch.load`` raises for an empty, truncated or damaged file (e.g. ``EOFError`` with no
+message for an empty one, ``RuntimeError: PytorchStreamReader failed ...`` for a truncated zip)."""
+
+
+def torch_load(source: str | Path | io.BytesIO, name: str | None = None, trusted: bool = False, **kwargs) -> Any:
+    """``torch.load(source, weights_only=True)`` on CPU (``trusted``: ``weights_only=False``, which
+    runs what the file names: only for files the user wrote himself); every error names the file.
 
     Raises:
         UnsafeCheckpointError: the file holds something other than tensors and plain data.
+        CorruptFileError: empty, truncated or damaged.
     """
     name = name or str(source)
     try:
-        return torch.load(source, map_location="cpu", weights_only=True, **kwargs)
+        return torch.load(source, map_location="cpu", weights_only=not trusted, **kwargs)
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()
+        if trusted:
+            raise CorruptFileError(f"{name}: not a readable torch.save file ({first[0] if first else e!r})") from e
         why = next((line for line in first if "Unsupported" in line or "GLOBAL" in line), first[0] if first else "")
         raise UnsafeCheckpointError(f"{name}: refused to load (it holds more than tensors and plain data, "
                                     f"and loading never runs code from a checkpoint): {why.strip()}") from e
+    except OSError as e:  # torch's zip reader: EINVAL for a truncated file, the errno of a failed read
+        if e.errno == errno.EINVAL or e.errno is None:
+            raise CorruptFileError(f"{name}: not a readable torch.save file (truncated or damaged: {e})") from e
+        raise type(e)(e.errno, e.strerror, str(name)) from e
+    except _DAMAGED as e:
+        first = (str(e).strip().splitlines() or ["no data"])[0]
+        raise CorruptFileError(f"{name}: not a readable torch.save file (empty, truncated or damaged: "
+                               f"{type(e).__name__}: {first})") from e
+
+
+def rebuild(obj: Any, name: str | Path) -> Any:
+    """``plain.from_plain(obj)`` (values stored tagged rebuilt), an error naming the file.
+
+    Raises:
+        CorruptFileError: a tagged value that cannot be rebuilt (forged or damaged).
+    """
+    from .plain import from_plain
+
+    try:
+        return from_plain(obj)
+    except _DAMAGED as e:
+        raise CorruptFileError(f"{name}: a stored value cannot be rebuilt ({type(e).__name__}: {e})") from e
 
 
 def check_loadable(obj: Any, what: str) -> bytes:

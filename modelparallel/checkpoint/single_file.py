@@ -12,6 +12,7 @@ any weight changes.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import stat
 from collections.abc import Callable
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from .. import runtime
 from . import async_full, commit, export_dtype, full, parts
 from .errors import cause, run_phase
-from .files import open_inside
+from .files import open_inside, read_from
 from . import layouts
 from .layouts import translation
 from .full_load import stage_whole
@@ -48,16 +49,13 @@ def is_single_file(path: Path, tag: str) -> bool:
 
 
 def _read_plain(path: Path, name: str) -> bytes | None:
-    """The bytes of file ``path/name`` (opened without following a symlink), None if absent."""
+    """The bytes of file ``path/name`` (opened once, without following a symlink), None if absent."""
     try:
         fd = open_inside(path, name, "the tag")
     except FileNotFoundError:
         return None
     try:
-        chunks = []
-        while chunk := os.read(fd, 1 << 22):
-            chunks.append(chunk)
-        return b"".join(chunks)
+        return read_from(fd, path / name)
     finally:
         os.close(fd)
 
@@ -104,15 +102,27 @@ def stage_file(path: Path, tag: str, model, strict: bool, translate_function: Ca
             every missing / unexpected key and shape mismatch listed, before anything is copied.
     """
     file = path / tag
-    fd = open_inside(path, tag, "the tag")  # a regular file, no symlink; read memory-mapped below
-    os.close(fd)
-    whole = torch_load(file, mmap=True)
+    fd = open_inside(path, tag, "the tag")  # a regular file, no symlink, one link
+    try:
+        whole = _load_descriptor(fd, file)
+    finally:
+        os.close(fd)
     if not isinstance(whole, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                               for k, v in whole.items()):
         raise ValueError(f"{file}: expected a state dict (parameter name -> tensor), got {type(whole).__name__}")
     if translate_function is not None:
         return stage_whole(model, translate_function(whole), strict, None, str(file), policy=policy)
     return stage_whole(model, whole, strict, _translation(whole, model), str(file), policy=policy)
+
+
+def _load_descriptor(fd: int, file: Path) -> Any:
+    """``torch_load`` of the file open as ``fd``, never reopened by its name: memory-mapped
+    through ``/proc/self/fd`` (the open file itself, whatever its name now points to), else read
+    from the descriptor."""
+    proc = Path(f"/proc/self/fd/{fd}")
+    if proc.exists():
+        return torch_load(str(proc), name=str(file), mmap=True)
+    return torch_load(io.BytesIO(read_from(fd, file)), name=str(file))
 
 
 FILE_SUFFIXES = (".pt", ".pth", ".bin")

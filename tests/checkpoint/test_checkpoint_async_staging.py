@@ -157,3 +157,75 @@ def load_waits_for_staging(path: str) -> dict:
 def test_our_loads_wait_for_background_staging(tmp_path):
     for r in harness.run(2, load_waits_for_staging, str(tmp_path)):
         assert r == {"saved": [], "loaded": []}, r
+
+
+def _edits(model, optimizer) -> dict:
+    """In-place changes that bypass a tensor's version counter: through ``.data`` and numpy."""
+    w = model.module.transformer.h[0].mlp.c_fc.weight
+    local = w.to_local() if hasattr(w, "to_local") else w
+    slot = optimizer.optimizer.state[w]["exp_avg"]
+    slot_local = slot.to_local() if hasattr(slot, "to_local") else slot
+    return {"data.clamp_": lambda: local.data.clamp_(-1e-4, 1e-4),
+            "data.mul_": lambda: local.data.mul_(2.0),
+            "exp_avg.data.zero_": lambda: slot_local.data.zero_(),
+            "numpy view": lambda: local.detach().numpy().__imul__(3.0)}
+
+
+def edits_that_bypass_version_counters(path: str) -> dict:
+    """Each edit, made while staging is held: the save is refused on every rank and the previous
+    newest still holds the values of its own call."""
+    model, optimizer = build()
+    smp.save_checkpoint(path, "a", async_save=True)
+    smp.wait_for_checkpoints()
+    want = snapshot(model, optimizer)
+    stager = runtime.current().checkpoint_saver.stager
+    out = {}
+    for i, (what, edit) in enumerate(_edits(model, optimizer).items()):
+        release = threading.Event()
+        stager.before_copy = release.wait
+        smp.save_checkpoint(path, f"b{i}", async_save=True)
+        edit()
+        release.set()
+        out[what] = error_of(smp.wait_for_checkpoints)
+    stager.before_copy = None
+    smp.barrier()
+    out["newest"] = commit.read_newest(path)
+    fresh, fresh_opt = build(seed=5)
+    smp.resume_from_checkpoint(path)
+    out["intact"] = changed(want, snapshot(fresh, fresh_opt))
+    return out
+
+
+def test_changes_through_data_and_numpy_fail_the_save(tmp_path):
+    results = harness.run(2, edits_that_bypass_version_counters, str(tmp_path))
+    for r in results:
+        assert r["newest"] == "a_partial" and r["intact"] == [], r
+        for what in ("data.clamp_", "data.mul_", "numpy view"):
+            assert "model.transformer.h.0.mlp.c_fc.weight" in r[what] and "changed in place" in r[what], (what, r)
+        assert "changed in place" in r["exp_avg.data.zero_"] and "exp_avg" in r["exp_avg.data.zero_"], r
+
+
+def test_the_stager_compares_bytes_for_every_dtype_and_copies_views_at_once():
+    """One process: a bf16 tensor changed through ``.data`` after ``defer`` is named; a
+    non-contiguous view is copied in the call (its later change does not reach the buffer)."""
+    from modelparallel.checkpoint.async_save import Stager, StagedTensorChanged
+
+    stager = Stager()
+    half = torch.arange(64, dtype=torch.bfloat16)
+    buf = stager.buffer(("half",), half)
+    stager.defer("half", half, half, buf)
+    half.data.add_(1)
+    try:
+        stager.copy_deferred()
+        raise AssertionError("a bf16 change through .data was not caught")
+    except StagedTensorChanged as e:
+        assert "half" in str(e), e
+    base = torch.arange(12.0).reshape(3, 4)
+    view = base.t()
+    want = view.clone()
+    vbuf = stager.buffer(("view",), view)
+    deferred = stager.deferred_bytes
+    stager.defer("view", view, view, vbuf)
+    base.data.mul_(2)
+    stager.copy_deferred()
+    assert torch.equal(vbuf, want) and stager.deferred_bytes == deferred, "the view was not copied in the call"

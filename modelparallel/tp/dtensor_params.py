@@ -61,8 +61,10 @@ def _as_replicated(p: nn.Parameter, mesh: DeviceMesh) -> nn.Parameter:
 
 
 def replicate_plain_parameters(model: nn.Module, mesh: DeviceMesh) -> list[str]:
-    """Make every parameter of ``model`` that is not yet a DTensor a ``Replicate()`` DTensor on
-    ``mesh`` (a tied parameter stays one tensor), and have its module compute on the local tensor.
+    """When ``model`` holds any DTensor parameter, make every parameter that is not one a
+    ``Replicate()`` DTensor on ``mesh`` (a tied parameter stays one tensor), and have its module
+    compute on the local tensor. A model with no DTensor parameter (nothing was sharded) is left
+    as it is: its parameters do not mix either.
 
     Call it once every parallel dimension has placed its parameters, so that nothing else
     creates plain parameters afterwards. Works on the meta device too (the DTensor's local
@@ -71,6 +73,8 @@ def replicate_plain_parameters(model: nn.Module, mesh: DeviceMesh) -> list[str]:
     Returns:
         The dotted names of the parameters converted (each tie under its first name).
     """
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        return []
     converted: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(old) -> (old kept alive, new)
     names = []
     for path, module in model.named_modules(remove_duplicate=False):

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
@@ -76,7 +77,9 @@ def _v1(config, arch, name, kwargs):
     torch.manual_seed(0)
     model = smp.DistributedModel(MODELS[arch]())
     opt = smp.DistributedOptimizer(getattr(torch.optim, name)(model.parameters(), lr=LR[name], **kwargs))
-    return model, opt, model.module, lambda ids: _v1_step(model, ids).reduce_mean()
+    # under context parallelism each rank brings its part of every sequence
+    parts = smp.get_batch_for_cp_rank if smp.cp_size() > 1 else (lambda ids: ids)
+    return model, opt, model.module, lambda ids: _v1_step(model, parts(ids)).reduce_mean()
 
 
 def _v2_fsdp2(config, arch, name, kwargs):
@@ -100,8 +103,8 @@ def _v2_fsdp2(config, arch, name, kwargs):
 
 def _stepped(opt, p):
     """What the optimizer steps for model parameter ``p``: its fp32 master, or ``p`` itself."""
-    masters = getattr(opt, "master_weights", None)
-    return (masters.master_of(p) if masters is not None else None) or p
+    master = opt.master_weights.master_of(p) if isinstance(opt, smp.DistributedOptimizer) else None
+    return p if master is None else master
 
 
 def _compare_step(ref, module, opt, ref_opt, loss, ids, compare_grads):
@@ -111,8 +114,11 @@ def _compare_step(ref, module, opt, ref_opt, loss, ids, compare_grads):
     want_loss.backward()
     named = dict(ref.named_parameters(remove_duplicate=False))
     mine = list(module.named_parameters())
-    if compare_grads:
-        torch.testing.assert_close(loss.detach().float(), want_loss.detach(), rtol=0, atol=tolerance(want_loss))
+    if compare_grads:  # every rank brings the same rows: their mean (context ranks: of their shares) is the loss
+        loss = loss.detach().clone()
+        dist.all_reduce(loss, group=smp.runtime.current().group(smp.runtime.DP_CP_GROUP))
+        loss /= smp.rdp_size() * smp.cp_size()
+        torch.testing.assert_close(loss.float(), want_loss.detach(), rtol=0, atol=tolerance(want_loss))
         atol = max(tolerance(p.grad) for p in ref.parameters() if p.grad is not None)  # near-zero sums: model scale
         for name, p in mine:
             torch.testing.assert_close(as_hf(p.grad, named[name].grad).float(), named[name].grad, rtol=0, atol=atol,

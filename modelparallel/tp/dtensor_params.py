@@ -42,8 +42,12 @@ def _shadow_with_local(module: nn.Module, args) -> None:
 
 
 def _restore(module: nn.Module, args, output) -> None:
-    """Forward hook (also after an exception): put back what the pre-hook shadowed."""
-    saved = module.__dict__[_SAVED].pop()
+    """Forward hook (also after an exception): put back what the pre-hook shadowed (nothing when
+    an earlier pre-hook raised before it ran)."""
+    stack = module.__dict__.get(_SAVED)
+    if not stack:
+        return
+    saved = stack.pop()
     for name, before in zip(module.__dict__[_NAMES], saved):
         if before is _MISSING:
             module.__dict__.pop(name, None)

@@ -6,18 +6,21 @@ every rank when any rank saw an inf/nan gradient, (3) for fp16/bf16 parameters k
 master copy of each (``master_weights``), steps the wrapped optimizer on the masters so its
 state is fp32, unscales the gradients into them, steps, and rounds the result back into the
 model, and (4) clips the master gradients by their global norm (``clip_master_grads``).
-Sharded parameters are DTensors, so an unmodified ``torch.optim`` optimizer updates each rank's
-shard; nothing else is needed for tensor parallelism.
+Sharded parameters are DTensors, and so are the ones kept whole beside them (``Replicate()``), so
+an unmodified ``torch.optim`` optimizer updates each rank's shard, with its for-loop, ``foreach``
+or ``fused`` kernels alike; nothing else is needed for tensor parallelism.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
 
 from . import partitioning, runtime
 from .training import optimizer_state
@@ -25,7 +28,7 @@ from .training.dp import local_grad
 from .pipeline.ties import norm_holders
 from .training.grad_clip import clip_by_global_norm
 from .training.loss_scaler import DynamicLossScaler, LossScaler
-from .training.master_weights import MasterWeights
+from .training.master_weights import HALF, MasterWeights
 
 logger = logging.getLogger("modelparallel")
 
@@ -62,6 +65,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for unknown or invalid ``dynamic_loss_args``, or if the parameters are half
             precision and the optimizer cannot keep fp32 masters (named); nothing is registered
             in that case.
+        NotImplementedError: for ``fused=True`` where DTensor has no rule for the fused kernel
+            (``check_fused``).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, static_loss_scale: float | None = 1.0,
@@ -74,6 +79,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 split = partitioning.remap(model, group["params"])
                 group["params"] = group["params"] if split is None else split
         owners = _owners((p for g in optimizer.param_groups for p in g["params"]), rt.models)
+        check_fused(type(optimizer), optimizer.param_groups)
         scaler = _make_scaler(1.0 if static_loss_scale is None else static_loss_scale,
                               dynamic_loss_scale, dynamic_loss_args)
         self.master_weights = MasterWeights(optimizer)
@@ -126,6 +132,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         owners = _owners(params, runtime.current().models)
+        check_fused(type(self.optimizer), [{**self.optimizer.defaults, **param_group, "params": params}])
         self.optimizer.add_param_group({**param_group, "params": params})
         self.master_weights.adopt_group(self.optimizer.param_groups[-1])
         self._link(owners)
@@ -248,6 +255,39 @@ def _make_scaler(static_loss_scale: float, dynamic: bool, args: Mapping[str, Any
     if args:
         logger.warning("dynamic_loss_args ignored because dynamic_loss_scale=False")
     return LossScaler(static_loss_scale)
+
+
+def check_fused(cls: type[torch.optim.Optimizer], groups: list[dict[str, Any]]) -> None:
+    """Refuse ``fused=True`` groups of optimizer class ``cls`` whose fused kernel DTensor cannot run.
+
+    Every parameter of a parallelized model is a DTensor, and DTensor runs an operator only if it
+    has a rule for it: torch 2.13 has one for Adam's and AdamW's fused kernels, none for SGD's
+    (``aten._fused_sgd_``). One step of the same optimizer class and settings on a one-element
+    replicated DTensor (on a parameter's mesh, device and stepped dtype; no communication) finds
+    out before the first real step, for whatever optimizer and torch version.
+
+    Raises:
+        NotImplementedError: naming the optimizer and the operator DTensor lacks, with the
+            ``foreach=True`` alternative (the same arithmetic, one kernel per operation over all
+            tensors).
+    """
+    accepted = inspect.signature(cls).parameters
+    for group in groups:
+        like = next((p for p in group["params"] if isinstance(p, DTensor)), None)
+        if not group.get("fused") or like is None:
+            continue
+        dtype = torch.float32 if like.dtype in HALF else like.dtype  # half ones step as fp32 masters
+        local = torch.zeros(1, dtype=dtype, device=like.to_local().device)
+        probe = torch.nn.Parameter(DTensor.from_local(local, like.device_mesh, [Replicate()] * like.device_mesh.ndim,
+                                                      run_check=False))
+        probe.grad = DTensor.from_local(torch.zeros_like(local), like.device_mesh, probe.placements, run_check=False)
+        settings = {k: v for k, v in group.items() if k != "params" and k in accepted}
+        try:
+            cls([probe], **settings).step()
+        except (RuntimeError, NotImplementedError) as e:
+            raise NotImplementedError(
+                f"{cls.__name__}(fused=True) on this model's parameters (DTensors): "
+                f"{str(e).splitlines()[0]}. Use foreach=True, which does the same arithmetic") from None
 
 
 def _owners(params, models: list) -> list:

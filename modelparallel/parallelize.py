@@ -13,7 +13,10 @@ of the others; this module only orders them:
 3. expert parallelism (``expert``): shards each MoE layer's experts over the ``ep`` dimension
    (data-parallel ranks sharing the experts) and applies a ``MoEConfig``'s routing options;
 4. context parallelism (``context``): splits every sequence over the ``cp`` mesh dimension
-   (attention reaches the other ranks' keys and values; the weights are not split).
+   (attention reaches the other ranks' keys and values; the weights are not split);
+5. whenever the tensor-parallel walker ran, every parameter still a plain tensor becomes a
+   ``Replicate()`` DTensor on the ``tp`` mesh (``tp.dtensor_params``), so that torch's
+   ``foreach`` and ``fused`` optimizers never see plain tensors beside DTensors.
 
 Data parallelism (replica gradient averaging, FSDP) is applied after this by the caller, over
 ``Runtime.dp_mesh`` (the data-parallel ranks, times the context-parallel ones: they hold the
@@ -32,6 +35,7 @@ from .models import EXPERT_LAYOUTS, context_spec_for, experts_for, pipeline_spli
 from .moe.moe_config import MoEConfig
 from .runtime import PP_GROUP, Runtime
 from .tp import walker
+from .tp.dtensor_params import replicate_plain_parameters
 from .tp.plan import ArchSpec
 
 
@@ -73,7 +77,8 @@ def parallelize(module: nn.Module, rt: Runtime, spec: ArchSpec | None, cp_comm_t
         spec: the architecture's plan, or None for a model the walker handles from its marks.
         cp_comm_type: context parallelism's communication, "p2p" or "all_gather".
         moe: SageMaker's ``MoEConfig`` (``transform(model, config=MoEConfig(...))``), or None.
-        tensor_parallel: run the TP walker (``transform`` leaves a plain model at TP degree 1).
+        tensor_parallel: run the TP walker and make every remaining parameter a replicated DTensor
+            (``transform`` leaves a plain model at TP degree 1).
 
     Returns:
         Paths of the modules left replicated over the tensor-parallel ranks (for the log line).
@@ -92,4 +97,6 @@ def parallelize(module: nn.Module, rt: Runtime, spec: ArchSpec | None, cp_comm_t
     apply_experts(experts, rt.ep_mesh)
     if rt.config.context_parallel_degree > 1:
         context.parallelize(module, rt.cp_mesh, context_spec_for(module), cp_comm_type)
+    if tensor_parallel:  # one kind of parameter for torch's foreach and fused optimizers
+        replicate_plain_parameters(module, rt.tp_mesh)
     return replicated

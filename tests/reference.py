@@ -21,6 +21,13 @@ def gathered(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def sharded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is cut into pieces across ranks (a DTensor with a placement other than
+    ``Replicate()``); a parameter kept whole is a ``Replicate()`` DTensor in a model where others
+    are sharded, so ``isinstance(t, DTensor)`` does not say it."""
+    return isinstance(t, DTensor) and not all(pl.is_replicate() for pl in t.placements)
+
+
 def as_hf(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``t`` gathered and viewed in ``like``'s shape (packed [in, 3, out/3] -> HF [in, out])."""
     t = gathered(t)

@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import harness
 import modelparallel as smp
-from reference import assert_close
+from reference import assert_close, sharded
 from modelparallel.materialize import meta
 
 IDS = torch.tensor([[3, 17, 42, 99, 5, 0, 64, 23]])
@@ -52,8 +52,8 @@ def embedding_and_attention(distribute_embedding, flash_attention):
         model = LlamaForCausalLM(cfg())
     model = smp.DistributedModel(model)
     module = model.module
-    assert isinstance(module.model.embed_tokens.weight, DTensor) == distribute_embedding
-    assert isinstance(module.lm_head.weight, DTensor) == distribute_embedding
+    assert sharded(module.model.embed_tokens.weight) == distribute_embedding
+    assert sharded(module.lm_head.weight) == distribute_embedding
     q = module.model.layers[0].self_attn.q_proj.weight
     assert isinstance(q, DTensor) and q.to_local().shape == (32, 64), "each rank holds only its shard"
     assert module.config._attn_implementation == ("sdpa" if flash_attention else "eager")

@@ -25,7 +25,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 import harness
 import modelparallel as smp
 from modelparallel.training.dp import allreduce_gradients
-from reference import assert_replicas_train_like_one_process, token_batches
+from reference import assert_replicas_train_like_one_process, sharded, token_batches
 
 STEPS = 10
 
@@ -108,21 +108,21 @@ def test_fsdp2_over_transform_trains_like_one_process(tp, world):
 
 
 def test_clip_grad_norm_over_tp_fsdp_and_replicated_equals_one_process():
-    """TP=2 x DP=2 with FSDP2: TP-sharded weights on ("dp", "tp"), norms on "dp" only; a small
-    max_norm so clipping really scales every step."""
+    """TP=2 x DP=2 with FSDP2: TP-sharded weights on ("dp", "tp"), norms (whole over "tp") too; a
+    small max_norm so clipping really scales every step."""
     harness.run(4, fsdp2_on_transform, 2, clip=0.5)
 
 
 def tp_only_clip():
-    """TP without FSDP: TP-sharded DTensors on "tp", norms as plain tensors on every rank,
-    gradients averaged over "dp" by the library's data-parallel all-reduce."""
+    """TP without FSDP: TP-sharded DTensors on "tp", norms whole on every rank (``Replicate()``
+    DTensors on "tp"), gradients averaged over "dp" by the library's data-parallel all-reduce."""
     ref, model = transformed(2)
-    assert any(not isinstance(p, DTensor) for p in model.parameters())
+    assert any(not sharded(p) for p in model.parameters())
     average = functools.partial(allreduce_gradients, list(model.parameters()), smp.get_rdp_process_group(), smp.rdp_size())
     train_and_compare(ref, model, clip=0.5, after_backward=average)
 
 
-def test_clip_grad_norm_tp_sharded_and_plain_replicated():
+def test_clip_grad_norm_tp_sharded_and_whole_replicated():
     harness.run(4, tp_only_clip)
 
 

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from .layout import local_part
 from .local import _distribute, column_input, copy_to_tp, with_forward
 
 
@@ -58,7 +59,7 @@ class _GradSumForward:
         mesh = self.__dict__["_mp_grad_sum_mesh"]
         names = [n for n, p in self._parameters.items() if p is not None]
         for name in names:  # the instance attribute shadows the parameter for this call
-            self.__dict__[name] = copy_to_tp(self._parameters[name], mesh)
+            self.__dict__[name] = copy_to_tp(local_part(self._parameters[name]), mesh)
         try:
             return super().forward(*args, **kwargs)
         finally:

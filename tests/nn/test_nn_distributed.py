@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 import harness
 import modelparallel as smp
-from reference import assert_close, assert_grads_on_model_scale, tolerance
+from reference import assert_close, assert_grads_on_model_scale, sharded, tolerance
 from appendix_reference import RefAttention, RefLayer, RefLMHead, RefOutput, RefTransformer
 
 SIZES = dict(num_attention_heads=4, attention_head_size=8, hidden_size=32, intermediate_size=64,
@@ -57,7 +57,7 @@ def _compare_training(model, ref, run):
         atol = tolerance(want_t) + 0.1 * grad_tol  # the weights' own rounding, plus lr x the gradients'
         torch.testing.assert_close(full[name], want_t, rtol=0, atol=atol, msg=name)
     ref.load_state_dict(full)
-    return [n for n, p in model.module.named_parameters() if isinstance(p, DTensor)]
+    return [n for n, p in model.module.named_parameters() if sharded(p)]
 
 
 def _mask(n, s, seed=1):

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 import harness
 import modelparallel as smp
 from appendix_reference import RefLayer
-from reference import assert_close, assert_grads_on_model_scale
+from reference import assert_close, assert_grads_on_model_scale, sharded
 
 CFG = dict(num_attention_heads=4, attention_head_size=8, hidden_size=32, intermediate_size=64,
            attention_dropout_prob=0.0, hidden_dropout_prob=0.0, causal_mask_size=8)
@@ -88,7 +88,7 @@ def check_decorator_with_hooks(tp):
     model = smp.DistributedModel(net)
     layer = model.module.layers[0]
     assert type(layer) is smp.nn.DistributedTransformerLayer
-    assert isinstance(layer.attention.query.weight, DTensor) and not isinstance(model.module.head.weight, DTensor)
+    assert isinstance(layer.attention.query.weight, DTensor) and not sharded(model.module.head.weight)
     _same_function(model, ref, torch.randint(0, 50, (2, 8)))
     assert len(calls) == 2, "return_hook runs once per layer call"
     dist_mods = list(model.distributed_modules())
@@ -292,7 +292,7 @@ def check_distribute_embedding_option(value):
         model = GPT2LMHeadModel(cfg)
     smp.DistributedModel(model)
     wte, c_fc = model.transformer.wte.weight, model.transformer.h[0].mlp.c_fc.weight
-    return isinstance(wte, DTensor), isinstance(c_fc, DTensor)
+    return sharded(wte), sharded(c_fc)
 
 
 def test_distribute_embedding_option_is_honoured():

@@ -39,9 +39,12 @@ from torch.distributed.fsdp._optim_utils import _gather_state_dict  # noqa: F401
 
 # FSDP1's full model state dict is made by this module's ``_full_post_state_dict_hook`` (looked up
 # on the module at each call); it keeps a DTensor parameter as this rank's DTensor view, where a
-# full state dict must hold the whole tensor. The v2 export wraps it (no public hook exists).
+# full state dict must hold the whole tensor. The v2 export wraps it (no public hook exists), and
+# ``_replace_with_full_state_dict_type``, through which FSDP1 turns any state dict of a NO_SHARD
+# unit into a full one, to know which type the user asked for.
 from torch.distributed.fsdp import _state_dict_utils as fsdp_state_dict_utils
-from torch.distributed.fsdp._state_dict_utils import _full_post_state_dict_hook  # noqa: F401 - checked, patched
+from torch.distributed.fsdp._state_dict_utils import (  # noqa: F401 - checked, patched on the module
+    _full_post_state_dict_hook, _replace_with_full_state_dict_type)
 
 # FSDP1 flattens each unit's parameters in ``FlatParamHandle`` and then keeps this rank's chunk
 # (``shard``); between the two the unit's original tensors are dead on ranks other than 0. The

@@ -30,10 +30,11 @@ than 0 under ``rank0_only``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
-from torch.distributed.fsdp import ShardingStrategy
+from torch.distributed.fsdp import ShardingStrategy, StateDictType
 from torch.distributed.tensor import DTensor, Replicate
 
 from ..compat import fsdp_optim_utils as _optim_utils
@@ -86,20 +87,38 @@ def _install_no_shard_layout() -> None:
     _optim_utils._shard_orig_param_state = with_param_layout
 
 
+_ASKED = "_mp_asked_state_dict_type"
+
+
 def _install_full_state_dict() -> None:
     full = _state_dict_utils._full_post_state_dict_hook
     if getattr(full, _MARK, False):
         return
+    substitute = _state_dict_utils._replace_with_full_state_dict_type
+
+    @contextlib.contextmanager
+    def remembering_asked(fsdp_state):
+        # FSDP1 makes every state dict of a NO_SHARD unit a full one: the type the user asked for
+        # (sharded: the TP blocks stay DTensors) is kept for the hook below
+        asked = fsdp_state._state_dict_type
+        with substitute(fsdp_state):
+            setattr(fsdp_state, _ASKED, asked)
+            try:
+                yield
+            finally:
+                delattr(fsdp_state, _ASKED)
 
     @functools.wraps(full)
     def gathered_whole(module, fsdp_state, state_dict, prefix):
-        with torch.no_grad():
-            for key, value in list(state_dict.items()):
-                if key.startswith(prefix) and isinstance(value, DTensor):
-                    state_dict[key] = value.full_tensor()
+        if getattr(fsdp_state, _ASKED, StateDictType.FULL_STATE_DICT) == StateDictType.FULL_STATE_DICT:
+            with torch.no_grad():
+                for key, value in list(state_dict.items()):
+                    if key.startswith(prefix) and isinstance(value, DTensor):
+                        state_dict[key] = value.full_tensor()
         return full(module, fsdp_state, state_dict, prefix)
 
     setattr(gathered_whole, _MARK, True)
+    _state_dict_utils._replace_with_full_state_dict_type = remembering_asked
     _state_dict_utils._full_post_state_dict_hook = gathered_whole
 
 

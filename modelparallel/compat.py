@@ -76,10 +76,23 @@ from torch.distributed.checkpoint.state_dict_saver import _save_state_dict  # no
 # meshes sliced from both), where a second ``DeviceMesh`` would be an unrelated one.
 def unflatten_mesh(mesh: DeviceMesh, dim: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
     """``mesh`` with dimension ``dim`` split into ``names`` of ``sizes`` (``DeviceMesh._unflatten``),
-    its new groups with the job's timeout."""
+    its new groups with the job's timeout.
+
+    The dimension is handed over by its index: torch 2.11's ``_unflatten`` inverts its check of a
+    dimension given by name (it refuses every name the mesh has), and every release takes an index."""
     configs = {name: mesh_group_config(mesh.device_type, size) for name, size in zip(names, sizes)}
     override = {name: c for name, c in configs.items() if c != (None, None)}
-    return mesh._unflatten(dim, sizes, names, backend_override=override or None)
+    index = mesh_dim_index(mesh, dim)
+    return mesh._unflatten(index, sizes, names, backend_override=override or None)
+
+
+def mesh_dim_index(mesh: DeviceMesh, dim: str) -> int:
+    """The index of ``mesh``'s dimension named ``dim``; a ValueError naming the mesh's dimensions
+    when it has none of that name."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if dim not in names:
+        raise ValueError(f"mesh has no dimension {dim!r}; its dimensions are {names}")
+    return names.index(dim)
 
 # The job's key-value store (torchrun's, or the one init_process_group was given): when a peer dies
 # mid-collective the process group is broken, and the store is the one channel left through which

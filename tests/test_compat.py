@@ -63,3 +63,38 @@ def test_device_mesh_unflatten_exists():
 
     assert callable(getattr(DeviceMesh, "_unflatten", None)), \
         f"torch {torch.__version__} has no DeviceMesh._unflatten; replace it in modelparallel/compat.py"
+
+
+def _unflatten_second_dim() -> tuple:
+    """A (pp=1, dp=2) world mesh with ``dp`` split into (rep=1, shard=2) by name; returns the new
+    mesh's dimension names and the ranks of its ``shard`` dimension."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from modelparallel.compat import unflatten_mesh
+
+    world = init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "dp"))
+    split = unflatten_mesh(world, "dp", (1, 2), ("rep", "shard"))
+    return split.mesh_dim_names, split["shard"].mesh.tolist()
+
+
+def test_unflatten_mesh_splits_the_named_dimension():
+    """The dimension is named, not first: a wrong index or a name ``_unflatten`` refuses (torch 2.11
+    refuses every name) fails here."""
+    import harness
+
+    for names, shard_ranks in harness.run(2, _unflatten_second_dim):
+        assert names == ("pp", "rep", "shard")
+        assert shard_ranks == [0, 1]
+
+
+def test_unflatten_mesh_names_a_missing_dimension():
+    from unittest import mock
+
+    import pytest
+
+    from modelparallel.compat import unflatten_mesh
+
+    mesh = mock.Mock(mesh_dim_names=("pp", "dp"), device_type="meta")
+    with pytest.raises(ValueError, match=r"'ep'.*\('pp', 'dp'\)"):
+        unflatten_mesh(mesh, "ep", (1, 1), ("a", "b"))
+    mesh._unflatten.assert_not_called()

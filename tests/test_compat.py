@@ -98,3 +98,37 @@ def test_unflatten_mesh_names_a_missing_dimension():
     with pytest.raises(ValueError, match=r"'ep'.*\('pp', 'dp'\)"):
         unflatten_mesh(mesh, "ep", (1, 1), ("a", "b"))
     mesh._unflatten.assert_not_called()
+
+
+def test_single_tensor_collectives_take_the_current_names():
+    """torch 2.13 renamed ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (the old names warn
+    on every call); compat takes the new names where they exist and the old ones elsewhere."""
+    import torch.distributed as dist
+
+    from modelparallel import compat
+
+    for new, old in (("all_gather_single", "all_gather_into_tensor"),
+                     ("reduce_scatter_single", "reduce_scatter_tensor")):
+        assert getattr(compat, new) is (getattr(dist, new, None) or getattr(dist, old))
+
+
+def _gather_and_scatter() -> tuple:
+    import torch.distributed as dist
+
+    from modelparallel.compat import all_gather_single, reduce_scatter_single
+
+    rank = dist.get_rank()
+    gathered = torch.empty(4)
+    all_gather_single(gathered, torch.tensor([rank, 10.0 + rank]))
+    mine = torch.empty(2)
+    reduce_scatter_single(mine, torch.arange(4.0) * (rank + 1))
+    return gathered.tolist(), mine.tolist()
+
+
+def test_single_tensor_collectives_gather_and_reduce_scatter():
+    import harness
+
+    gathered, scattered = zip(*harness.run(2, _gather_and_scatter))
+    assert list(gathered) == [[0.0, 10.0, 1.0, 11.0]] * 2
+    # arange(4) x 1 + arange(4) x 2 = [0, 3, 6, 9], in halves
+    assert list(scattered) == [[0.0, 3.0], [6.0, 9.0]]

@@ -21,7 +21,6 @@ from __future__ import annotations
 import inspect
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 

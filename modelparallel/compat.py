@@ -85,10 +85,35 @@ from torch.distributed.checkpoint.state_dict_saver import _save_state_dict  # no
 # meshes sliced from both), where a second ``DeviceMesh`` would be an unrelated one.
 def unflatten_mesh(mesh: DeviceMesh, dim: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
     """``mesh`` with dimension ``dim`` split into ``names`` of ``sizes`` (``DeviceMesh._unflatten``),
-    its new groups with the job's timeout."""
+    its new groups with the job's timeout.
+
+    The dimension is handed over by its index: torch 2.11's ``_unflatten`` inverts its check of a
+    dimension given by name (it refuses every name the mesh has), and every release takes an index."""
     configs = {name: mesh_group_config(mesh.device_type, size) for name, size in zip(names, sizes)}
     override = {name: c for name, c in configs.items() if c != (None, None)}
-    return mesh._unflatten(dim, sizes, names, backend_override=override or None)
+    index = mesh_dim_index(mesh, dim)
+    return mesh._unflatten(index, sizes, names, backend_override=override or None)
+
+
+def mesh_dim_index(mesh: DeviceMesh, dim: str) -> int:
+    """The index of ``mesh``'s dimension named ``dim``; a ValueError naming the mesh's dimensions
+    when it has none of that name."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if dim not in names:
+        raise ValueError(f"mesh has no dimension {dim!r}; its dimensions are {names}")
+    return names.index(dim)
+
+# One collective gathering (or reduce-scattering) equal-sized tensors into one tensor. torch 2.13
+# named them ``all_gather_single`` / ``reduce_scatter_single`` and deprecated the older names
+# (a FutureWarning per call); torch 2.11 has only the older ones. Same arguments in both.
+def _first_collective(*names: str):
+    import torch.distributed as dist
+
+    return next(getattr(dist, name) for name in names if hasattr(dist, name))
+
+
+all_gather_single = _first_collective("all_gather_single", "all_gather_into_tensor")
+reduce_scatter_single = _first_collective("reduce_scatter_single", "reduce_scatter_tensor")
 
 # The job's key-value store (torchrun's, or the one init_process_group was given): when a peer dies
 # mid-collective the process group is broken, and the store is the one channel left through which
@@ -161,9 +186,10 @@ flash_attention_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attentio
 # installs the same hook for a whole script); re-exported here as ``modelparallel.compat``'s.
 from .sagemaker.hook import sagemaker_imports  # noqa: E402 - after the private names it sits beside
 
-__all__ = ["FlatParamHandle", "ShardedTensor", "SharedParamInfo", "StorageInfo",
+__all__ = ["FlatParamHandle", "ShardedTensor", "SharedParamInfo", "StorageInfo", "all_gather_single",
            "compute_local_shape_and_global_offset", "dcp_loader_module", "dcp_saver_module",
            "default_group_timeout", "default_store", "flash_attention_cpu", "flash_attention_cpu_backward",
-           "flatten_mesh", "flatten_state_dict", "fsdp_init_utils", "fsdp_optim_utils", "fsdp_state_dict_utils", "get_tensor_metadata",
-           "mesh_group_config", "sagemaker_imports", "set_element", "set_fsdp_flattened", "storage_alignment",
+           "flatten_mesh", "flatten_state_dict", "fsdp_init_utils", "fsdp_optim_utils", "fsdp_state_dict_utils",
+           "get_tensor_metadata", "mesh_group_config", "reduce_scatter_single", "sagemaker_imports", "set_element",
+           "set_fsdp_flattened", "storage_alignment",
            "torch_checkpoint_wrappers", "unflatten_mesh"]

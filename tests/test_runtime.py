@@ -64,7 +64,8 @@ def _ranks(strategy):
                        smp.state.tensor_parallel_degree, smp.state.hybrid_shard_degree, smp.state.world_size))
 
 
-@pytest.mark.parametrize("strategy, groups", [("cluster", [[0, 1], [2, 3]]), ("spread", [[0, 2], [1, 3]])])
+@pytest.mark.parametrize("strategy, groups", [pytest.param("cluster", [[0, 1], [2, 3]], marks=pytest.mark.smoke),
+                                              ("spread", [[0, 2], [1, 3]])])
 def test_rank_api(strategy, groups):
     out = harness.run(4, _ranks, strategy)
     for r, info in enumerate(out):

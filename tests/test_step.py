@@ -80,7 +80,7 @@ def step_matches_one_process(tp, microbatches, prescaled, loss_outside):
 
 
 @pytest.mark.parametrize("world, tp, microbatches, prescaled, loss_outside", [
-    (2, 2, 1, False, False),
+    pytest.param(2, 2, 1, False, False, marks=pytest.mark.smoke),
     (2, 2, 2, False, True),
     (2, 1, 2, False, False),
     (4, 2, 2, False, False),

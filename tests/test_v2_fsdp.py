@@ -102,7 +102,7 @@ def fsdp2_on_transform(tp, clip=None):
     train_and_compare(ref, model, clip=clip)
 
 
-@pytest.mark.parametrize("tp,world", [(2, 4), (1, 2)])
+@pytest.mark.parametrize("tp,world", [pytest.param(2, 4, marks=pytest.mark.smoke), (1, 2)])
 def test_fsdp2_over_transform_trains_like_one_process(tp, world):
     harness.run(world, fsdp2_on_transform, tp)
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..compat import all_gather_single, reduce_scatter_single
 from .blocks import Kind, Merger, block_backward, block_forward, pair_kind, window_mask
 from .layout import chunks_of
 
@@ -128,7 +129,7 @@ def _ring_backward(ring: Ring, dout, q, kv, split, out, lse, window, scale):
 def _gather(ring: Ring, kv):
     """Start gathering every rank's keys | values: (work, [C, B, H_kv, L, D] once waited for)."""
     everyone = kv.new_empty((ring.size * kv.shape[0],) + kv.shape[1:])
-    work = dist.all_gather_single(everyone, kv.contiguous(), group=ring.group, async_op=True)
+    work = all_gather_single(everyone, kv.contiguous(), group=ring.group, async_op=True)
     return work, everyone.view((ring.size,) + kv.shape)
 
 
@@ -153,7 +154,7 @@ def _gather_backward(ring: Ring, dout, q, kv, split, out, lse, window, scale):
         if source != ring.rank:
             _backward_source(dq, dkv[source], dout, q, everyone[source], split, out, lse, ring, source, window, scale)
     mine = torch.empty(kv.shape, dtype=torch.float32, device=kv.device)
-    dist.reduce_scatter_single(mine, dkv.view((-1,) + kv.shape[1:]), group=ring.group)  # my keys' shares, summed
+    reduce_scatter_single(mine, dkv.view((-1,) + kv.shape[1:]), group=ring.group)  # my keys' shares, summed
     return dq, mine
 
 

@@ -21,10 +21,10 @@ from __future__ import annotations
 import inspect
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..compat import all_gather_single
 from .attention import Ring
 from .layout import merge, positions
 
@@ -92,7 +92,7 @@ def agree(ring: Ring, kw: dict) -> None:
     shape = tuple(tokens.shape[:2]) if tokens is not None else (0, 0)
     header = torch.tensor([code, detail, *shape], dtype=torch.int64, device=_device(kw))
     everyone = header.new_empty(ring.size * 4)
-    dist.all_gather_single(everyone, header, group=ring.group)
+    all_gather_single(everyone, header, group=ring.group)
     rows = everyone.view(ring.size, 4).tolist()
     lines, kinds = [], set()
     for rank, (code, detail, batch, length) in enumerate(rows):
@@ -119,7 +119,7 @@ def _gather_tokens(ring: Ring, local: torch.Tensor) -> torch.Tensor:
     """The whole sequences of a [B, L] tensor every rank holds its part of: [B, C x L]."""
     local = local.contiguous()
     everyone = local.new_empty((ring.size * local.shape[0],) + local.shape[1:])
-    dist.all_gather_single(everyone, local, group=ring.group)
+    all_gather_single(everyone, local, group=ring.group)
     return merge(list(everyone.chunk(ring.size)), seq_dim=1)
 
 

@@ -31,6 +31,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..compat import all_gather_single, reduce_scatter_single
+
 
 class _AllToAll(torch.autograd.Function):
     """Rows of ``x`` sent to the group's ranks, ``send[i]`` rows to rank i, ``recv[i]`` rows
@@ -60,7 +62,7 @@ class _AllGather(torch.autograd.Function):
     def forward(ctx, x, group):
         ctx.group = group
         out = x.new_empty((x.shape[0] * dist.get_world_size(group), *x.shape[1:]))
-        dist.all_gather_single(out, x.contiguous(), group=group)
+        all_gather_single(out, x.contiguous(), group=group)
         return out
 
     @staticmethod
@@ -75,7 +77,7 @@ class _ReduceScatter(torch.autograd.Function):
     def forward(ctx, x, group):
         ctx.group = group
         out = x.new_empty((x.shape[0] // dist.get_world_size(group), *x.shape[1:]))
-        dist.reduce_scatter_single(out, x.contiguous(), group=group)
+        reduce_scatter_single(out, x.contiguous(), group=group)
         return out
 
     @staticmethod
@@ -167,13 +169,13 @@ def dispatch_all_gather(module: nn.Module, x: torch.Tensor, index: torch.Tensor,
     problem = _routing_problem(x, index, weights, size * n_local)
     sizes = torch.empty((size, 2), dtype=torch.long, device=x.device)
     mine = torch.tensor([[x.shape[0], int(problem is not None)]], device=x.device)
-    dist.all_gather_single(sizes, mine, group=group)
+    all_gather_single(sizes, mine, group=group)
     _agree(problem, sizes[:, 1], group)
     pad = int(sizes[:, 0].max()) - x.shape[0]
     xs = _AllGather.apply(F.pad(x, (0, 0, 0, pad)), group)
     ws = _AllGather.apply(F.pad(weights, (0, 0, 0, pad)), group)
     ids = index.new_empty((xs.shape[0], k))
-    dist.all_gather_single(ids, F.pad(index, (0, 0, 0, pad), value=-1).contiguous(), group=group)
+    all_gather_single(ids, F.pad(index, (0, 0, 0, pad), value=-1).contiguous(), group=group)
     first = dist.get_rank(group) * n_local
     local = ((ids >= first) & (ids < first + n_local)).reshape(-1).nonzero().squeeze(1)  # mine, by (token, slot)
     expert = ids.reshape(-1)[local] - first

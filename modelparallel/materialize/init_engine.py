@@ -102,17 +102,23 @@ class InitEngine:
                 continue
             self._unwritten.discard(qname)
             if isinstance(target, DTensor):
-                copy_shard(target, full.detach())
+                copy_shard(target, full.detach().to(target.dtype))
+            elif full is not target:
+                with torch.no_grad():
+                    target.copy_(full)
 
     @staticmethod
     def _scratch(table: dict, name: str, separate: bool) -> torch.Tensor:
         """The tensor the init method writes: a sharded (or ``separate``) tensor is replaced, for
         the call, by a plain full-size one (so HF's init draws the same numbers as for the
-        unsharded model, at any TP degree); a plain tensor is written where it is."""
+        unsharded model, at any TP degree); a plain tensor is written where it is. A float16 or
+        bfloat16 tensor is drawn in float32 and rounded, as an eager fp32 model cast to half: the
+        numbers a half-precision ``normal_`` draws differ between PyTorch releases."""
         t = table[name]
-        if not (separate or isinstance(t, DTensor)):
+        low = t.dtype in (torch.float16, torch.bfloat16)
+        if not (separate or low or isinstance(t, DTensor)):
             return t
-        full = torch.empty(t.shape, dtype=t.dtype, device=local_part(t).device)
+        full = torch.empty(t.shape, dtype=torch.float32 if low else t.dtype, device=local_part(t).device)
         table[name] = nn.Parameter(full, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else full
         return table[name]
 

@@ -91,21 +91,31 @@ class _Microbatch(nn.Module):
 class _KeepGoing(PipelineStage):
     """A ``PipelineStage`` whose backward records a failure instead of leaving the schedule:
     the previous stage then receives zero gradients and every rank reaches the step's end,
-    where the failure is raised everywhere (a raise here would leave the peers waiting)."""
+    where the failure is raised everywhere (a raise here would leave the peers waiting).
 
-    def __init__(self, *args, on_error: Callable[[BaseException], None], **kwargs):
+    The zeros are made here: after a failure (or for a microbatch whose loss a failed forward
+    replaced by a constant) the activation's gradient is None, and only some PyTorch releases
+    send zeros for a None gradient (torch 2.11 raises instead, after the previous stage has
+    posted its receive)."""
+
+    def __init__(self, *args, on_error: Callable[[BaseException], None], activation: tuple, **kwargs):
         super().__init__(*args, **kwargs)
-        self.on_error = on_error
+        self.on_error, self.activation = on_error, activation
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
         try:
-            return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
-                                              last_backward=last_backward)
+            out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                             last_backward=last_backward)
         except Exception as e:  # noqa: BLE001 - raised on every rank at the step's end
             self.on_error(e)
             self.fwd_cache.pop(bwd_chunk_id, None)
-            self.bwd_cache[bwd_chunk_id] = (None,)  # one input, the activation: zeros are sent
-            return None
+            self.bwd_cache[bwd_chunk_id] = (None,)  # one input, the activation
+            out = None
+        if not self.is_first:
+            shape, dtype = self.activation
+            self.bwd_cache[bwd_chunk_id] = tuple(torch.zeros(shape, dtype=dtype, device=self.device)
+                                                 if g is None else g for g in self.bwd_cache[bwd_chunk_id])
+        return out
 
 
 def _meta(shape, dtype, requires_grad: bool = True) -> torch.Tensor:
@@ -123,7 +133,8 @@ def build_schedule(stage: Stage, run, activation: tuple[tuple[int, ...], torch.d
     loss = _meta((), torch.float32)
     pipe_stage = _KeepGoing(_Microbatch(run, stage.is_first), stage.index, stage.count, device,
                             input_args=(first,) if stage.is_first else (act,),
-                            output_args=(loss,) if stage.is_last else (act,), group=group, on_error=on_error)
+                            output_args=(loss,) if stage.is_last else (act,), group=group, on_error=on_error,
+                            activation=activation)
     cls = SCHEDULES[kind]
     if cls is Schedule1F1B and microbatches < stage.count:
         cls = ScheduleGPipe

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ..compat import all_gather_single
+
 
 @dataclass(frozen=True)
 class Rows:
@@ -42,7 +44,7 @@ def _gather_rows(x: torch.Tensor, rows: Rows) -> torch.Tensor:
     if x.shape[0] < most:
         x = torch.cat([x, x.new_zeros((most - x.shape[0], *x.shape[1:]))])
     out = x.new_empty((most * len(rows.sizes), *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x.contiguous(), group=rows.group)
+    all_gather_single(out, x.contiguous(), group=rows.group)
     return torch.cat([out[i * most:i * most + n] for i, n in enumerate(rows.sizes)])
 
 

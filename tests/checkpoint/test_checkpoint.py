@@ -7,6 +7,7 @@ before the save; the vocabulary (1001) divides by no degree used here. Training 
 checkpoint must reproduce the uninterrupted run's losses exactly (fp32, same data).
 """
 
+import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
@@ -141,6 +142,7 @@ def uninterrupted_losses(tp: int, total: int):
     return train(model, optimizer, range(total))
 
 
+@pytest.mark.smoke
 def test_training_resumed_from_checkpoint_repeats_the_same_losses(tmp_path):
     want = harness.run(2, uninterrupted_losses, 2, 6)[0]
     got = harness.run(2, resumed_losses, 2, str(tmp_path), 6, 3)[0]

@@ -66,9 +66,23 @@ def test_a_failed_write_records_no_checksum(tmp_path):
     assert fs.sums == {}
 
 
+def _setting_seen_by_main_after_a_thread_switches_it_off() -> bool:
+    """The main thread's CRC setting after another thread switched its own off: True where PyTorch
+    keeps the setting per thread (torch 2.13), False where it is process-wide (torch 2.11)."""
+    torch.serialization.set_crc32_options(True)
+    thread = threading.Thread(target=torch.serialization.set_crc32_options, args=(False,))
+    thread.start()
+    thread.join()
+    seen = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(True)
+    return seen
+
+
 def test_a_background_write_leaves_the_zip_crc_setting_alone(tmp_path, monkeypatch):
     """Training's own torch.save calls run while a background save writes: they keep the CRC,
-    while the background write runs without it (PyTorch keeps the setting per thread)."""
+    while the background write runs without it where PyTorch keeps the setting per thread (with
+    a process-wide setting the background write keeps the CRC instead)."""
+    per_thread = _setting_seen_by_main_after_a_thread_switches_it_off()
     seen, writing, checked = [], threading.Event(), threading.Event()
     real = writer.dcp.save
 
@@ -89,14 +103,15 @@ def test_a_background_write_leaves_the_zip_crc_setting_alone(tmp_path, monkeypat
     thread.join()
     assert during is True, "the main thread's setting while a background save writes"
     writer.save(state(), tmp_path / "fg", ContiguousSavePlanner())
-    assert seen == [False, False], "off for the background save's thread and for the main thread's save"
+    assert seen == [not per_thread, False], \
+        "off for the background save's thread (if per thread) and for the main thread's save"
     assert torch.serialization.get_crc32_options() is True
 
 
 def test_the_crc_setting_probe_tells_per_thread_from_process_wide(monkeypatch):
     """Where PyTorch kept the setting process-wide, a background save would switch it off for
     training too: the probe must say so (a process-wide setting is simulated)."""
-    assert writer._crc_setting_is_per_thread() is True
+    assert writer._crc_setting_is_per_thread() is _setting_seen_by_main_after_a_thread_switches_it_off()
     shared = {"on": True}
     monkeypatch.setattr(torch.serialization, "get_crc32_options", lambda: shared["on"])
     monkeypatch.setattr(torch.serialization, "set_crc32_options", lambda on: shared.update(on=on))

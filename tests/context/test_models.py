@@ -141,7 +141,7 @@ def check_training(arch: str, cp: int, tp: int, comm: str, steps: int = 5):
         assert rel < training_rtol(step), f"{arch} step {step}: loss {mean} vs one process {want.item()}"
 
 
-CASES = [("llama", 2, 1, "p2p"), ("llama", 2, 1, "all_gather"), ("llama", 4, 1, "p2p"), ("llama", 4, 1, "all_gather"),
+CASES = [pytest.param("llama", 2, 1, "p2p", marks=pytest.mark.smoke), ("llama", 2, 1, "all_gather"), ("llama", 4, 1, "p2p"), ("llama", 4, 1, "all_gather"),
          ("gpt2", 2, 1, "p2p"), ("gpt2", 4, 1, "all_gather"), ("gptj", 2, 1, "p2p"), ("gptneo", 2, 1, "p2p"),
          ("gptneo", 4, 1, "p2p"), ("mistral", 2, 1, "all_gather"), ("mistral", 4, 1, "p2p"),
          ("llama", 2, 2, "p2p"), ("gpt2", 2, 2, "all_gather")]

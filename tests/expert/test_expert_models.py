@@ -38,7 +38,7 @@ def expert_parallel_training(arch, ep, tp=1):
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
-@pytest.mark.parametrize("ep,tp,world", [(2, 1, 2), (4, 1, 4), (2, 1, 4), (2, 2, 4)])
+@pytest.mark.parametrize("ep,tp,world", [pytest.param(2, 1, 2, marks=pytest.mark.smoke), (4, 1, 4), (2, 1, 4), (2, 2, 4)])
 def test_expert_parallel_trains_like_one_process(arch, ep, tp, world):
     harness.run(world, expert_parallel_training, arch, ep, tp)
 

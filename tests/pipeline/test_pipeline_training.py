@@ -110,7 +110,7 @@ def one_sgd_step(arch, pp, tp, microbatches, schedule, **extra):
 
 
 CASES = [  # (world, arch, pp, tp, microbatches, schedule)
-    (2, "gpt2", 2, 1, 2, "interleaved"),
+    pytest.param(2, "gpt2", 2, 1, 2, "interleaved", marks=pytest.mark.smoke),
     (2, "gpt2", 2, 1, 4, "interleaved"),
     (2, "gpt2", 2, 1, 2, "simple"),
     (2, "gpt2", 2, 1, 4, "simple"),

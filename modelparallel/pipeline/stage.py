@@ -111,10 +111,11 @@ class _KeepGoing(PipelineStage):
             self.fwd_cache.pop(bwd_chunk_id, None)
             self.bwd_cache[bwd_chunk_id] = (None,)  # one input, the activation
             out = None
-        if not self.is_first:
+        grads = self.bwd_cache.get(bwd_chunk_id)  # none in a forward-only (eval) schedule
+        if not self.is_first and grads is not None:
             shape, dtype = self.activation
             self.bwd_cache[bwd_chunk_id] = tuple(torch.zeros(shape, dtype=dtype, device=self.device)
-                                                 if g is None else g for g in self.bwd_cache[bwd_chunk_id])
+                                                 if g is None else g for g in grads)
         return out
 
 

@@ -280,12 +280,14 @@ def _assigned_state():
     return assigned, smp.state.tensor_parallel_degree, smp.state.tp_size
 
 
-def test_state_accepts_assignments():
+def test_state_accepts_assignments(monkeypatch):
     """v2 scripts set ``state.tensor_parallel_degree`` before ``init`` when they run without the
     library's own implementation; that must neither raise nor outlive the job it was set in."""
+    from modelparallel import runtime
     from modelparallel.state import _State
 
-    state = _State()  # a fresh object: nothing initialized in this process
+    monkeypatch.setattr(runtime, "_RUNTIME", None)  # before init (another test may have run one here)
+    state = _State()
     state.tensor_parallel_degree = 1
     state.expert_parallel_degree = 1
     assert (state.tensor_parallel_degree, state.expert_parallel_degree) == (1, 1)

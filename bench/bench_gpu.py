@@ -172,6 +172,7 @@ def main(argv=None) -> int:
             records.append(run_variant(variant, argv, args))
             print(f"{variant}: {time.perf_counter() - start:.0f} s"
                   + (f" FAILED: {records[-1]['error']}" if "error" in records[-1] else ""), flush=True)
+            print(json.dumps(records[-1]), flush=True)  # a record survives a later variant's time-out
     finally:
         if own_dir:
             shutil.rmtree(args.ckpt_dir, ignore_errors=True)

@@ -263,6 +263,7 @@ def run(args) -> dict:
     device = device_of(args)
     host_base = common.baseline_mb()
     if device.type == "cuda":
+        torch.cuda.set_device(device)  # the allocator's statistics exist only once CUDA is initialized
         torch.cuda.reset_peak_memory_stats(device)
     if args.child == "ckpt-dcp":
         world_of_one(device, cpu_side=True)

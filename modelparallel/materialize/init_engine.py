@@ -122,16 +122,18 @@ class InitEngine:
         table[name] = nn.Parameter(full, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else full
         return table[name]
 
-    @staticmethod
-    def _replay_draws(mod: nn.Module) -> None:
-        """Draw, and discard, what ``mod``'s constructor drew (``nn.Linear``'s kaiming init)."""
+    def _replay_draws(self, mod: nn.Module) -> None:
+        """Draw, and discard, what ``mod``'s constructor drew (``nn.Linear``'s kaiming init), on
+        the device the model is materialized on: each device has its own generator, and the
+        eager build there advanced that one."""
         if not callable(getattr(mod, "reset_parameters", None)) or not mod._parameters:
             return
         saved = dict(mod._parameters)
         try:
             for name, p in saved.items():
                 if p is not None:
-                    mod._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=False)
+                    mod._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=self.device),
+                                                          requires_grad=False)
             with torch.no_grad():
                 mod.reset_parameters()
         finally:

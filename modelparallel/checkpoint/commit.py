@@ -35,10 +35,7 @@ import threading
 import uuid
 from pathlib import Path
 
-try:  # zlib's CRC-32 with SIMD, same values, about 3x faster (pip install modelparallel[fastcrc])
-    from zlib_ng.zlib_ng import crc32
-except ImportError:  # pragma: no cover - depends on the environment
-    from zlib import crc32
+from .crc import crc32
 
 from .errors import CheckpointError
 from .files import check_file, read_small

@@ -10,9 +10,11 @@ raises naming the file if size or CRC32 differ from the manifest when the file i
 destinations are the caller's staging tensors (nothing live changes until every rank read and
 verified everything).
 
-When a chunk maps one-to-one onto a contiguous CPU destination of the saved dtype (same TP/DP
+When a chunk maps one-to-one onto a contiguous destination of the saved dtype (same TP/DP
 layout as at save time, the common resume), its bytes are read straight into the destination:
-no allocation, one copy. The tensor's bytes are found through the zip directory at the end of
+no allocation, one copy (a destination on a GPU: into one reused pinned host buffer, then one
+copy to the device). A file is read and checksummed in pieces on several threads
+(``crc.read_hashed``), so a resume is not held to one core's CRC-32 speed. The tensor's bytes are found through the zip directory at the end of
 the chunk (``torch.save`` writes a zip whose tensor record is stored uncompressed), read ahead
 and hashed when the read reaches it. Only checkpoints written with ``ContiguousSavePlanner``
 take this path: it guarantees every tensor was stored contiguous from offset 0, which the zip
@@ -23,8 +25,11 @@ read whole and loaded with ``torch.load(weights_only=True)``.
 from __future__ import annotations
 
 import io
+import os
 import struct
 import sys
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
@@ -43,6 +48,8 @@ _LOCAL_HEADER = struct.Struct("<4s22xHH")
 _CENTRAL = struct.Struct("<4s6xH8xIIHHH8xI")
 _END = struct.Struct("<4s6xHII2x")
 _TAIL = 1 << 14  # torch.save's central directory and end records are well under 2 KiB
+READ_THREADS = 8
+"""At most this many threads read and checksum one rank's files (fewer on fewer cores)."""
 
 
 class ContiguousSavePlanner(DefaultSavePlanner):
@@ -119,10 +126,37 @@ def _payload(head: bytes, local: int) -> int | None:
     return local + _LOCAL_HEADER.size + name_len + extra_len if signature == b"PK\x03\x04" else None
 
 
-def _read_into(reader: VerifiedReader, target: torch.Tensor) -> None:
-    """Fill the contiguous CPU ``target`` with the reader's next bytes (one seam, so a test can
-    watch which reads take the direct path)."""
-    reader.read_into(memoryview(target.view(-1).view(torch.uint8).numpy()))
+def _read_into(reader: VerifiedReader, target: torch.Tensor, host: torch.Tensor | None = None) -> None:
+    """Fill the contiguous ``target`` with the reader's next bytes (one seam, so a test can
+    watch which reads take the direct path). A ``target`` off the CPU is filled through
+    ``host``, a CPU byte buffer of its size (pinned for CUDA), in one copy."""
+    raw = target.view(-1).view(torch.uint8)
+    if target.device.type == "cpu":
+        reader.read_into(memoryview(raw.numpy()))
+        return
+    reader.read_into(memoryview(host.numpy()))
+    raw.copy_(host)
+
+
+def _threads() -> int:
+    """Threads one rank's load reads and checksums with: reading from the page cache and CRC-32
+    are both one core's work per thread."""
+    return max(1, min(READ_THREADS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                      else os.cpu_count() or 1))
+
+
+class _HostBuffer:
+    """One CPU byte buffer reused for every chunk a load reads on its way to a device: grown to
+    the largest chunk, pinned for CUDA so the copy runs at the link's speed."""
+
+    def __init__(self):
+        self.buf: torch.Tensor | None = None
+
+    def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        if self.buf is None or self.buf.numel() < nbytes:
+            self.buf = None
+            self.buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        return self.buf[:nbytes]
 
 
 class FastReader(FileSystemReader):
@@ -132,6 +166,7 @@ class FastReader(FileSystemReader):
     def __init__(self, files: CheckpointFiles, part: str, contiguous: bool):
         super().__init__(files.directory / part)
         self.files, self.part, self.contiguous = files, part, contiguous
+        self._host = _HostBuffer()
 
     def read_metadata(self, *args, **kwargs):
         from torch.distributed.checkpoint.metadata import StorageMeta
@@ -153,12 +188,14 @@ class FastReader(FileSystemReader):
                 else info.relative_path
             self.files.entry(rel)  # listed, or refused naming it: DCP's metadata may name any path
             by_file.setdefault(rel, {}).setdefault((info.offset, info.length), []).append(item)
-        for rel in sorted(by_file):
-            with self.files.reader(rel) as reader:
-                for (offset, length), reqs in sorted(by_file[rel].items()):
-                    reader.skip_to(offset)
-                    self._read_chunk(reader, length, reqs, planner)
-                reader.finish()
+        with ThreadPoolExecutor(_threads(), thread_name_prefix="checkpoint-reader") as pool:
+            for rel in sorted(by_file):
+                with self.files.reader(rel, pool) as reader:
+                    for (offset, length), reqs in sorted(by_file[rel].items()):
+                        reader.skip_to(offset)
+                        self._read_chunk(reader, length, reqs, planner)
+                    reader.finish()
+        self._host.buf = None  # a pinned buffer is not kept past the load
         done: Future = Future()
         done.set_result(None)
         return done
@@ -168,7 +205,10 @@ class FastReader(FileSystemReader):
         prefix = self._read_direct(reader, length, reqs[0], planner) if len(reqs) == 1 else b""
         if prefix is None:
             return
-        data = io.BytesIO(bytes(prefix) + bytes(reader.read(length - len(prefix))))
+        whole = bytearray(length)
+        whole[:len(prefix)] = prefix
+        reader.read_into(memoryview(whole)[len(prefix):])
+        data = io.BytesIO(whole)
         tensor = None
         for req in reqs:
             data.seek(0)
@@ -197,7 +237,7 @@ class FastReader(FileSystemReader):
             return b""
         target = planner.resolve_tensor(req).detach()
         saved = planner.metadata.state_dict_metadata.get(req.storage_index.fqn)
-        if target.device.type != "cpu" or not target.is_contiguous() or target.numel() == 0 \
+        if not target.is_contiguous() or target.numel() == 0 \
                 or getattr(getattr(saved, "properties", None), "dtype", None) != target.dtype \
                 or tuple(req.lengths) != tuple(target.shape):
             return b""
@@ -216,6 +256,6 @@ class FastReader(FileSystemReader):
         head += reader.read(data_at - len(head))
         if bytes(head[order_at:order_at + 6]) != b"little" or data_at + nbytes > length:
             return head
-        _read_into(reader, target)
+        _read_into(reader, target, None if target.device.type == "cpu" else self._host.take(nbytes, target.device))
         planner.commit_tensor(req, target)
         return None

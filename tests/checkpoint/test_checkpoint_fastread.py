@@ -64,7 +64,7 @@ def load(target: dict, path, contiguous: bool, monkeypatch) -> list[str]:
     """Load and return the keys that took the direct path."""
     direct = []
     real = fastread._read_into
-    monkeypatch.setattr(fastread, "_read_into", lambda r, t: (direct.append(t.shape), real(r, t)))
+    monkeypatch.setattr(fastread, "_read_into", lambda r, t, h=None: (direct.append(t.shape), real(r, t, h)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(target, storage_reader=reader(path, contiguous))
@@ -163,3 +163,23 @@ def test_a_flipped_byte_is_refused_naming_the_file(tmp_path, contiguous):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             dcp.load({"w": torch.zeros(4096)}, storage_reader=reader(tmp_path, contiguous))
+
+
+def test_files_read_in_pieces_on_threads_load_and_verify_as_one_pass(tmp_path, monkeypatch):
+    """A file larger than ``crc.PIECE`` is read and checksummed on several threads: what loads
+    equals what was saved, and a flipped byte in any piece is still refused."""
+    from modelparallel.checkpoint import crc
+
+    monkeypatch.setattr(crc, "PIECE", 4096)
+    monkeypatch.setattr(crc, "_SHIFT_PIECE", crc._shift(4096))
+    state = saved_state() | {"big": torch.randn(40, 1000, generator=torch.Generator().manual_seed(2))}
+    save(state, tmp_path, contiguous=True)
+    target = fresh_like(state)
+    assert torch.Size([40, 1000]) in load(target, tmp_path, True, monkeypatch)
+    assert_loaded(target, state)
+    victim = tmp_path / "part" / "__0_0.distcp"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 3] ^= 4
+    victim.write_bytes(bytes(data))
+    with pytest.raises(BaseException, match=r"__0_0.distcp: CRC32 \w{8}, manifest says \w{8} \(corrupted\)"):
+        load(fresh_like(state), tmp_path, True, monkeypatch)

@@ -4,7 +4,7 @@ comparing the ``smp.nn`` distributed modules against.
 
 Written independently of the library. Where the appendix returns a block's output without the
 residual when ``post_layernorm=False``, this reference adds the residual (pre-layer-norm
-transformers such as GPT-2 need it; the README states the choice).
+transformers such as GPT-2 need it; docs/models.md states the choice).
 """
 
 from __future__ import annotations

@@ -103,14 +103,14 @@ def test_the_training_batch_goes_to_the_ranks_device(monkeypatch):
 
 
 def _readme_gpu_commands() -> list[list[str]]:
-    """The command lines of the README's "On GPUs" block, without comments."""
-    text = (ROOT / "README.md").read_text()
+    """The command lines of the "On GPUs" block of docs/gpus.md, without comments."""
+    text = (ROOT / "docs" / "gpus.md").read_text()
     block = text.split("## On GPUs", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     return [shlex.split(line) for line in block.splitlines() if line.strip() and not line.startswith("#")]
 
 
 def test_the_readme_gpu_commands_pass_the_checks(monkeypatch, tmp_path):
-    """Every ``train`` line of the README's GPU quick start is accepted as written (the first on a
+    """Every ``train`` line of the GPU quick start in docs/gpus.md is accepted as written (the first on a
     one-GPU machine, the others on machines with 8), under torchrun as one of its 8 ranks too."""
     commands = _readme_gpu_commands()
     assert len(commands) == 5, commands

@@ -17,7 +17,8 @@ A GPT-2 of about 355M parameters (gpt2-medium's shape: n_embd 1024, 24 layers, 1
 Times are the slowest rank's; a warm-up round is not counted, the order of ours and DCP
 alternates between repeats and medians are reported. The headline is the speed ratio (DCP's
 time / ours for the same model state; DCP also writes the tied embedding twice); MB/s are each
-one's bytes on disk over its time. Warm loads read from the page cache for both. Then a full export
+one's bytes on disk over its time. Warm loads read from the page cache for both (each directory is
+read once before: our save drops what it wrote from the cache). Then a full export
 (``partial=False``) of the same model: peak RSS above the process's RSS just before it (VmHWM
 reset through ``/proc/self/clear_refs``), compared with the largest tensor (target: <= 2x).
 
@@ -57,16 +58,6 @@ def _timed(fn) -> float:
     start = time.perf_counter()
     fn()
     return common.slowest([time.perf_counter() - start])[0]
-
-
-def _evict(directory: Path) -> None:
-    """Drop the directory's files from the page cache (they are clean: both savers fsync), so the
-    next load reads the disk as a job resuming after a restart would."""
-    for f in directory.rglob("*"):
-        if f.is_file():
-            fd = os.open(f, os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
 
 
 def _dcp_save(model, optimizer, directory: Path) -> None:
@@ -120,8 +111,8 @@ def _partial_runs(model, optimizer, work: Path, repeats: int) -> dict:
         sizes = {"ours": _dir_bytes(work / "ours" / f"r{r}_partial"), "dcp": _dir_bytes(dcp_dir)}
         for kind in ("load", "cold_load"):
             for who in order:
-                if kind == "cold_load" and smp.rank() == 0:
-                    _evict(work / "ours" if who == "ours" else dcp_dir)
+                if smp.rank() == 0:  # warm: both from the page cache; cold: both from disk
+                    (common.evict if kind == "cold_load" else common.cache)(work / "ours" if who == "ours" else dcp_dir)
                 rows[f"{who}_{kind}"].append(_timed(
                     (lambda: smp.resume_from_checkpoint(work / "ours")) if who == "ours"
                     else (lambda: _dcp_load(model, optimizer, dcp_dir))))

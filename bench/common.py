@@ -230,6 +230,27 @@ def reset_peak() -> float:
 
 # ---- machine and results -------------------------------------------------------------------------
 
+def evict(directory: str | Path) -> None:
+    """Drop a directory's files from the page cache (they must be clean: written and fsynced), so
+    the next load reads the disk, as a job resuming after a restart does."""
+    for f in Path(directory).rglob("*"):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+
+
+def cache(directory: str | Path) -> None:
+    """Read a directory's files once, so the next load reads the page cache. Both sides of a
+    warm comparison need it: a saver that drops what it wrote from the cache (ours does, to
+    keep the job's memory) would otherwise be timed from disk against one read from memory."""
+    for f in Path(directory).rglob("*"):
+        if f.is_file():
+            with open(f, "rb", buffering=0) as fh:
+                while fh.read(1 << 24):
+                    pass
+
+
 def load_average() -> list[float]:
     """The 1, 5 and 15-minute load averages (above the core count: the cores were shared)."""
     return [round(x, 2) for x in os.getloadavg()]

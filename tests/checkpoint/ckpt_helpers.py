@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import modelparallel as smp
-from modelparallel.checkpoint import commit
+from modelparallel.checkpoint.safety import commit
 
 
 def cfg(vocab: int = 64, **kw) -> GPT2Config:

@@ -23,7 +23,7 @@ import harness
 import modelparallel as smp
 from modelparallel import runtime
 from modelparallel.materialize import safetensors_io
-from modelparallel.checkpoint import commit
+from modelparallel.checkpoint.safety import commit
 from reference import as_hf
 
 

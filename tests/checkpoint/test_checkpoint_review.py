@@ -23,7 +23,7 @@ import torch
 import harness
 import modelparallel as smp
 from ckpt_helpers import build, changed, error_of, on_rank0, refresh_manifest, snapshot
-from modelparallel.checkpoint import commit
+from modelparallel.checkpoint.safety import commit
 
 
 def other_kinds(path: str) -> dict:
@@ -96,7 +96,7 @@ def test_retention_deletes_only_what_the_library_wrote(tmp_path):
 
 
 def test_an_oversized_manifest_is_refused_before_it_is_read(tmp_path):
-    from modelparallel.checkpoint import manifest
+    from modelparallel.checkpoint.safety import manifest
 
     (tmp_path / "big_partial").mkdir()
     with open(tmp_path / "big_partial" / commit.MANIFEST, "wb") as f:

@@ -3,7 +3,7 @@
 
 A failure in the first test means such values were refused or came back changed (type, dtype,
 value); in the others, that a value outside the allow-list was stored, or that a crafted file
-could make the loader build a class of its choosing (modelparallel/checkpoint/plain.py).
+could make the loader build a class of its choosing (modelparallel/checkpoint/format/plain.py).
 """
 
 import collections
@@ -18,7 +18,7 @@ from transformers import GPT2Config, LlamaConfig, PretrainedConfig
 import harness
 import modelparallel as smp
 from ckpt_helpers import build, error_of
-from modelparallel.checkpoint import plain
+from modelparallel.checkpoint.format import plain
 
 
 def content():

@@ -13,18 +13,17 @@ from typing import Any, Callable
 
 from .. import runtime
 from ..utils.utils import paused_gc
-from .safety import commit
-from .format import export_dtype
-from .save import full
-from .load import full_load, partial_load
-from .sagemaker import single_file
 from .background.async_save import AsyncSaver
-from .save import partial as partial_ckpt
+from .format import export_dtype
+from .load import full_load, partial_load
+from .load.journal import Policy, check_policy
+from .load.parts import LoadReport, USER_CONTENT, read_user_content
+from .load.pending import PendingResume
+from .safety import commit
 from .safety.errors import run_phase
 from .safety.files import CheckpointFiles
-from .load.journal import Policy, check_policy
-from .load.parts import USER_CONTENT, LoadReport, read_user_content
-from .load.pending import PendingResume
+from .sagemaker import single_file
+from .save import full, partial as partial_ckpt
 
 
 @paused_gc()

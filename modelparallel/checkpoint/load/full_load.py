@@ -28,9 +28,9 @@ from ...materialize.safetensors_io import DTYPES
 from ...pipeline.split import elsewhere
 from ...tp.layout import local_part, shard_of
 from ..format import layouts, model_config
-from . import parts, staging
 from ..safety.errors import run_phase
 from ..safety.files import CheckpointFiles, CorruptFileError
+from . import parts, staging
 from .journal import Policy
 from .parts import LoadReport
 

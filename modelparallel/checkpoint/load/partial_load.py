@@ -26,14 +26,14 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from ...pipeline.split import elsewhere
-from ..safety import commit
 from ..format import model_config
-from . import optim_part, parts, staging
+from ..safety import commit
 from ..safety.errors import run_phase, single_error
 from ..safety.files import CheckpointFiles, fstat, open_inside
+from ..save.partial import MODEL, OPTIMIZER, check_architecture
+from . import optim_part, parts, staging
 from .journal import BucketPlanner, Cost, Journal, Policy
 from .parts import LoadReport
-from ..save.partial import MODEL, OPTIMIZER, check_architecture
 
 
 def _rank_world() -> tuple[int, int]:

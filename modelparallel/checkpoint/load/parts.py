@@ -29,16 +29,16 @@ from ...compat import flatten_state_dict, set_element
 from ...materialize.state_dict import LoadReport
 from ...pipeline.split import saved_names
 from ...tp.layout import tie_groups
-from ..safety import commit
-from ..save import writer
-from ..save.stream import named
-from ..safety.errors import cause, origin
-from ..safety.lock import job_lock
-from ..save.planner import ContiguousSavePlanner
-from .fastread import FastReader, SafeLoadPlanner
-from ..safety.files import CheckpointFiles
 from ..format.plain import to_plain
+from ..safety import commit
+from ..safety.errors import cause, origin
+from ..safety.files import CheckpointFiles
+from ..safety.lock import job_lock
 from ..safety.safe_load import check_loadable, rebuild, torch_load
+from ..save import writer
+from ..save.planner import ContiguousSavePlanner
+from ..save.stream import named
+from .fastread import FastReader, SafeLoadPlanner
 
 USER_CONTENT = "user_content.pt"
 CONTIGUOUS = "contiguous"  # manifest "tensor_layout": tensors stored contiguous (fastread's direct path)

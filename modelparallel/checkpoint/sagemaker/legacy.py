@@ -28,9 +28,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ... import runtime
 from ...tp.layout import assemble
+from ..format.plain import to_plain
 from ..safety import commit
 from ..safety.files import read_path
-from ..format.plain import to_plain
 from ..safety.safe_load import rebuild, torch_load
 
 RECORD = "__modelparallel_shard__"

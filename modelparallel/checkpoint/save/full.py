@@ -31,12 +31,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from ... import runtime
 from ...tp.layout import block_slices, local_block
 from ..background import async_full
-from ..safety import commit
 from ..format import export_dtype, layouts
+from ..format.layouts import Items
 from ..load import parts
+from ..safety import commit
 from ..safety.errors import run_phase
 from ..safety.files import CheckpointFiles, read_verified
-from ..format.layouts import Items
 from .partial import describe
 from .shards import ShardWriter, plan_shards
 

@@ -19,11 +19,11 @@ import torch.distributed as dist
 
 from ... import runtime
 from ...tp.layout import local_part
-from ..safety import commit
 from ..format import model_config
 from ..load import optim_part, parts
-from ..safety.errors import run_phase
 from ..load.parts import CONTIGUOUS
+from ..safety import commit
+from ..safety.errors import run_phase
 
 FORMAT = "modelparallel-partial"
 MODEL, OPTIMIZER = "model", "optimizer"

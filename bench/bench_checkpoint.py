@@ -8,7 +8,7 @@ A GPT-2 of about 355M parameters (gpt2-medium's shape: n_embd 1024, 24 layers, 1
 * ``dcp save``: ``torch.distributed.checkpoint.save`` of the same two state dicts (the model's
   ``state_dict()`` and ``get_optimizer_state_dict``), fsynced as DCP does by default;
 * ``ours load``: ``smp.resume_from_checkpoint`` (checksum verification of every file first, key
-  checks, then DCP's load with ``checkpoint/fastread.py``'s reader: same-layout chunks are read
+  checks, then DCP's load with ``checkpoint/load/fastread.py``'s reader: same-layout chunks are read
   straight into the model's and optimizer's tensors);
 * ``dcp load``: ``dcp.load`` of both + ``set_optimizer_state_dict``;
 * the same two loads again after the files are dropped from the page cache (``cold_load``): what

@@ -51,7 +51,7 @@ WRITEBACK = 32 << 20
 class _Pacer:
     """Write-back as a writer of one file paces it: none, started every ``every`` bytes, or
     started and then waited for and dropped from the page cache one range later (``drop``: the
-    save's policy, ``modelparallel/checkpoint/stream.py``)."""
+    save's policy, ``modelparallel/checkpoint/save/stream.py``)."""
 
     def __init__(self, fd: int, every: int | None, drop: bool = False):
         self.fd, self.every, self.drop = fd, every, drop
@@ -107,7 +107,7 @@ def _disk(work: Path, nbytes: int, writeback: int | None, files: int = 1, drop: 
 def _resolved_tensors(save) -> list:
     """The tensors ``save()`` writes on this rank (what its planner resolves: the rank's own
     shards after the dedup, made contiguous), kept by reference."""
-    from modelparallel.checkpoint.fastread import ContiguousSavePlanner
+    from modelparallel.checkpoint.save.planner import ContiguousSavePlanner
 
     seen, original = [], ContiguousSavePlanner.resolve_data
 

@@ -66,6 +66,10 @@ class Runtime:
     checkpoint_saver: Any = None
     """The job's background checkpoint writer (``checkpoint.async_save.AsyncSaver``), made at its
     first asynchronous save."""
+    checkpoint_queue: Any = None
+    """SageMaker v2's default queue of asynchronous saves and its plan cache
+    (``distributed.checkpoint.async_utils.AsyncCallsQueue``), made at the job's first v2 save
+    that names no queue."""
     _groups: dict = field(default_factory=dict)
     """Process groups spanning several mesh dimensions, made by ``init`` (every rank at once)."""
     _object_group: Any = None

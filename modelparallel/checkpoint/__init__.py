@@ -7,11 +7,11 @@
 
 from .api import (checkpoint_staging_bytes, last_load_report, resume_from_checkpoint, save_checkpoint,
                   wait_for_checkpoints)
-from .errors import CheckpointError
-from .journal import JournalError
-from .legacy import load, save
-from .parts import LoadReport
-from .safe_load import UnsafeCheckpointError
+from .load.journal import JournalError
+from .load.parts import LoadReport
+from .safety.errors import CheckpointError
+from .safety.safe_load import UnsafeCheckpointError
+from .sagemaker.legacy import load, save
 
 __all__ = ["CheckpointError", "JournalError", "LoadReport", "checkpoint_staging_bytes", "last_load_report", "load",
            "resume_from_checkpoint", "save", "save_checkpoint", "UnsafeCheckpointError", "wait_for_checkpoints"]

@@ -13,14 +13,17 @@ from typing import Any, Callable
 
 from .. import runtime
 from ..utils.utils import paused_gc
-from . import commit, export_dtype, full, full_load, partial_load, single_file
-from .async_save import AsyncSaver
-from . import partial as partial_ckpt
-from .errors import run_phase
-from .files import CheckpointFiles
-from .journal import Policy, check_policy
-from .parts import USER_CONTENT, LoadReport, read_user_content
-from .pending import PendingResume
+from .background.async_save import AsyncSaver
+from .format import export_dtype
+from .load import full_load, partial_load
+from .load.journal import Policy, check_policy
+from .load.parts import LoadReport, USER_CONTENT, read_user_content
+from .load.pending import PendingResume
+from .safety import commit
+from .safety.errors import run_phase
+from .safety.files import CheckpointFiles
+from .sagemaker import single_file
+from .save import full, partial as partial_ckpt
 
 
 @paused_gc()

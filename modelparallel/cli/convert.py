@@ -39,7 +39,7 @@ def _read_state_dict(directory: Path) -> dict:
 
 def _read_config(source: Path) -> dict:
     """``source/config.json`` as a dict, or an error saying what ``source`` is instead."""
-    from ..checkpoint.manifest import MANIFEST
+    from ..checkpoint.safety.manifest import MANIFEST
 
     if not source.exists():
         raise FileNotFoundError(f"{source}: no such directory")
@@ -110,8 +110,8 @@ def _write_both(dest: Path, config: bytes, write_weights) -> None:
     """``config.json`` and ``model.safetensors`` written under temporary names, fsynced, then
     renamed into place (config first): a failure leaves no weights file (so a rerun is not
     refused) and no temporary; its error names the file."""
-    from ..checkpoint import commit
-    from ..checkpoint.stream import named
+    from ..checkpoint.safety import commit
+    from ..checkpoint.save.stream import named
 
     nonce = commit.new_nonce()
     temps = {name: dest / commit.hidden_name("tmp", nonce, name) for name in ("config.json", "model.safetensors")}
@@ -150,7 +150,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Convert; a bad input is one line naming the file, exit status 2."""
     from safetensors import SafetensorError
 
-    from ..checkpoint.errors import CheckpointError
+    from ..checkpoint.safety.errors import CheckpointError
 
     try:
         out = convert(args.source, args.dest, args.to)

@@ -35,7 +35,7 @@ def _size(n: int) -> str:
 
 def describe(directory: Path, verify: bool) -> dict:
     """One checkpoint's report: kind, tag, saved time, model, layout, size, checksum problems."""
-    from ..checkpoint import commit
+    from ..checkpoint.safety import commit
 
     try:
         m = commit.read_manifest(directory)
@@ -61,7 +61,7 @@ def describe(directory: Path, verify: bool) -> dict:
 
 def scan(path: Path, verify: bool) -> dict:
     """The whole directory's report."""
-    from ..checkpoint import commit
+    from ..checkpoint.safety import commit
 
     if (path / commit.MANIFEST).is_file():
         return {"path": str(path), "newest": None, "checkpoints": [describe(path, verify)], "leftovers": [],

@@ -45,7 +45,7 @@ def tag_step(tag: str) -> int | None:
 
 def saved_tags(ckpt_dir: Path) -> list[str]:
     """Tags of the complete partial checkpoints in ``ckpt_dir``, newest first."""
-    from ..checkpoint import commit
+    from ..checkpoint.safety import commit
 
     if not ckpt_dir.is_dir():
         return []
@@ -54,7 +54,7 @@ def saved_tags(ckpt_dir: Path) -> list[str]:
 
 def damage(ckpt_dir: Path, tag: str) -> list[str]:
     """Every file of checkpoint ``tag`` that is missing or fails its checksum (empty if intact)."""
-    from ..checkpoint import commit
+    from ..checkpoint.safety import commit
 
     directory = ckpt_dir / (tag + PARTIAL)
     try:
@@ -82,7 +82,7 @@ def _nothing_there(ckpt_dir: Path, how: str) -> str:
 def _newest(ckpt_dir: Path, verify: bool) -> tuple[str | None, str, list[str]]:
     """(tag, note, problems) of ``--resume``: the checkpoint ``newest`` names; without that file,
     the intact ``train`` checkpoint committed last, with a note saying so."""
-    from ..checkpoint import commit
+    from ..checkpoint.safety import commit
 
     newest = commit.read_newest(ckpt_dir) if ckpt_dir.is_dir() else None
     tags = saved_tags(ckpt_dir)
@@ -173,7 +173,8 @@ def foreign_problems(out: Path, tag: str | None, save_every: int) -> list[str]:
 def config_problems(out: Path, tag: str, config) -> list[str]:
     """How checkpoint ``tag`` was saved from another model than ``config`` (empty if the same),
     read from its manifest: the ranks' load would refuse it after launch."""
-    from ..checkpoint import commit, model_config
+    from ..checkpoint.safety import commit
+    from ..checkpoint.format import model_config
 
     try:
         manifest = commit.read_manifest(checkpoint_dir(out) / (tag + PARTIAL))

@@ -46,7 +46,7 @@ def launch_ranks(args: argparse.Namespace) -> int:
 
 
 def _newest_step(args: argparse.Namespace) -> str:
-    from ..checkpoint import commit
+    from ..checkpoint.safety import commit
 
     ckpt_dir = resume.checkpoint_dir(args.out)
     newest = commit.read_newest(ckpt_dir) if ckpt_dir.is_dir() else None

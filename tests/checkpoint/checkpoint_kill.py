@@ -79,7 +79,7 @@ def _job(rank: int, root: Path, trial: int, kill_at: int, store: str) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     import modelparallel as smp
-    from modelparallel.checkpoint import commit
+    from modelparallel.checkpoint.safety import commit
 
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
                             timeout=timedelta(seconds=30))
@@ -189,7 +189,7 @@ def _verify(root: Path) -> str | None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from modelparallel.checkpoint import commit
+    from modelparallel.checkpoint.safety import commit
 
     ckpt = root / "ckpt"
     full = os.environ.get(FULL_ENV) == "1"

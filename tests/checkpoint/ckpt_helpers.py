@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import modelparallel as smp
-from modelparallel.checkpoint import commit
+from modelparallel.checkpoint.safety import commit
 
 
 def cfg(vocab: int = 64, **kw) -> GPT2Config:
@@ -24,16 +24,19 @@ def cfg(vocab: int = 64, **kw) -> GPT2Config:
 
 
 def build(seed: int = 0, tp: int = 2, steps: int = 1, optimizer_cls=torch.optim.AdamW, init: bool = True,
-          **cfg_kw):
+          groups: int = 1, **cfg_kw):
     """A DistributedModel and DistributedOptimizer that took ``steps`` steps (so the optimizer
-    has state); ``seed`` changes the initial weights. ``init=False`` builds in the running job
+    has state); ``seed`` changes the initial weights; ``groups=2`` gives the optimizer two
+    parameter groups (the first parameter, the rest). ``init=False`` builds in the running job
     (each ``smp.init`` makes new process groups, whose threads live as long as the process)."""
     if init:
         smp.init({"tensor_parallel_degree": tp, "random_seed": seed})
     else:
         torch.manual_seed(seed)
     model = smp.DistributedModel(GPT2LMHeadModel(cfg(**cfg_kw)))
-    optimizer = smp.DistributedOptimizer(optimizer_cls(model.parameters(), lr=1e-2))
+    params = list(model.parameters())
+    split = [params] if groups == 1 else [params[:1], params[1:]]
+    optimizer = smp.DistributedOptimizer(optimizer_cls([{"params": p} for p in split], lr=1e-2))
     vocab = model.module.config.vocab_size
     for step in range(steps):
         ids = (torch.arange(8).reshape(1, 8) * (step + seed + 1)) % vocab

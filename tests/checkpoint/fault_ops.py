@@ -18,7 +18,7 @@ import torch
 import modelparallel as smp
 from ckpt_helpers import build, changed, snapshot
 from modelparallel import runtime
-from modelparallel.checkpoint import commit
+from modelparallel.checkpoint.safety import commit
 from modelparallel.distributed.checkpoint.state_dict_loader import load as v2_load
 from modelparallel.distributed.checkpoint.state_dict_saver import save as v2_save
 

@@ -212,7 +212,7 @@ def inject(root, fail_at: int = 0, kind: str = "error", only: set[str] | None = 
     import safetensors.torch
     import torch
 
-    from modelparallel.checkpoint import commit
+    from modelparallel.checkpoint.safety import commit
     from modelparallel.materialize import safetensors_io
 
     counter = Counter(str(root), fail_at, kind, only)

@@ -16,7 +16,7 @@ def read_weights(directory: Path) -> dict[str, torch.Tensor]:
     translated back to the distributed model's keys and shapes)."""
     from safetensors.torch import load_file
 
-    from modelparallel.checkpoint import layouts
+    from modelparallel.checkpoint.format import layouts
 
     back = layouts.translation("gpt2", False)
     got = {}

@@ -28,7 +28,9 @@ def _rank(rank: int, root: Path, phase: str) -> None:
     import torch.distributed as dist
 
     import modelparallel as smp
-    from modelparallel.checkpoint import async_save, fastread, partial
+    from modelparallel.checkpoint.background import async_save
+    from modelparallel.checkpoint.load import fastread
+    from modelparallel.checkpoint.save import partial
 
     dist.init_process_group("gloo", store=dist.FileStore(str(root / "store"), 2), rank=rank, world_size=2,
                             timeout=timedelta(seconds=TIMEOUT_S[phase]))

@@ -1,6 +1,6 @@
 """Partial checkpoints reshard: saved at one TP/DP layout, loaded bit-exactly at another.
 
-A failure here means a partial checkpoint (modelparallel/checkpoint/partial.py, parts.py) lost or
+A failure here means a partial checkpoint (modelparallel/checkpoint/save/partial.py, parts.py) lost or
 reordered values: look first at the first tensor named in the assertion. Model and optimizer
 state (exp_avg, exp_avg_sq, step) are compared with ``torch.equal`` against the values gathered
 before the save; the vocabulary (1001) divides by no degree used here. Training resumed from a

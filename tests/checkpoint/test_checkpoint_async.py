@@ -3,7 +3,7 @@ are what is saved, one save is in flight at a time, staging buffers are reused, 
 failure is raised on every rank and loses nothing, an exit without waiting still commits, and
 the jobs of one process share one background process group.
 
-A failure means the background writer (modelparallel/checkpoint/async_save.py) or the split of
+A failure means the background writer (modelparallel/checkpoint/background/async_save.py) or the split of
 a save into staging and background phases (partial.py ``save`` / ``_Phases``) broke a guarantee
 of synchronous saves. Multi-rank scenarios run on 2 ranks at TP=2.
 """
@@ -22,7 +22,7 @@ import modelparallel as smp
 from modelparallel import runtime
 from ckpt_helpers import build, changed, error_of, snapshot
 from faults import WRITES, inject
-from modelparallel.checkpoint import commit
+from modelparallel.checkpoint.safety import commit
 
 
 def _step(model, optimizer) -> None:
@@ -33,7 +33,7 @@ def _step(model, optimizer) -> None:
 
 
 def values_of_the_call(path: str, sync_every: int | None = None) -> dict:
-    from modelparallel.checkpoint import stream
+    from modelparallel.checkpoint.save import stream
 
     before = stream.SYNC_EVERY
     if sync_every is not None:  # ranges this small: the background writer drops behind many times
@@ -132,7 +132,7 @@ EXIT_SCRIPT = textwrap.dedent("""
     import torch
     import modelparallel as smp
     from transformers import GPT2Config, GPT2LMHeadModel
-    from modelparallel.checkpoint import partial
+    from modelparallel.checkpoint.save import partial
     smp.init({"tensor_parallel_degree": 1})
     model = smp.DistributedModel(GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=64,
                                                             n_positions=8)))

@@ -2,7 +2,7 @@
 values of the call are what is saved (a Hugging Face directory and SageMaker's single file), and a
 failure of rank 0's background write is raised on every rank and leaves the previous newest.
 
-A failure means modelparallel/checkpoint/async_full.py (rank 0's collected copy, the background
+A failure means modelparallel/checkpoint/background/async_full.py (rank 0's collected copy, the background
 phase) or the async branches of full.py / single_file.py let training reach the checkpoint, lost
 an error, or moved ``newest`` before the checkpoint was durable. 2 ranks at TP=2.
 """
@@ -16,7 +16,9 @@ import harness
 import modelparallel as smp
 from ckpt_helpers import build, changed, error_of, snapshot
 from faults import WRITES, inject
-from modelparallel.checkpoint import commit, full, single_file
+from modelparallel.checkpoint.safety import commit
+from modelparallel.checkpoint.save import full
+from modelparallel.checkpoint.sagemaker import single_file
 
 
 def _train_and_touch(model, optimizer) -> None:

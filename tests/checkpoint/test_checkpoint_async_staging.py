@@ -2,7 +2,7 @@
 parameters and optimizer slots are copied by the background thread, the optimizer's next step
 waits for that copy, and a parameter changed in place another way before its copy fails the save.
 
-A failure means modelparallel/checkpoint/async_save.py (``Stager.stage``'s deferred copies,
+A failure means modelparallel/checkpoint/background/async_save.py (``Stager.stage``'s deferred copies,
 ``Stager.copy_deferred``'s version check, ``Job.hold``) or partial.py's ``step_only`` let a
 change after the call reach the checkpoint, let a step run before staging ended, or let a torn
 copy be committed. Staging is paused with the stager's ``before_copy`` hook, so the order of
@@ -18,7 +18,7 @@ import torch
 import harness
 import modelparallel as smp
 from modelparallel import runtime
-from modelparallel.checkpoint import commit
+from modelparallel.checkpoint.safety import commit
 from modelparallel.checkpoint.api import _saver
 from ckpt_helpers import build, changed, error_of, snapshot
 
@@ -208,7 +208,7 @@ def test_changes_through_data_and_numpy_fail_the_save(tmp_path):
 def test_the_stager_compares_bytes_for_every_dtype_and_copies_views_at_once():
     """One process: a bf16 tensor changed through ``.data`` after ``defer`` is named; a
     non-contiguous view is copied in the call (its later change does not reach the buffer)."""
-    from modelparallel.checkpoint.async_save import Stager, StagedTensorChanged
+    from modelparallel.checkpoint.background.async_save import Stager, StagedTensorChanged
 
     stager = Stager()
     half = torch.arange(64, dtype=torch.bfloat16)

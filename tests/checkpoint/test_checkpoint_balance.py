@@ -1,4 +1,4 @@
-"""Which rank writes an entry several ranks hold (modelparallel/checkpoint/balance.py).
+"""Which rank writes an entry several ranks hold (modelparallel/checkpoint/save/planner.py).
 
 A failure means a replicated entry is written twice or not at all (the checkpoint would not
 validate or would lose it), or that the shared entries pile up on one rank again (every save
@@ -9,7 +9,7 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from modelparallel.checkpoint.balance import ITEM_COST, balanced
+from modelparallel.checkpoint.save.planner import ITEM_COST, balanced
 
 
 def item(name: str, numel: int) -> WriteItem:

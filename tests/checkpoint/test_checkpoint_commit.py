@@ -1,4 +1,4 @@
-"""Crash-safe commit, ``newest`` and retention (modelparallel/checkpoint/commit.py).
+"""Crash-safe commit, ``newest`` and retention (modelparallel/checkpoint/safety/commit.py).
 
 A failure means a checkpoint could become visible before it is complete, a good checkpoint
 could be deleted, or a leftover could be mistaken for a checkpoint. The file-level rules are
@@ -13,7 +13,7 @@ import torch
 import harness
 import modelparallel as smp
 from modelparallel.cli import main
-from modelparallel.checkpoint import commit
+from modelparallel.checkpoint.safety import commit
 
 
 def fake_checkpoint(root, name, saved_at, content=b"x"):

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from modelparallel.checkpoint import crc
+from modelparallel.checkpoint.safety import crc
 
 
 def test_combine_equals_zlib_over_the_concatenation():

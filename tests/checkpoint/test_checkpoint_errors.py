@@ -16,7 +16,7 @@ from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadMo
 
 import harness
 import modelparallel as smp
-from modelparallel.checkpoint import commit
+from modelparallel.checkpoint.safety import commit
 
 MANIFEST = commit.MANIFEST
 
@@ -186,7 +186,7 @@ def test_failure_on_one_rank_raises_on_all_and_keeps_the_previous_checkpoint(tmp
 
 def fail_load_on_rank1(path: str):
     """A load whose DCP read fails on rank 1 only: every rank raises, quickly."""
-    from modelparallel.checkpoint.fastread import FastReader
+    from modelparallel.checkpoint.load.fastread import FastReader
 
     model_with(0)
     smp.save_checkpoint(path, "a")

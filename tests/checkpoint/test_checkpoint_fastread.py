@@ -15,8 +15,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from modelparallel.checkpoint import commit, fastread
-from modelparallel.checkpoint.files import CheckpointFiles
+from modelparallel.checkpoint.safety import commit
+from modelparallel.checkpoint.load import fastread
+from modelparallel.checkpoint.save.planner import ContiguousSavePlanner
+from modelparallel.checkpoint.safety.files import CheckpointFiles
 
 
 def saved_state() -> dict:
@@ -49,7 +51,7 @@ def fresh_like(state: dict, dtype_of: dict | None = None) -> dict:
 
 def save(state: dict, path, contiguous: bool) -> None:
     """``state`` as DCP part ``path/part``, with a manifest of its files in ``path``."""
-    planner = fastread.ContiguousSavePlanner() if contiguous else None
+    planner = ContiguousSavePlanner() if contiguous else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
         dcp.save(state, storage_writer=FileSystemWriter(path / "part"), planner=planner)
@@ -168,7 +170,7 @@ def test_a_flipped_byte_is_refused_naming_the_file(tmp_path, contiguous):
 def test_files_read_in_pieces_on_threads_load_and_verify_as_one_pass(tmp_path, monkeypatch):
     """A file larger than ``crc.PIECE`` is read and checksummed on several threads: what loads
     equals what was saved, and a flipped byte in any piece is still refused."""
-    from modelparallel.checkpoint import crc
+    from modelparallel.checkpoint.safety import crc
 
     monkeypatch.setattr(crc, "PIECE", 4096)
     monkeypatch.setattr(crc, "_SHIFT_PIECE", crc._shift(4096))

@@ -2,7 +2,7 @@
 changes, on every rank alike, with a message naming the file (and the key) at fault.
 
 A failure means a check runs too late (after the model or optimizer changed: see
-modelparallel/checkpoint/optim_part.py ``plan_load``), or an error lost the file's name. 2 ranks,
+modelparallel/checkpoint/load/optim_part.py ``plan_load``), or an error lost the file's name. 2 ranks,
 TP=2 where collectives matter.
 """
 
@@ -133,7 +133,7 @@ def interrupted_journal_resume(path: str, journal_dir: str) -> dict:
     already overwritten in place): rank 0 gets ``KeyboardInterrupt`` itself, rank 1 an error
     naming it, and both get back the state they had before the resume."""
     from ckpt_helpers import build
-    from modelparallel.checkpoint import fastread
+    from modelparallel.checkpoint.load import fastread
 
     model, optimizer = build()
     smp.save_checkpoint(path, "a")

@@ -1,6 +1,6 @@
 """Full checkpoints (partial=False): a Hugging Face directory that ``from_pretrained`` loads.
 
-A failure means the streamed export (modelparallel/checkpoint/full.py, shards.py) or its loader
+A failure means the streamed export (modelparallel/checkpoint/save/full.py, shards.py) or its loader
 (full_load.py) changed a value, a key or the tie: the reference is the single-process HF model
 the distributed one was copied from; ``from_pretrained`` must report no missing, unexpected or
 mismatched keys, and tied weights must stay one tensor. The vocabulary (1001) is uneven at TP=2.
@@ -16,7 +16,7 @@ from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Lla
 
 import harness
 import modelparallel as smp
-from modelparallel.checkpoint import full
+from modelparallel.checkpoint.save import full
 from modelparallel.nn.huggingface.gpt2 import translate_hf_state_dict_to_smdistributed_gpt2
 
 
@@ -126,7 +126,7 @@ def test_model_without_translation_gets_a_plain_full_state_dict(tmp_path):
 
 def failing_export(path: str):
     """A full save whose writes fail on rank 0 after an earlier good save of the same tag."""
-    from modelparallel.checkpoint import shards
+    from modelparallel.checkpoint.save import shards
 
     smp.init({"tensor_parallel_degree": 2})
     smp.DistributedModel(GPT2LMHeadModel(cfg()))

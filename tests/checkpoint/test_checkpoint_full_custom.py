@@ -7,7 +7,7 @@ and SageMaker's single file (``tag="fullmodel.pt"``); both must load into the un
 with ``load_state_dict`` (no missing or unexpected key, every tensor bit-equal to the model the
 distributed one was copied from) and resume at TP=1 and TP=4. A failure means the export wrote
 the distributed layout (a fused projection kept as [3, n, in]) or keys of another layout, or the
-loader could not map them back (modelparallel/checkpoint/layouts.py, full.py, full_load.py,
+loader could not map them back (modelparallel/checkpoint/format/layouts.py, full.py, full_load.py,
 single_file.py).
 """
 

@@ -17,52 +17,15 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2LMHeadModel
 
 import harness
+from ckpt_helpers import build, cfg, changed, error_of, on_rank0, snapshot
 import modelparallel as smp
 from modelparallel import runtime
 from modelparallel.materialize import safetensors_io
-from modelparallel.checkpoint import commit
+from modelparallel.checkpoint.safety import commit
 from reference import as_hf
-
-
-def cfg(vocab: int = 64) -> GPT2Config:
-    return GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=vocab, n_positions=8, bos_token_id=0, eos_token_id=0)
-
-
-def build(seed: int = 0, vocab: int = 64, groups: int = 1):
-    smp.init({"tensor_parallel_degree": 2, "random_seed": seed})
-    model = smp.DistributedModel(GPT2LMHeadModel(cfg(vocab)))
-    params = list(model.parameters())
-    split = [params] if groups == 1 else [params[:1], params[1:]]
-    optimizer = smp.DistributedOptimizer(torch.optim.AdamW([{"params": p} for p in split], lr=1e-2))
-    ids = torch.arange(8).reshape(1, 8) % vocab
-    model.backward(model(ids, labels=ids).loss)
-    optimizer.step()
-    optimizer.zero_grad()
-    return model, optimizer
-
-
-def snapshot(model, optimizer) -> dict[str, torch.Tensor]:
-    out = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in model.module.state_dict().items()}
-    for i, (p, slots) in enumerate(optimizer.optimizer.state.items()):
-        out.update({f"opt{i}.{k}": (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in slots.items()})
-    return out
-
-
-def error_of(fn, *args, **kwargs) -> str:
-    try:
-        fn(*args, **kwargs)
-    except Exception as e:  # noqa: BLE001 - the test reads the message
-        return f"{type(e).__name__}: {e}"
-    raise AssertionError(f"{getattr(fn, '__name__', fn)} raised nothing")
-
-
-def on_rank0(fn) -> None:
-    if smp.rank() == 0:
-        fn()
-    smp.barrier()
 
 
 def manifests_and_unlisted(path: str) -> dict:
@@ -137,7 +100,7 @@ def all_or_nothing(path: str) -> dict:
     before = snapshot(model, optimizer)
     msg = error_of(smp.resume_from_checkpoint, root, "two_groups")
     after = snapshot(model, optimizer)
-    unchanged = sorted(k for k in before if not torch.equal(before[k], after[k]))
+    unchanged = changed(before, after)
     pending = runtime.current().pending_resume
     smp.init({"tensor_parallel_degree": 2, "random_seed": 4})
     smp.resume_from_checkpoint(root, "two_groups")  # deferred: applied when the model exists

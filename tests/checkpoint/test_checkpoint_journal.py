@@ -1,4 +1,4 @@
-"""Resumes in journal mode (checkpoint/journal.py): bounded memory, still all or nothing.
+"""Resumes in journal mode (checkpoint/load/journal.py): bounded memory, still all or nothing.
 
 With the undo journal forced and a bucket of a few hundred bytes (so a tiny GPT-2 needs many
 buckets), a resume must load exactly what the in-memory staging loads (model, optimizer slots,
@@ -22,7 +22,7 @@ import harness
 import modelparallel as smp
 from ckpt_helpers import build, changed, snapshot
 from modelparallel import runtime
-from modelparallel.checkpoint import journal
+from modelparallel.checkpoint.load import journal
 
 BUCKET = 512  # bytes: the tiny GPT-2's 16x48 c_attn alone is 3 KB, so most pieces fill a bucket
 

@@ -1,4 +1,4 @@
-"""Journal-mode resumes (checkpoint/journal.py) in bounded memory, chosen automatically, and
+"""Journal-mode resumes (checkpoint/load/journal.py) in bounded memory, chosen automatically, and
 their failures that cannot be undone.
 
 Through the journal, a resume into a trained model and optimizer must hold about one bucket
@@ -21,7 +21,7 @@ import harness
 import modelparallel as smp
 from ckpt_helpers import build, cfg, changed, error_of, snapshot
 from modelparallel import runtime
-from modelparallel.checkpoint import journal
+from modelparallel.checkpoint.load import journal
 from test_checkpoint_journal import BUCKET, _journals
 
 

@@ -1,4 +1,4 @@
-"""SageMaker's legacy ``smp.save`` / ``smp.load`` (modelparallel/checkpoint/legacy.py).
+"""SageMaker's legacy ``smp.save`` / ``smp.load`` (modelparallel/checkpoint/sagemaker/legacy.py).
 
 A failure means a per-rank file ``{f}_{pp_rank}_{tp_rank}`` lost a tensor's global shape or
 placement, so loading at another TP degree reassembles it wrongly, or the same-layout fast path

@@ -23,8 +23,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
 
-from modelparallel.checkpoint.files import UnsafeCheckpointError
-from modelparallel.checkpoint.safe_load import parse_dcp_metadata
+from modelparallel.checkpoint.safety.files import UnsafeCheckpointError
+from modelparallel.checkpoint.safety.safe_load import parse_dcp_metadata
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ Each scenario saves a checkpoint on 2 ranks (TP=2), tampers with it as a forger 
 manifest's checksums recomputed) and resumes. A failure means a loader opened something it must
 not: a FIFO (the load would hang), a file outside the checkpoint (loaded unverified), a symlink;
 or a save followed the writer lock's symlink and truncated another file. Look first at
-modelparallel/checkpoint/files.py (how a load opens files), manifest.py, lock.py.
+modelparallel/checkpoint/safety/files.py (how a load opens files), manifest.py, lock.py.
 """
 
 import json
@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 import harness
 import modelparallel as smp
 from ckpt_helpers import build, changed, error_of, on_rank0, refresh_manifest, rewrite_metadata, snapshot
-from modelparallel.checkpoint import commit
+from modelparallel.checkpoint.safety import commit
 
 
 def _point_first_chunk_at(metadata: Path, where: str) -> None:

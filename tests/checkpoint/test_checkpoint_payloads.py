@@ -5,7 +5,7 @@ in a place a loader reads, recomputes the manifest's checksums as a forger would
 entry point: ``resume_from_checkpoint`` (partial user content, DCP metadata, optimizer
 hyperparameters; full checkpoint user content; SageMaker's single ``fullmodel.pt``), the legacy
 ``smp.load``, ``train --resume``'s resume step, and ``modelparallel inspect``. A failure means a
-loader unpickled freely (modelparallel/checkpoint/safe_load.py, fastread.SafeLoadPlanner,
+loader unpickled freely (modelparallel/checkpoint/safety/safe_load.py, fastread.SafeLoadPlanner,
 parts.read_user_content, legacy.load): the marker exists, or the error does not name the file.
 Paths that leave the checkpoint directory (manifest entries, ``newest``, tags, symlinks) are
 refused too.
@@ -22,7 +22,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import harness
 import modelparallel as smp
-from modelparallel.checkpoint import commit
+from modelparallel.checkpoint.safety import commit
 
 
 class Payload:

@@ -1,4 +1,4 @@
-"""Tensors written as ``torch.save`` writes them (modelparallel/checkpoint/records.py), and the
+"""Tensors written as ``torch.save`` writes them (modelparallel/checkpoint/save/records.py), and the
 save's writer that uses it (writer.CheckpointWriter).
 
 A failure means a checkpoint file differs from what ``torch.save`` / DCP's own writer produce
@@ -16,8 +16,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from modelparallel.checkpoint import records, writer
-from modelparallel.checkpoint.fastread import ContiguousSavePlanner
+from modelparallel.checkpoint.save import records, writer
+from modelparallel.checkpoint.save.planner import ContiguousSavePlanner
 
 
 @pytest.fixture(params=[False, True], ids=["zip-crc-off", "zip-crc-on"])

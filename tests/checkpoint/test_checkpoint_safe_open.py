@@ -1,4 +1,4 @@
-"""How checkpoint files are opened (modelparallel/checkpoint/safe_open.py) and what a damaged
+"""How checkpoint files are opened (modelparallel/checkpoint/safety/safe_open.py) and what a damaged
 or forged file gives: one open per file, checked on its descriptor, and errors that name it.
 
 One process, no ranks: each test builds the files it needs in ``tmp_path``. A failure means a
@@ -13,11 +13,13 @@ import os
 import pytest
 import torch
 
-from modelparallel.checkpoint import commit, legacy, parts, single_file
-from modelparallel.checkpoint.errors import CheckpointError
-from modelparallel.checkpoint.files import CorruptFileError, VerifiedReader
-from modelparallel.checkpoint.lock import DirectoryLock
-from modelparallel.checkpoint.safe_open import UnsafeCheckpointError, open_inside
+from modelparallel.checkpoint.safety import commit
+from modelparallel.checkpoint.sagemaker import legacy, single_file
+from modelparallel.checkpoint.load import parts
+from modelparallel.checkpoint.safety.errors import CheckpointError
+from modelparallel.checkpoint.safety.files import CorruptFileError, VerifiedReader
+from modelparallel.checkpoint.safety.lock import DirectoryLock
+from modelparallel.checkpoint.safety.safe_open import UnsafeCheckpointError, open_inside
 
 
 def _saved(obj) -> bytes:
@@ -119,7 +121,7 @@ def test_a_lock_file_that_is_a_hard_link_is_refused_and_its_target_untouched(tmp
 def test_a_checkpoint_directory_swapped_for_a_symlink_is_not_followed(tmp_path):
     """The directory was checked when the load began; a symlink put in its place afterwards
     (to a directory holding other files) is refused when a file of it is opened."""
-    from modelparallel.checkpoint.files import CheckpointFiles
+    from modelparallel.checkpoint.safety.files import CheckpointFiles
 
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "f").write_bytes(b"outside")

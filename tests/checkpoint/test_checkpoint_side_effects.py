@@ -6,7 +6,7 @@ and in fp16 (where a hidden optimizer step with AdamW's eps underflowing turned 
 NaN; the fp16 runs here use an eps fp16 can represent, so the reference itself stays finite).
 A run resumed into a fresh model and optimizer must continue exactly like the
 uninterrupted one, including from a checkpoint of an optimizer that never stepped. A failure
-means checkpoint/optim_part.py initialized or changed the live optimizer (torch's
+means checkpoint/load/optim_part.py initialized or changed the live optimizer (torch's
 ``get_optimizer_state_dict`` runs a step to create empty states) or loaded another state.
 The reference is the same code path without any checkpoint call (plain PyTorch training).
 """
@@ -105,7 +105,7 @@ def gc_around_checkpoints(path: str):
     while a checkpoint runs: a full collection set off by DCP's plans cost a save 0.27 s)."""
     import gc
 
-    from modelparallel.checkpoint import partial
+    from modelparallel.checkpoint.save import partial
 
     build(0, False)
     seen, real = [], partial._Phases.run

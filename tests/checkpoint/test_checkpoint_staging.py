@@ -5,7 +5,7 @@ any earlier check of the checkpoint passed): the resume must fail on every rank 
 and the model, optimizer state, hyperparameters and loss scaler must be exactly what they were
 (compared tensor by tensor). A resume armed before the model exists and refused when the
 optimizer arrives must leave the model as it was built. A failure means a load wrote into live
-tensors before everything was read and verified: look at checkpoint/files.py (verified reads),
+tensors before everything was read and verified: look at checkpoint/safety/files.py (verified reads),
 parts.py / partial.py (staging and the swap) and pending.py (the order of the steps).
 """
 

@@ -1,4 +1,4 @@
-"""The save's file objects (modelparallel/checkpoint/stream.py): write-back started as a file
+"""The save's file objects (modelparallel/checkpoint/save/stream.py): write-back started as a file
 grows, each range dropped from the page cache only once the disk has it, a failed write-back
 raised naming the file.
 
@@ -15,7 +15,7 @@ import zlib
 
 import pytest
 
-from modelparallel.checkpoint import stream
+from modelparallel.checkpoint.save import stream
 
 CHUNK = 1000
 

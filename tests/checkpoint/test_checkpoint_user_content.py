@@ -3,7 +3,8 @@
 
 A failure in the first test means such values were refused or came back changed (type, dtype,
 value); in the others, that a value outside the allow-list was stored, or that a crafted file
-could make the loader build a class of its choosing (modelparallel/checkpoint/plain.py).
+could make the loader build a class of its choosing (modelparallel/checkpoint/format/plain.py);
+in the last, that a user dict shaped like the stored form of a ``defaultdict`` came back as one.
 """
 
 import collections
@@ -18,7 +19,7 @@ from transformers import GPT2Config, LlamaConfig, PretrainedConfig
 import harness
 import modelparallel as smp
 from ckpt_helpers import build, error_of
-from modelparallel.checkpoint import plain
+from modelparallel.checkpoint.format import plain
 
 
 def content():
@@ -87,3 +88,20 @@ def test_crafted_tags_name_no_class_the_loader_builds(crafted):
     loaded = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
     with pytest.raises(ValueError, match="not one transformers registers|unknown stored value"):
         plain.from_plain(loaded)
+
+
+def marker_shaped(path: str):
+    build()
+    content = {"__modelparallel_defaultdict__": "int", "items": {"a": 1}}
+    smp.save_checkpoint(path, "a", user_content={"x": content, "d": collections.defaultdict(int, {"b": 2})})
+    smp.save({"x": content}, os.path.join(path, "legacy.pt"), partial=False)
+    smp.barrier()
+    return smp.resume_from_checkpoint(path), smp.load(os.path.join(path, "legacy.pt"), partial=False)
+
+
+def test_a_user_dict_shaped_like_the_defaultdict_marker_comes_back_as_it_was(tmp_path):
+    content, legacy = harness.run(2, marker_shaped, str(tmp_path))[0]
+    want = {"__modelparallel_defaultdict__": "int", "items": {"a": 1}}
+    assert type(content["x"]) is dict and content["x"] == want, content
+    assert type(content["d"]) is collections.defaultdict and content["d"] == {"b": 2}
+    assert type(legacy["x"]) is dict and legacy["x"] == want, legacy

@@ -1,4 +1,4 @@
-"""The save's writer (modelparallel/checkpoint/writer.py): checksums computed while writing,
+"""The save's writer (modelparallel/checkpoint/save/writer.py): checksums computed while writing,
 write-back started early, torch.save's zip CRC off only while it writes.
 
 A failure means a manifest could record a CRC32 that is not the file's (every later load of a
@@ -17,8 +17,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
-from modelparallel.checkpoint import stream, writer
-from modelparallel.checkpoint.fastread import ContiguousSavePlanner
+from modelparallel.checkpoint.save import stream, writer
+from modelparallel.checkpoint.save.planner import ContiguousSavePlanner
 
 
 def real_sum(path) -> dict:

@@ -4,9 +4,9 @@ per-rank ``{f}_{pp_rank}_{tp_rank}`` files, a full checkpoint that is a Hugging 
 and ``state_dict()`` / ``local_state_dict()`` with their documented meaning.
 
 A failure in the resume test means a stage's keys are missing from the checkpoint or another
-stage's keys are refused as unexpected (modelparallel/checkpoint/parts.py, optim_part.py with
+stage's keys are refused as unexpected (modelparallel/checkpoint/load/parts.py, optim_part.py with
 pipeline/split.py's ``saved_names`` / ``elsewhere``); in the full-checkpoint test, that a later
-stage's tensors do not reach rank 0 (checkpoint/full.py ``_to_writer``).
+stage's tensors do not reach rank 0 (checkpoint/save/full.py ``_to_writer``).
 """
 
 import copy

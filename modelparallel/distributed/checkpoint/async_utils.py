@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ... import devices
-from ...checkpoint.async_save import AsyncSaver
+from ...checkpoint.background.async_save import AsyncSaver
 from . import saving
 
 logger = logging.getLogger("modelparallel")

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from ...checkpoint import commit
-from ...checkpoint.files import CheckpointFiles
-from ...checkpoint.manifest import MANIFEST, read_manifest
+from ...checkpoint.safety import commit
+from ...checkpoint.safety.files import CheckpointFiles
+from ...checkpoint.safety.manifest import MANIFEST, read_manifest
 
 FORMAT = "modelparallel-dcp"
 _CHECKPOINT_FILE = re.compile(r"^(\.metadata(\.tmp)?|__\d+\.metadata|__\d+_\d+\.distcp|"

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ...checkpoint.errors import CheckpointError, cause
+from ...checkpoint.safety.errors import CheckpointError, cause
 
 
 class CheckpointSaveError(CheckpointError):

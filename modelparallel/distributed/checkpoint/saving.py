@@ -42,8 +42,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter, SavePlanner, StorageWriter
 
 from ... import devices
-from ...checkpoint.async_save import AsyncSaver, Job
-from ...checkpoint.writer import CheckpointWriter
+from ...checkpoint.background.async_save import AsyncSaver, Job
+from ...checkpoint.save.writer import CheckpointWriter
 from . import directory
 from .group_blocks import for_group
 from .outcome import CheckpointLoadError, CheckpointSaveError, Group, collective_outcome, group_of  # noqa: F401

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint import SavePlanner
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.tensor import DTensor
 
-from ...checkpoint.async_save import Stager
+from ...checkpoint.background.async_save import Stager
 from ...compat import ShardedTensor
 from .state_dict_utils import LocalStateDict
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, LoadPlanner, StorageReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ...checkpoint.files import CheckpointFiles
+from ...checkpoint.safety.files import CheckpointFiles
 from ...compat import flatten_state_dict
 from ...utils.utils import paused_gc
 from . import saving

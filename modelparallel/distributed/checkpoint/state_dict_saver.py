@@ -9,6 +9,10 @@ replicas hold the same tensors, so one of them writes). ``async_save`` returns o
 a forward may change are copied to host memory, the others (only an optimizer step changes them)
 being copied by the writer thread while every optimizer's next step waits; see ``async_utils``
 for finalizing. ``save`` copies nothing: it writes from the tensors and returns when done.
+
+The queue of calls that name none (SageMaker's ``DEFAULT_ASYNC_REQUEST_QUEUE``), with the plan
+cache that lets a repeated save of one structure skip DCP's global planning, belongs to the job:
+it is held by the runtime ``init`` made, so a new job starts with an empty one.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import os
 import torch.distributed as dist
 from torch.distributed.checkpoint import SavePlanner, StorageWriter
 
+from ... import runtime
 from ...utils.utils import paused_gc
 from . import saving
 from .async_utils import AsyncCallsQueue
@@ -26,14 +31,15 @@ from .state_dict_utils import LOCAL_LAYOUT_FILE, local_layouts
 
 __all__ = ["AsyncCallsQueue", "PyTorchDistSaveShardedStrategy", "async_save", "maybe_finalize_async_calls", "save"]
 
-_DEFAULT: list[AsyncCallsQueue] = []
-
-
-def _default_queue() -> AsyncCallsQueue:
-    """SageMaker's ``DEFAULT_ASYNC_REQUEST_QUEUE``: the queue of calls that name none."""
-    if not _DEFAULT:
-        _DEFAULT.append(AsyncCallsQueue())
-    return _DEFAULT[0]
+def _default_queue(create: bool = True) -> AsyncCallsQueue | None:
+    """SageMaker's ``DEFAULT_ASYNC_REQUEST_QUEUE``: the job's queue of calls that name none, made
+    at its first use (``create``); None outside a job (no ``init``)."""
+    if not runtime.is_initialized():
+        return None
+    job = runtime.current()
+    if job.checkpoint_queue is None and create:
+        job.checkpoint_queue = AsyncCallsQueue()
+    return job.checkpoint_queue
 
 
 class PyTorchDistSaveShardedStrategy:
@@ -83,12 +89,14 @@ def async_save(state_dict, *, checkpoint_id: str | os.PathLike | None = None,
         process_group: the ranks saving this checkpoint together (default: the world); only they
             call this.
         coordinator_rank: the global rank (a member of ``process_group``) that writes the metadata.
-        queue: where the save waits to be finalized (default: the module's queue).
+        queue: where the save waits to be finalized (default: the job's queue, which needs
+            ``init`` first).
         wait_error_handling, force_check_all_plans: accepted; every failure is raised on every
             rank and every plan is checked.
 
     Raises:
         ValueError: a coordinator outside the group, a rank not in it, no destination.
+        RuntimeError: no ``queue`` given and no job started (``init``) to hold the default one.
         NotImplementedError: ``sharded_strategy``, S3 options.
         CheckpointSaveError: planning or staging failed on some rank (raised on all).
     """
@@ -96,7 +104,11 @@ def async_save(state_dict, *, checkpoint_id: str | os.PathLike | None = None,
     _refuse_unsupported(sharded_strategy, s3_region, s3client_config)
     group = saving.group_of(process_group, coordinator_rank)
     writer = saving.writer_for(checkpoint_id, storage_writer)
-    (queue or _default_queue()).schedule(state_dict, writer, planner, group, _extra_files(state_dict))
+    queue = queue or _default_queue()
+    if queue is None:
+        raise RuntimeError("async_save without queue= uses the job's queue: call torch.sagemaker.init() "
+                           "(modelparallel.init()) first, or pass queue=AsyncCallsQueue()")
+    queue.schedule(state_dict, writer, planner, group, _extra_files(state_dict))
 
 
 @paused_gc()
@@ -105,11 +117,13 @@ def save(state_dict, *, checkpoint_id: str | os.PathLike | None = None, storage_
          coordinator_rank: int = 0, wait_error_handling: bool = True, force_check_all_plans: bool = True,
          s3_region: str | None = None, s3client_config=None) -> None:
     """Save ``state_dict`` synchronously: ``async_save`` on a private queue that copies nothing,
-    finalized before returning (the same files, the same checks; the plan cache is the default
-    queue's, so a repeated save reuses its plan). Arguments as ``async_save``'s."""
+    finalized before returning (the same files, the same checks; in a job the plan cache is the
+    job's queue's, so a repeated save reuses its plan). Arguments as ``async_save``'s."""
     queue = AsyncCallsQueue()
     queue.staging = "none"  # finished before returning: the files are written from the tensors themselves
-    queue.plans = _default_queue().plans  # a repeated save of the same structure reuses its plan
+    default = _default_queue()
+    if default is not None:
+        queue.plans = default.plans  # a repeated save of the same structure reuses its plan
     try:
         async_save(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
                    process_group=process_group, coordinator_rank=coordinator_rank, queue=queue,
@@ -121,5 +135,7 @@ def save(state_dict, *, checkpoint_id: str | os.PathLike | None = None, storage_
 
 
 def maybe_finalize_async_calls(blocking: bool = True, process_group: dist.ProcessGroup | None = None) -> list[int]:
-    """Finalize the default queue's saves (see ``AsyncCallsQueue.maybe_finalize_async_calls``)."""
-    return _default_queue().maybe_finalize_async_calls(blocking=blocking, process_group=process_group)
+    """Finalize the job's default queue's saves (see ``AsyncCallsQueue.maybe_finalize_async_calls``);
+    none outside a job."""
+    queue = _default_queue(create=False)
+    return queue.maybe_finalize_async_calls(blocking=blocking, process_group=process_group) if queue else []

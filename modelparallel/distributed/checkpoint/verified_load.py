@@ -27,9 +27,9 @@ from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from ...checkpoint.fastread import FastReader, SafeLoadPlanner
-from ...checkpoint.files import CheckpointFiles
-from ...checkpoint.staging import like
+from ...checkpoint.load.fastread import FastReader, SafeLoadPlanner
+from ...checkpoint.safety.files import CheckpointFiles
+from ...checkpoint.load.staging import like
 from ...compat import ShardedTensor, flatten_state_dict, set_element
 from ...tp.layout import local_part
 from .outcome import CheckpointLoadError, Group, collective_outcome

@@ -69,8 +69,10 @@ def test_a_repeated_structure_reuses_its_plan_and_a_changed_one_is_planned_again
 
 
 def repeated_sync_saves(root: str) -> list:
+    import modelparallel as tsm
     from modelparallel.distributed.checkpoint.state_dict_saver import save
 
+    tsm.init({"tensor_parallel_degree": 1})  # the plan cache is the job's
     real = saving._global_plan
     planned = []
     saving._global_plan = lambda *a, **k: planned.append(1) or real(*a, **k)
@@ -90,8 +92,33 @@ def repeated_sync_saves(root: str) -> list:
 
 
 def test_repeated_synchronous_saves_reuse_their_plan(tmp_path):
-    """``save`` makes a private queue per call but shares the default queue's plan cache: the
-    second and third saves of one structure skip the global planning and load back exactly."""
+    """``save`` makes a private queue per call but shares the job's default queue's plan cache:
+    the second and third saves of one structure skip the global planning and load back exactly."""
     for r in harness.run(2, repeated_sync_saves, str(tmp_path)):
         assert [same for _, same in r] == [True, True, True], r
         assert [n for n, _ in r][1:] == [0, 0], r
+
+
+def default_queue_of_the_job(root: str) -> dict:
+    import modelparallel as tsm
+    from modelparallel import runtime
+    from modelparallel.distributed.checkpoint.state_dict_saver import maybe_finalize_async_calls
+
+    tsm.init({"tensor_parallel_degree": 1})
+    state = _state(5)
+    async_save(state, checkpoint_id=os.path.join(root, "default"))  # names no queue
+    held = runtime.current().checkpoint_queue
+    finalized = maybe_finalize_async_calls(blocking=True)
+    got = _load(os.path.join(root, "default"), state)
+    same = all(torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v for k, v in state.items())
+    tsm.init({"tensor_parallel_degree": 1})  # a new job: a new, empty default queue
+    return {"held": held is not None, "finalized": finalized, "same": same,
+            "fresh": runtime.current().checkpoint_queue is None and maybe_finalize_async_calls() == []}
+
+
+def test_the_default_queue_belongs_to_the_job(tmp_path):
+    """A save that names no queue goes to the queue the job's runtime holds (made at that save),
+    the module's ``maybe_finalize_async_calls`` finalizes it, and the next ``init`` starts
+    without one (no queue shared between jobs through module state)."""
+    for r in harness.run(2, default_queue_of_the_job, str(tmp_path)):
+        assert r == {"held": True, "finalized": [0], "same": True, "fresh": True}, r

@@ -8,7 +8,7 @@ released only once the optimizer step has started), so the order of events is fi
 to timing. The checkpoint must
 hold exactly the state of the call (compared with a copy taken then, tensor by tensor, after
 loading it into a freshly built model). A failure means modelparallel/distributed/checkpoint
-(``staging.deferrable``, ``staging.stage``, ``saving.start``) or checkpoint/async_save.py
+(``staging.deferrable``, ``staging.stage``, ``saving.start``) or checkpoint/background/async_save.py
 (``hold_every_optimizer``, ``copy_deferred``) let a step reach the checkpoint, let a step run
 before staging ended, or let a torn copy be finalized. 2 ranks, FSDP1 over both (v2 scripts' model).
 """
@@ -191,7 +191,7 @@ def test_a_load_right_after_an_async_save_waits_for_its_copy(tmp_path):
 
 def sync_save_copies_nothing(root: str) -> int:
     """``save`` writes from the tensors themselves: no staging buffer is made."""
-    from modelparallel.checkpoint.async_save import Stager
+    from modelparallel.checkpoint.background.async_save import Stager
 
     tsm.init({"tensor_parallel_degree": 1})
     model, optimizer = build()

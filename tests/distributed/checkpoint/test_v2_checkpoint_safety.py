@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 import harness
-from modelparallel.checkpoint.errors import CheckpointError
+from modelparallel.checkpoint.safety.errors import CheckpointError
 from modelparallel.distributed.checkpoint.state_dict_loader import load
 from modelparallel.distributed.checkpoint.state_dict_saver import save
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from ..materialize.safetensors_io import DTYPE_NAMES
-from .commit import crc32
+from ...materialize.safetensors_io import DTYPE_NAMES
+from ..safety.commit import crc32
 from .stream import named
 
 

@@ -52,8 +52,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..meshes import MeshCache, background_group
-from ..tp.layout import from_local_like
+from ...meshes import MeshCache, background_group
+from ...tp.layout import from_local_like
 from .deferred import Deferred, Early, fingerprint
 
 logger = logging.getLogger("modelparallel")

@@ -22,7 +22,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-from .. import runtime
+from ... import runtime
 
 
 class CheckpointError(RuntimeError):
@@ -129,7 +129,7 @@ def roll_call(key: str) -> list[int] | None:
     waits for every rank to reach its own count. None if the store cannot be used."""
     import time
 
-    from ..compat import default_store
+    from ...compat import default_store
 
     try:
         store, rank = default_store(), dist.get_rank()

@@ -1,4 +1,5 @@
-"""Which rank writes a tensor several ranks hold: the one with the least work at that point.
+"""DCP's save planner for our checkpoints: tensors written contiguous, and a tensor several ranks
+hold written by the one with the least work at that point.
 
 DCP's own dedup gives each replicated entry to the rank whose plan is smallest *while it walks the
 plans in rank order*: rank 0's items come first, so every entry rank 0 shares is counted before
@@ -18,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
 ITEM_COST = 1 << 20
@@ -47,3 +50,16 @@ def balanced(plans: list[SavePlan]) -> list[SavePlan]:
         work[rank] += _cost(items[index])
     return [dataclasses.replace(plan, items=[it for it in plan.items if writer.get(it.index, rank) == rank])
             for rank, plan in enumerate(plans)]
+
+
+class ContiguousSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, except that every tensor is written contiguous (DCP keeps a
+    dense tensor's strides) and a tensor several ranks hold is written by the one with the least
+    work (``balanced``). The files stay plain DCP checkpoints that any DCP reader loads."""
+
+    def _dedup_save_plans(self, all_plans):
+        return balanced(all_plans)
+
+    def resolve_data(self, write_item):
+        data = super().resolve_data(write_item)
+        return data.contiguous() if isinstance(data, torch.Tensor) else data

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..tp.layout import local_part
-from . import commit
-from .errors import run_phase
+from ...tp.layout import local_part
+from ..safety import commit
+from ..safety.errors import run_phase
 
 
 class Collected:

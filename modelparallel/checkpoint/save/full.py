@@ -28,12 +28,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .. import runtime
-from ..tp.layout import block_slices, local_block
-from . import async_full, commit, export_dtype, layouts, parts
-from .errors import run_phase
-from .files import CheckpointFiles, read_verified
-from .layouts import Items
+from ... import runtime
+from ...tp.layout import block_slices, local_block
+from ..background import async_full
+from ..format import export_dtype, layouts
+from ..format.layouts import Items
+from ..load import parts
+from ..safety import commit
+from ..safety.errors import run_phase
+from ..safety.files import CheckpointFiles, read_verified
 from .partial import describe
 from .shards import ShardWriter, plan_shards
 
@@ -239,7 +242,7 @@ def resume(path: Path, files: CheckpointFiles, trusted: bool = False) -> Any:
     """Check the directory's structure and read the user content (which must be
     ``path/user_content_{name}``, verified while read); return it, read without running code
     unless ``trusted``. The weights are verified as ``full_load`` reads them."""
-    from .partial_load import verify
+    from ..load.partial_load import verify
 
     directory, entry = files.directory, files.manifest["user_content"]
     verify(files, ("",))

@@ -145,7 +145,7 @@ def rebuild(obj: Any, name: str | Path) -> Any:
     Raises:
         CorruptFileError: a tagged value that cannot be rebuilt (forged or damaged).
     """
-    from .plain import from_plain
+    from ..format.plain import from_plain
 
     try:
         return from_plain(obj)

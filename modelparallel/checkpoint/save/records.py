@@ -21,7 +21,7 @@ import io
 import torch
 from torch.serialization import get_crc32_options, skip_data
 
-from ..compat import get_tensor_metadata, storage_alignment
+from ...compat import get_tensor_metadata, storage_alignment
 
 
 class _Sink(io.RawIOBase):

@@ -25,18 +25,20 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ..compat import flatten_state_dict, set_element
-from ..materialize.state_dict import LoadReport
-from ..pipeline.split import saved_names
-from ..tp.layout import tie_groups
-from . import commit, writer
-from .stream import named
-from .errors import cause, origin
-from .lock import job_lock
-from .fastread import ContiguousSavePlanner, FastReader, SafeLoadPlanner
-from .files import CheckpointFiles
-from .plain import to_plain
-from .safe_load import check_loadable, rebuild, torch_load
+from ...compat import flatten_state_dict, set_element
+from ...materialize.state_dict import LoadReport
+from ...pipeline.split import saved_names
+from ...tp.layout import tie_groups
+from ..format.plain import to_plain
+from ..safety import commit
+from ..safety.errors import cause, origin
+from ..safety.files import CheckpointFiles
+from ..safety.lock import job_lock
+from ..safety.safe_load import check_loadable, rebuild, torch_load
+from ..save import writer
+from ..save.planner import ContiguousSavePlanner
+from ..save.stream import named
+from .fastread import FastReader, SafeLoadPlanner
 
 USER_CONTENT = "user_content.pt"
 CONTIGUOUS = "contiguous"  # manifest "tensor_layout": tensors stored contiguous (fastread's direct path)

@@ -28,7 +28,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from .crc import crc32
+from ..safety.crc import crc32
 
 SYNC_EVERY = 32 << 20
 """Bytes written to a file between two starts of its write-back."""

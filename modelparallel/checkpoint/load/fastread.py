@@ -16,7 +16,7 @@ no allocation, one copy (a destination on a GPU: into one reused pinned host buf
 copy to the device). A file is read and checksummed in pieces on several threads
 (``crc.read_hashed``), so a resume is not held to one core's CRC-32 speed. The tensor's bytes are found through the zip directory at the end of
 the chunk (``torch.save`` writes a zip whose tensor record is stored uncompressed), read ahead
-and hashed when the read reaches it. Only checkpoints written with ``ContiguousSavePlanner``
+and hashed when the read reaches it. Only checkpoints written with ``save.planner.ContiguousSavePlanner``
 take this path: it guarantees every tensor was stored contiguous from offset 0, which the zip
 directory alone cannot tell. Anything else (resharding, a dtype change, non-tensor entries) is
 read whole and loaded with ``torch.load(weights_only=True)``.
@@ -32,14 +32,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from ..compat import set_element
-from .balance import balanced
-from .files import CheckpointFiles, CorruptFileError, UnsafeCheckpointError, VerifiedReader
-from .safe_load import torch_load
+from ...compat import set_element
+from ..safety.files import CheckpointFiles, CorruptFileError, UnsafeCheckpointError, VerifiedReader
+from ..safety.safe_load import torch_load
 
 # zip structures, fields we do not use skipped: local file header (signature, name and extra
 # lengths), central directory entry (signature, method, sizes, name/extra/comment lengths, local
@@ -50,19 +49,6 @@ _END = struct.Struct("<4s6xHII2x")
 _TAIL = 1 << 14  # torch.save's central directory and end records are well under 2 KiB
 READ_THREADS = 8
 """At most this many threads read and checksum one rank's files (fewer on fewer cores)."""
-
-
-class ContiguousSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner, except that every tensor is written contiguous (DCP keeps a
-    dense tensor's strides) and a tensor several ranks hold is written by the one with the least
-    work (``balance.balanced``). The files stay plain DCP checkpoints that any DCP reader loads."""
-
-    def _dedup_save_plans(self, all_plans):
-        return balanced(all_plans)
-
-    def resolve_data(self, write_item):
-        data = super().resolve_data(write_item)
-        return data.contiguous() if isinstance(data, torch.Tensor) else data
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

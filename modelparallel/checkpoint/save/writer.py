@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteIt
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ..compat import StorageInfo
+from ...compat import StorageInfo
 from .records import TensorRecords
 from .stream import RecordingFileSystem
 

@@ -26,12 +26,12 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .. import runtime
-from ..tp.layout import assemble
-from . import commit
-from .files import read_path
-from .plain import to_plain
-from .safe_load import rebuild, torch_load
+from ... import runtime
+from ...tp.layout import assemble
+from ..format.plain import to_plain
+from ..safety import commit
+from ..safety.files import read_path
+from ..safety.safe_load import rebuild, torch_load
 
 RECORD = "__modelparallel_shard__"
 
@@ -107,7 +107,7 @@ def save(obj: Any, f: str | Path, partial: bool = True, pickle_module: Any = Non
 
 
 def _write(obj: Any, path: Path) -> None:
-    from .safe_load import check_loadable
+    from ..safety.safe_load import check_loadable
 
     data = check_loadable(to_plain(obj), f"smp.save's object for {path}")
     path.parent.mkdir(parents=True, exist_ok=True)

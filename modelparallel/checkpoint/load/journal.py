@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import STAGING_MODES as MODES
-from .errors import CheckpointError
+from ...config import STAGING_MODES as MODES
+from ..safety.errors import CheckpointError
 from .fastread import SafeLoadPlanner
 
 logger = logging.getLogger("modelparallel")

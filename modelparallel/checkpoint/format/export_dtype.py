@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import parts
+from ..load import parts
 
 EXPORT_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
                  "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}

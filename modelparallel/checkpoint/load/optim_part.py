@@ -38,9 +38,9 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from ..pipeline.split import elsewhere, saved_names
-from ..tp.layout import from_local_like
-from ..training.optimizer_state import load_masters
+from ...pipeline.split import elsewhere, saved_names
+from ...tp.layout import from_local_like
+from ...training.optimizer_state import load_masters
 from .parts import LoadReport
 
 STATE, GROUPS, SCALER = "optimizer.state.", "optimizer.param_groups.", "loss_scaler."

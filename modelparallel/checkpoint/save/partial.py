@@ -17,11 +17,13 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .. import runtime
-from ..tp.layout import local_part
-from . import commit, model_config, optim_part, parts
-from .errors import run_phase
-from .parts import CONTIGUOUS
+from ... import runtime
+from ...tp.layout import local_part
+from ..format import model_config
+from ..load import optim_part, parts
+from ..load.parts import CONTIGUOUS
+from ..safety import commit
+from ..safety.errors import run_phase
 
 FORMAT = "modelparallel-partial"
 MODEL, OPTIMIZER = "model", "optimizer"

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .files import crc32
+from ..safety.files import crc32
 
 
 @dataclass

@@ -24,12 +24,13 @@ from collections.abc import Callable
 
 import torch
 
-from ..materialize.safetensors_io import DTYPES
-from ..pipeline.split import elsewhere
-from ..tp.layout import local_part, shard_of
-from . import layouts, model_config, parts, staging
-from .errors import run_phase
-from .files import CheckpointFiles, CorruptFileError
+from ...materialize.safetensors_io import DTYPES
+from ...pipeline.split import elsewhere
+from ...tp.layout import local_part, shard_of
+from ..format import layouts, model_config
+from ..safety.errors import run_phase
+from ..safety.files import CheckpointFiles, CorruptFileError
+from . import parts, staging
 from .journal import Policy
 from .parts import LoadReport
 

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..materialize.state_dict import LoadReport
-from ..tp.layout import from_local_like, local_part
-from .errors import run_phase
+from ...materialize.state_dict import LoadReport
+from ...tp.layout import from_local_like, local_part
+from ..safety.errors import run_phase
 from .journal import Cost, Journal, Policy
 
 

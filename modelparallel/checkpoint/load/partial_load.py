@@ -25,13 +25,15 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from ..pipeline.split import elsewhere
-from . import commit, model_config, optim_part, parts, staging
-from .errors import run_phase, single_error
-from .files import CheckpointFiles, fstat, open_inside
+from ...pipeline.split import elsewhere
+from ..format import model_config
+from ..safety import commit
+from ..safety.errors import run_phase, single_error
+from ..safety.files import CheckpointFiles, fstat, open_inside
+from ..save.partial import MODEL, OPTIMIZER, check_architecture
+from . import optim_part, parts, staging
 from .journal import BucketPlanner, Cost, Journal, Policy
 from .parts import LoadReport
-from .partial import MODEL, OPTIMIZER, check_architecture
 
 
 def _rank_world() -> tuple[int, int]:

@@ -42,7 +42,7 @@ from .files import check_file, read_small
 from .lock import LOCK, DirectoryLock, DirectoryLocked  # noqa: F401 - part of this module's API
 from .manifest import (  # noqa: F401 - part of this module's API
     MANIFEST, ManifestError, check_committed, manifest_problems, read_manifest, safe_name, unlisted_files)
-from .stream import named
+from ..save.stream import named
 
 logger = logging.getLogger("modelparallel")
 HIDDEN = ".mp-"

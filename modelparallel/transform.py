@@ -24,7 +24,7 @@ from .materialize import meta
 from .materialize.rank0_sync import (  # noqa: F401 - SYNCED_FROM_RANK0, meta_states, move: re-exported
     SYNCED_FROM_RANK0, check_rank0_source, meta_states, move, sync_from_rank0)
 from .models import spec_for
-from .moe.moe_config import MoEConfig
+from .expert.config import MoEConfig
 from .parallelize import check, parallelize
 from .tensor_parallel.transformer import mark_transformer_layers
 from .tp import auto, marks, walker

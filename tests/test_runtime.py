@@ -187,7 +187,7 @@ def _expert_fsdp1_hybrid():
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from modelparallel.moe.moe_config import MoEConfig
+    from modelparallel.expert.config import MoEConfig
 
     smp.init({"expert_parallel_degree": 2, "hybrid_shard_degree": 2})
     torch.manual_seed(0)

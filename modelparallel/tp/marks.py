@@ -16,7 +16,7 @@ from typing import Any, Callable
 from torch import nn
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from ..utils.creation_marks import CreationMarks
+from .creation_marks import CreationMarks
 from .plan import ModulePlan
 
 

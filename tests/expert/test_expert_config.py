@@ -1,13 +1,13 @@
 """``MoEConfig`` (SageMaker v2's ``torch.sagemaker.moe.moe_config.MoEConfig``): every field and
 value is honoured or refused by name, before any collective.
 
-A failure here means modelparallel/moe/moe_config.py accepts a value it cannot honour (or refuses
+A failure here means modelparallel/expert/config.py accepts a value it cannot honour (or refuses
 one it honours), or its messages stopped naming the field.
 """
 
 import pytest
 
-from modelparallel.moe.moe_config import LOAD_BALANCING, MoEConfig
+from modelparallel.expert.config import LOAD_BALANCING, MoEConfig
 
 
 def test_sagemaker_fields_and_defaults():

@@ -5,7 +5,7 @@ import threading
 
 from torch import nn
 
-from modelparallel.utils.creation_marks import CreationMarks
+from modelparallel.tp.creation_marks import CreationMarks
 
 
 def _child(parent: nn.Module, name: str) -> nn.Module:

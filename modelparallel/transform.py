@@ -26,7 +26,7 @@ from .materialize.rank0_sync import (  # noqa: F401 - SYNCED_FROM_RANK0, meta_st
 from .models import spec_for
 from .expert.config import MoEConfig
 from .parallelize import check, parallelize
-from .tensor_parallel.transformer import mark_transformer_layers
+from .training.blocks import mark_transformer_layers
 from .tp import auto, marks, walker
 from .distributed.checkpoint import group_blocks
 from .training import fsdp1_tp_state

@@ -245,7 +245,7 @@ def test_scripts_model_lines(tmp_path, model_type):
     assert r0["no_decay"] == sorted(norms | {n for n, _ in hf.named_parameters() if n.endswith(".bias")}), \
         "layer norms (smp.nn.FusedLayerNorm to the scripts) and biases are the scripts' no-decay group"
     from modelparallel.models import table_for
-    from modelparallel.models.translate import from_hf
+    from modelparallel.models._translate import from_hf
 
     distributed = from_hf(table_for(model_type), dict(hf.named_parameters()))  # the model's own layout
     assert r0["shapes"] == {n: tuple(p.shape) for n, p in distributed.items()}

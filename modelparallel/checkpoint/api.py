@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import runtime
-from ..utils.utils import paused_gc
+from .paused_gc import paused_gc
 from . import commit, export_dtype, full, full_load, partial_load, single_file
 from .async_save import AsyncSaver
 from . import partial as partial_ckpt

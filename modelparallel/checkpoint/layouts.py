@@ -28,7 +28,7 @@ HF, UNSHARDED, DISTRIBUTED = "hf", "unsharded", "distributed"
 def translation(model_type: str | None, to_hf: bool) -> Items | None:
     """The per-key translation (distributed -> HF, or back) of an architecture, or None."""
     from ..models import table_for
-    from ..models.hf_items import from_hf_items, to_hf_items
+    from ..models._hf_items import from_hf_items, to_hf_items
 
     if model_type is None or table_for(model_type) is None:
         return None

@@ -86,7 +86,7 @@ def convert(source: Path, dest: Path, to: str) -> Path:
     from safetensors.torch import save_file
 
     from ..models import table_for
-    from ..models.translate import from_hf, to_hf
+    from ..models._translate import from_hf, to_hf
 
     config = _read_config(source)
     if dest.exists() and not dest.is_dir():

@@ -12,16 +12,14 @@ and ``isinstance(module, TransformerLayer)`` is true exactly for the marked modu
 
 from __future__ import annotations
 
-from torch import nn
-
-MARK = "_mp_transformer_layer"
+from ..training.blocks import is_marked_block
 
 
 class _IsMarkedBlock(type):
     """Metaclass answering ``isinstance`` by the mark ``transform`` leaves on a block."""
 
     def __instancecheck__(cls, obj) -> bool:
-        return isinstance(obj, nn.Module) and bool(obj.__dict__.get(MARK, False))
+        return is_marked_block(obj)
 
 
 class TransformerLayer(metaclass=_IsMarkedBlock):
@@ -32,22 +30,3 @@ class TransformerLayer(metaclass=_IsMarkedBlock):
         raise NotImplementedError(
             "TransformerLayer is not built here: transform keeps the Hugging Face blocks "
             "(isinstance(block, TransformerLayer) is true for them); build the HF model instead")
-
-
-def block_class_names(model: nn.Module) -> set[str]:
-    """Class names of the transformer blocks the Hugging Face models inside ``model`` declare."""
-    names: set[str] = set()
-    for mod in model.modules():
-        names.update(getattr(mod, "_no_split_modules", None) or ())
-    return names
-
-
-def mark_transformer_layers(model: nn.Module) -> int:
-    """Mark every transformer block of ``model`` as a ``TransformerLayer``; returns how many."""
-    names = block_class_names(model)
-    count = 0
-    for mod in model.modules():
-        if type(mod).__name__ in names:
-            mod.__dict__[MARK] = True
-            count += 1
-    return count

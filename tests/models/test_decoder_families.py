@@ -21,7 +21,7 @@ import transformers as T
 import harness
 import modelparallel as smp
 from modelparallel.models import table_for
-from modelparallel.models.translate import to_hf
+from modelparallel.models._translate import to_hf
 from reference import assert_close, assert_grads_match, assert_same_training, build_pair
 
 VOCAB = 101  # uneven vocabulary shards at TP 2 and 4

@@ -63,31 +63,3 @@ def test_empty_module_params_keeps_ties_and_moves_buffers():
 
 def test_get_logger_child():
     assert get_logger("data").name == "modelparallel.data"
-
-
-def test_paused_gc_restores_the_collectors_state():
-    import gc
-
-    import pytest
-
-    from modelparallel.utils.utils import paused_gc
-
-    assert gc.isenabled()
-    with pytest.raises(RuntimeError):
-        with paused_gc():
-            assert not gc.isenabled()
-            raise RuntimeError("inside")
-    assert gc.isenabled(), "back on after an error"
-    gc.disable()
-    try:
-        with paused_gc():
-            assert not gc.isenabled()
-        assert not gc.isenabled(), "left off when it was off"
-    finally:
-        gc.enable()
-
-    @paused_gc()
-    def decorated():
-        return gc.isenabled()
-
-    assert decorated() is False and gc.isenabled()

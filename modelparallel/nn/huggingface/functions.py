@@ -1,12 +1,12 @@
 """SageMaker's pair of state-dict translation functions per architecture
 (``translate_state_dict_to_hf_<arch>``, ``translate_hf_state_dict_to_smdistributed_<arch>``), built
-from the architecture's key table (``modelparallel/models/translate.py`` does the translating)."""
+from the architecture's key table (``modelparallel/models/_translate.py`` does the translating)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from ...models.translate import KeyTable, from_hf, to_hf
+from ...models._translate import KeyTable, from_hf, to_hf
 
 
 def sagemaker_functions(table: KeyTable, name: str, module: str, config_arg: bool = False) -> tuple[Callable, Callable]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from . import table_for
-from . import translate
+from . import _translate as translate
 
 
 def _known(model_type: str) -> translate.KeyTable:

@@ -28,8 +28,6 @@ from .expert.config import MoEConfig
 from .parallelize import check, parallelize
 from .training.blocks import mark_transformer_layers
 from .tp import auto, marks, walker
-from .distributed.checkpoint import group_blocks
-from .training import fsdp1_tp_state
 
 logger = logging.getLogger("modelparallel")
 
@@ -112,10 +110,6 @@ def transform(model: nn.Module, device=None, dtype: torch.dtype | None = None,
             full = {}
     move(model, device, dtype)
     mark_transformer_layers(model)  # isinstance(block, TransformerLayer) for FSDP's wrap policy
-    # v2 scripts save through DCP over the FSDP (or replication) group, naming its coordinator by
-    # global rank, and each TP rank's block over that group
-    group_blocks.install()
-    fsdp1_tp_state.install()  # users wrap the result in FSDP1 and resume through DCP
     sharded = rt.tp_mesh.size() > 1 or _registered_or_marked(model)
     experts = moe is not None or rt.config.expert_parallel_degree > 1
     if sharded or experts or rt.config.context_parallel_degree > 1:

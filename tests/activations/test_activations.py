@@ -17,7 +17,7 @@ from torch import nn
 import modelparallel as smp
 from modelparallel.activations import ActivationOffloader, offloader_for, segments
 from modelparallel.config import build_config
-from modelparallel.patches.checkpoint import checkpoint, checkpoint_sequential
+from modelparallel.sagemaker.patches.checkpoint import checkpoint, checkpoint_sequential
 from reference import assert_close
 
 

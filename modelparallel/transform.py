@@ -69,7 +69,7 @@ def transform(model: nn.Module, device=None, dtype: torch.dtype | None = None,
             model on the meta device (expected, to save memory) or real elsewhere.
         device: where real tensors go (default: the runtime's device).
         dtype: cast floating parameters and buffers to it.
-        config: SageMaker's ``MoEConfig`` (``modelparallel.moe.moe_config``) for a
+        config: SageMaker's ``MoEConfig`` (``modelparallel.expert.config``) for a
             mixture-of-experts model: its routing options and dispatcher; or the modelparallel
             config dict, used to ``init`` if not yet initialized (else it must agree with the
             running one).

@@ -1,7 +1,7 @@
 """Transformer blocks marked as such: ``transform`` marks every module whose class the model lists
 as a block (HF's ``_no_split_modules``: ``LlamaDecoderLayer``, ``GPT2Block``...), so that FSDP's wrap
 policy and activation checkpointing can find them (SageMaker v2's ``TransformerLayer`` reads the
-mark: ``modelparallel/tensor_parallel/transformer.py``)."""
+mark: ``modelparallel/sagemaker/tensor_parallel/transformer.py``)."""
 
 from __future__ import annotations
 

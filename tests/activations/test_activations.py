@@ -1,6 +1,6 @@
 """Activation checkpointing and offloading in one process, against the same model run plainly.
 
-A failure here means ``modelparallel/activations`` (or ``modelparallel/patches/checkpoint.py``)
+A failure here means ``modelparallel/activations`` (or ``modelparallel/sagemaker/patches/checkpoint.py``)
 changed what the model computes, split a container into other regions than its strategy says,
 lost the random state between forward and recomputation, or reloaded offloaded tensors in the
 wrong order. Gradient mismatches: look at ``run_checkpointed``; wrong region order: ``segments``;

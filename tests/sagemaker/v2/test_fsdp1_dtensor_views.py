@@ -2,7 +2,7 @@
 where FSDP1 falls back to ``NO_SHARD`` over one rank, and ``hybrid_shard_degree`` 1 at TP=2 x
 DP=2), and with an LM head tied to the embedding (sharded and not).
 
-Before ``training/fsdp1_dtensor_views.py`` these failed at the first forward ("Cannot writeback
+Before ``sagemaker/v2/fsdp1_dtensor_views.py`` these failed at the first forward ("Cannot writeback
 when the parameter shape changes"; "Cannot flatten unevenly sharded tensor" with a vocabulary of
 211 at TP=2) or the first backward (gradient views of the global shape). A failure here now means
 FSDP1 re-created a DTensor parameter object the module or optimizer no longer shares (losses

@@ -5,7 +5,7 @@ The resumed model continues in the same processes with the same data and the sam
 as the uninterrupted one, from a state that must be restored exactly, so the next losses must be
 bitwise equal. A failure at TP=2 only means the optimizer moments of TP-sharded parameters come
 back in the wrong block (FSDP1 cutting a flat range out of the global tensor instead of the
-TP-local one; ``training/fsdp1_tp_state.py``); at both degrees, that DCP lost or mixed state.
+TP-local one; ``sagemaker/v2/fsdp1_tp_state.py``); at both degrees, that DCP lost or mixed state.
 """
 
 import functools

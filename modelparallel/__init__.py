@@ -43,6 +43,11 @@ from .tp.marks import set_tensor_parallelism, tensor_parallelism, tp_register, t
 from .tp.plan import ArchSpec, ModulePlan
 from .sagemaker import nn, patches
 from .sagemaker.v2.contract import init, transform  # v2's PyTorch patches: see sagemaker/v2/contract.py
+import sys as _sys
+
+from .sagemaker import paths as _paths
+
+_paths.register(_sys.modules[__name__])  # modelparallel.moe.moe_config & co.: SageMaker's paths
 
 __version__ = "0.1.0"
 

@@ -48,6 +48,22 @@ def test_aliases_are_this_package():
         assert sys.modules["torch"]._export.__name__ == "torch._export"  # torch's lazy submodules too
 
 
+def test_sagemaker_paths_under_modelparallel():
+    """``modelparallel`` written for ``torch.sagemaker`` (as the README's v2 examples do) reaches the
+    same module objects as ``modelparallel.sagemaker``'s, and ``smp.state`` stays the state object."""
+    from modelparallel.grad_norm import clip_grad_norm_
+    from modelparallel.moe.moe_config import MoEConfig
+    from modelparallel.patches.checkpoint import checkpoint
+    import modelparallel.nn.huggingface.gpt2
+    import modelparallel.sagemaker.nn.huggingface.gpt2 as gpt2
+
+    assert modelparallel.nn.huggingface.gpt2 is gpt2 and sys.modules["modelparallel.nn.huggingface.gpt2"] is gpt2
+    assert MoEConfig is modelparallel.sagemaker.moe.moe_config.MoEConfig is modelparallel.expert.config.MoEConfig
+    assert checkpoint is modelparallel.sagemaker.patches.checkpoint.checkpoint
+    assert clip_grad_norm_ is modelparallel.clip_grad_norm_
+    assert type(modelparallel.state).__name__ == "_State"
+
+
 @pytest.mark.parametrize("name", ["torch.sagemaker.tensor_parallel.no_such_module",
                                   "smdistributed.dataparallel.torch.distributed",
                                   "smdistributed.modelparallel.torch.no_such_module"])

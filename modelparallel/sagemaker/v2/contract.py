@@ -46,14 +46,14 @@ def install_transform_patches() -> None:
     fsdp1_tp_state.install()
 
 
-@functools.wraps(runtime.init)
+@functools.wraps(runtime.init, assigned=("__doc__",))  # its own name: pickles find this one
 def init(config: dict | str | None = None, *, timeout_s: float = 300.0) -> runtime.Runtime:
     rt = runtime.init(config, timeout_s=timeout_s)
     install_init_patches()
     return rt
 
 
-@functools.wraps(_transform)
+@functools.wraps(_transform, assigned=("__doc__",))
 def transform(model, *args, **kwargs):
     install_transform_patches()
     return _transform(model, *args, **kwargs)

@@ -61,6 +61,10 @@ def test_sagemaker_paths_under_modelparallel():
     assert MoEConfig is modelparallel.sagemaker.moe.moe_config.MoEConfig is modelparallel.expert.config.MoEConfig
     assert checkpoint is modelparallel.sagemaker.patches.checkpoint.checkpoint
     assert clip_grad_norm_ is modelparallel.clip_grad_norm_
+    from modelparallel.nn.huggingface import table_for
+    from modelparallel.nn.huggingface.translate import from_hf
+
+    assert from_hf is modelparallel.models._translate.from_hf and table_for is modelparallel.models.table_for
     assert type(modelparallel.state).__name__ == "_State"
 
 

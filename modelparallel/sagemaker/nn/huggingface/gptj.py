@@ -2,7 +2,7 @@
 (``smdistributed.modelparallel.torch.nn.huggingface.gptj``); the key table is ``models/gptj.py``'s."""
 
 from ....models.gptj import TABLE
-from .functions import sagemaker_functions
+from .translate import sagemaker_functions
 
 translate_state_dict_to_hf_gptj, translate_hf_state_dict_to_smdistributed_gptj = sagemaker_functions(
     TABLE, module=__name__, name="gptj")

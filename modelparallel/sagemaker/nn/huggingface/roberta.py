@@ -2,7 +2,7 @@
 (``smdistributed.modelparallel.torch.nn.huggingface.roberta``); the key table is ``models/roberta.py``'s."""
 
 from ....models.roberta import TABLE
-from .functions import sagemaker_functions
+from .translate import sagemaker_functions
 
 translate_state_dict_to_hf_roberta, translate_hf_state_dict_to_smdistributed_roberta = sagemaker_functions(
     TABLE, module=__name__, name="roberta")

@@ -1,12 +1,15 @@
-"""SageMaker's pair of state-dict translation functions per architecture
-(``translate_state_dict_to_hf_<arch>``, ``translate_hf_state_dict_to_smdistributed_<arch>``), built
-from the architecture's key table (``modelparallel/models/_translate.py`` does the translating)."""
+"""State-dict translation under this package's documented path: the engine's key tables and
+translation (``modelparallel/models/_translate.py``) re-exported, and SageMaker's pair of functions
+per architecture (``translate_state_dict_to_hf_<arch>``,
+``translate_hf_state_dict_to_smdistributed_<arch>``) built from an architecture's key table."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from ....models._translate import KeyTable, from_hf, to_hf
+from ....models import table_for  # noqa: F401 - re-exported
+from ....models._translate import (  # noqa: F401 - re-exported
+    KeyTable, causal_mask, from_hf, from_hf_items, from_hub, masked_bias, to_hf, to_hf_items)
 
 
 def sagemaker_functions(table: KeyTable, name: str, module: str, config_arg: bool = False) -> tuple[Callable, Callable]:

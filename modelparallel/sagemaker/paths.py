@@ -2,7 +2,9 @@
 for ``torch.sagemaker`` (``from modelparallel.moe.moe_config import MoEConfig``,
 ``modelparallel.nn.huggingface.gpt2``, ``modelparallel.patches.checkpoint``) gets the modules that
 live in ``modelparallel.sagemaker``, the same module objects (entered in ``sys.modules`` under both
-names, so nothing is loaded twice).
+names, so nothing is loaded twice). ``modelparallel.compat.sagemaker_imports``, the path the README
+gives notebooks, is the hook's ``sagemaker_imports`` (``compat`` itself, an engine module, does
+not import the surface).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import pkgutil
 import sys
 from types import ModuleType
 
-from .hook import MIRRORED
+from .hook import MIRRORED, sagemaker_imports
 
 KEPT_AS_ATTRIBUTE = ("state",)
 """``modelparallel.state`` is the ``smp.state`` object; its module is ``modelparallel.sagemaker.state``."""
@@ -37,3 +39,4 @@ def register(package: ModuleType) -> None:
             sys.modules.setdefault(package.__name__ + module.__name__[len(__package__):], module)
         if not hasattr(package, top):
             setattr(package, top, sys.modules[f"{__package__}.{top}"])
+    importlib.import_module(f"{package.__name__}.compat").sagemaker_imports = sagemaker_imports

@@ -66,6 +66,9 @@ def test_sagemaker_paths_under_modelparallel():
 
     assert from_hf is modelparallel.models._translate.from_hf and table_for is modelparallel.models.table_for
     assert type(modelparallel.state).__name__ == "_State"
+    from modelparallel.compat import sagemaker_imports as documented
+
+    assert documented is sagemaker_imports
 
 
 @pytest.mark.parametrize("name", ["torch.sagemaker.tensor_parallel.no_such_module",

@@ -49,7 +49,7 @@ def _build(hidden: int, layers: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import modelparallel as tsm
-    from modelparallel.tensor_parallel.transformer import TransformerLayer
+    from modelparallel.sagemaker.tensor_parallel.transformer import TransformerLayer
 
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
@@ -103,7 +103,7 @@ def _one_round(kind, model, optimizer, root, queue) -> dict:
     import torch.distributed as dist
 
     from modelparallel.distributed.checkpoint.state_dict_saver import async_save, save
-    from modelparallel.utils.process_group_utils import get_global_ranks
+    from modelparallel.sagemaker.utils.process_group_utils import get_global_ranks
 
     group = _group(kind, model)
     from modelparallel import state

@@ -3,16 +3,23 @@
 ``import modelparallel as smp`` gives the familiar names: ``smp.init``, ``smp.DistributedModel``,
 ``smp.DistributedOptimizer``, ``smp.tensor_parallelism``, ``smp.tp_register_with_module`` and the
 rank API (``smp.rank()``, ``smp.tp_rank()``, ``smp.dp_size()``...).
+
+The engine (runtime, meshes, tp/, pipeline/, context/, expert/, training/, materialize/,
+checkpoint/, models/) imports nothing from the SageMaker compatibility surface
+(``modelparallel/sagemaker/``: SageMaker's module paths, v1's and v2's entry points and v2's
+PyTorch patches); this module puts the two together. ``init`` and ``transform`` here are SageMaker
+v2's (they install its PyTorch patches, which a v2 script imported as ``modelparallel`` needs);
+SageMaker v1's path ``smdistributed.modelparallel.torch`` gives the engine's ``init``.
 """
 
 from .checkpoint import (CheckpointError, checkpoint_staging_bytes, last_load_report, load, resume_from_checkpoint,
                          save, save_checkpoint, wait_for_checkpoints)
-from . import delayed_param, patches
+from . import delayed_param
 from .activations import set_activation_checkpointing
 from .clip import clip_grad_norm_
 from .config import Config
 from . import context
-from .cp import gather_sequence, get_batch_for_cp_rank
+from .sagemaker.cp import gather_sequence, get_batch_for_cp_rank
 from .creation import delay_param_initialization, model_creation
 from .partitioning import load_hf_checkpoint
 from .materialize.meta import MetaTensorError
@@ -23,19 +30,24 @@ from .runtime import (
     CP_GROUP, DP_CP_GROUP, DP_GROUP, MP_GROUP, PP_GROUP, RDP_GROUP, TP_GROUP, WORLD, CommGroup, cp_rank, cp_size,
     dp_rank, dp_size, get_cp_process_group,
     get_dp_process_group, get_mp_process_group, get_pp_process_group, get_rdp_process_group,
-    get_tp_process_group, get_world_process_group, init, is_initialized, local_rank, local_size,
+    get_tp_process_group, get_world_process_group, is_initialized, local_rank, local_size,
     mp_rank, mp_size, pp_rank, pp_size, rank, rdp_rank, rdp_size, size, tp_rank, tp_size,
 )
 from .comm import (
     RankType, allgather, barrier, broadcast, cp_mesh, dp_barrier, dp_mesh, get_cp_group, get_dp_group, get_mp_group,
     get_pp_group, get_rdp_group, get_tp_group, get_world_group, mp_barrier, recv_from, send, tp_mesh,
 )
-from .state import state
+from .sagemaker.state import state
 from .step import StepOutput, is_tracing, num_microbatches, step
-from . import nn
 from .tp.marks import set_tensor_parallelism, tensor_parallelism, tp_register, tp_register_with_module
 from .tp.plan import ArchSpec, ModulePlan
-from .transform import transform
+from .sagemaker import nn, patches
+from .sagemaker.v2.contract import init, transform  # v2's PyTorch patches: see sagemaker/v2/contract.py
+import sys as _sys
+
+from .sagemaker import paths as _paths
+
+_paths.register(_sys.modules[__name__])  # modelparallel.moe.moe_config & co.: SageMaker's paths
 
 __version__ = "0.1.0"
 

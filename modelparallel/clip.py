@@ -9,7 +9,7 @@ count once in the norm. A block cut into ``pieces`` distinct blocks across the j
 ``|g|^p * pieces / world`` for its local block and one all-reduce over the world gives the
 single-process ``sum |g|^p`` (for the infinity norm: the max, which needs no weighting). That
 arithmetic lives in ``training/grad_clip.py`` (shared with ``DistributedOptimizer.
-clip_master_grads``), FSDP1's pieces in ``training/fsdp1_grads.py``; this module adds the
+clip_master_grads``), FSDP1's pieces in ``training/flat_grads.py``; this module adds the
 user-facing forms: SageMaker v2 scripts call ``clip_grad_norm_(model, max_norm)`` with the FSDP
 model itself, v1-style code passes parameters. Under pipeline parallelism a rank holds only its
 stage: both forms weight each parameter by the ranks holding it (``pipeline.ties.norm_holders``).
@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from . import runtime
 from .pipeline.ties import norm_holders
-from .training.fsdp1_grads import flattened_by_fsdp1, fsdp1_units, unit_pieces
+from .training.flat_grads import flattened_by_fsdp1, fsdp1_units, unit_pieces
 from .training.grad_clip import clip_by_global_norm, clip_pieces, grad_pieces, norm_of_pieces
 
 

@@ -182,14 +182,10 @@ from torch.serialization import _get_storage_alignment as storage_alignment  # n
 flash_attention_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 flash_attention_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
-# Not a private name: SageMaker's module names for notebooks and tests (``modelparallel run``
-# installs the same hook for a whole script); re-exported here as ``modelparallel.compat``'s.
-from .sagemaker.hook import sagemaker_imports  # noqa: E402 - after the private names it sits beside
-
 __all__ = ["FlatParamHandle", "ShardedTensor", "SharedParamInfo", "StorageInfo", "all_gather_single",
            "compute_local_shape_and_global_offset", "dcp_loader_module", "dcp_saver_module",
            "default_group_timeout", "default_store", "flash_attention_cpu", "flash_attention_cpu_backward",
            "flatten_mesh", "flatten_state_dict", "fsdp_init_utils", "fsdp_optim_utils", "fsdp_state_dict_utils",
-           "get_tensor_metadata", "mesh_group_config", "reduce_scatter_single", "sagemaker_imports", "set_element",
+           "get_tensor_metadata", "mesh_group_config", "reduce_scatter_single", "set_element",
            "set_fsdp_flattened", "storage_alignment",
            "torch_checkpoint_wrappers", "unflatten_mesh"]

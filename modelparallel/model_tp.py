@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from . import runtime
-from .nn.distributed.base import DistributedModule
+from .tp.modules import DistributedModule
 
 
 def _sharded(t: torch.Tensor | None) -> bool:

@@ -32,7 +32,7 @@ from torch import nn
 from . import context, pipeline
 from .expert import apply_experts, check_experts
 from .models import EXPERT_LAYOUTS, context_spec_for, experts_for, pipeline_split_for
-from .moe.moe_config import MoEConfig
+from .expert.config import MoEConfig
 from .runtime import PP_GROUP, Runtime
 from .tp import walker
 from .tp.dtensor_params import replicate_plain_parameters

@@ -211,7 +211,6 @@ def init(config: dict | str | None = None, *, timeout_s: float = 300.0) -> Runti
     random.seed(cfg.random_seed)
     _RUNTIME = Runtime(config=cfg, world_mesh=world_mesh, mesh=world_mesh["dp", "tp"], device=device,
                        expert_mesh=built.expert, _groups=built.groups, mesh_cache=cache)
-    _v2_contract()
     configure_logging(dist.get_rank())
     if dist.get_rank() == 0:
         logger.info("world %d = %s on %s", cfg.world_size,
@@ -219,28 +218,6 @@ def init(config: dict | str | None = None, *, timeout_s: float = 300.0) -> Runti
                     device.type)
         _log_without_effect(without_effect(config))
     return _RUNTIME
-
-
-def _v2_contract() -> None:
-    """What SageMaker v2 scripts get from ``init`` in PyTorch calls they make themselves: the
-    data-parallel layout of their own FSDP1 call (the data x context ranks), and
-    ``sm_activation_offloading`` through PyTorch's ``offload_wrapper`` (a no-op unless the key is set)."""
-    from .activations import offload_wrapper
-    from .training import fsdp1_v2
-
-    offload_wrapper.install()
-    fsdp1_v2.install(_fsdp1_layout)
-
-
-def _fsdp1_layout():
-    """The running job's layout for FSDP1 calls (``training.fsdp1_v2``), or None without a job."""
-    from .training import fsdp1_v2
-
-    rt = _RUNTIME
-    if rt is None:
-        return None
-    return fsdp1_v2.Layout(rt.dp_mesh, rt.config.tensor_parallel_degree, rt.config.hybrid_shard_degree,
-                           rt.edp_mesh, rt.mesh_cache)
 
 
 _LOGGED_KEYS: set[str] = set()

@@ -24,12 +24,10 @@ from .materialize import meta
 from .materialize.rank0_sync import (  # noqa: F401 - SYNCED_FROM_RANK0, meta_states, move: re-exported
     SYNCED_FROM_RANK0, check_rank0_source, meta_states, move, sync_from_rank0)
 from .models import spec_for
-from .moe.moe_config import MoEConfig
+from .expert.config import MoEConfig
 from .parallelize import check, parallelize
-from .tensor_parallel.transformer import mark_transformer_layers
+from .training.blocks import mark_transformer_layers
 from .tp import auto, marks, walker
-from .distributed.checkpoint import group_blocks
-from .training import fsdp1_tp_state
 
 logger = logging.getLogger("modelparallel")
 
@@ -71,7 +69,7 @@ def transform(model: nn.Module, device=None, dtype: torch.dtype | None = None,
             model on the meta device (expected, to save memory) or real elsewhere.
         device: where real tensors go (default: the runtime's device).
         dtype: cast floating parameters and buffers to it.
-        config: SageMaker's ``MoEConfig`` (``modelparallel.moe.moe_config``) for a
+        config: SageMaker's ``MoEConfig`` (``modelparallel.expert.config``) for a
             mixture-of-experts model: its routing options and dispatcher; or the modelparallel
             config dict, used to ``init`` if not yet initialized (else it must agree with the
             running one).
@@ -112,10 +110,6 @@ def transform(model: nn.Module, device=None, dtype: torch.dtype | None = None,
             full = {}
     move(model, device, dtype)
     mark_transformer_layers(model)  # isinstance(block, TransformerLayer) for FSDP's wrap policy
-    # v2 scripts save through DCP over the FSDP (or replication) group, naming its coordinator by
-    # global rank, and each TP rank's block over that group
-    group_blocks.install()
-    fsdp1_tp_state.install()  # users wrap the result in FSDP1 and resume through DCP
     sharded = rt.tp_mesh.size() > 1 or _registered_or_marked(model)
     experts = moe is not None or rt.config.expert_parallel_degree > 1
     if sharded or experts or rt.config.context_parallel_degree > 1:

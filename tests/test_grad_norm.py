@@ -1,4 +1,4 @@
-"""``modelparallel.grad_norm.clip_grad_norm_(model, max_norm)`` with the FSDP1 model itself, as
+"""``modelparallel.sagemaker.grad_norm.clip_grad_norm_(model, max_norm)`` with the FSDP1 model itself, as
 SageMaker v2's train_lib calls it after every backward.
 
 Both the single-process HF model and the FSDP1-wrapped transform of a copy clip to a small norm
@@ -20,8 +20,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import harness
 import modelparallel as smp
-from modelparallel.grad_norm import clip_grad_norm_
-from modelparallel.tensor_parallel.transformer import TransformerLayer
+from modelparallel.sagemaker.grad_norm import clip_grad_norm_
+from modelparallel.sagemaker.tensor_parallel.transformer import TransformerLayer
 from reference import assert_replicas_train_like_one_process, token_batches
 
 POLICY = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={TransformerLayer})

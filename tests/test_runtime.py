@@ -187,7 +187,7 @@ def _expert_fsdp1_hybrid():
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from modelparallel.moe.moe_config import MoEConfig
+    from modelparallel.expert.config import MoEConfig
 
     smp.init({"expert_parallel_degree": 2, "hybrid_shard_degree": 2})
     torch.manual_seed(0)
@@ -284,7 +284,7 @@ def test_state_accepts_assignments(monkeypatch):
     """v2 scripts set ``state.tensor_parallel_degree`` before ``init`` when they run without the
     library's own implementation; that must neither raise nor outlive the job it was set in."""
     from modelparallel import runtime
-    from modelparallel.state import _State
+    from modelparallel.sagemaker.state import _State
 
     monkeypatch.setattr(runtime, "_RUNTIME", None)  # before init (another test may have run one here)
     state = _State()

@@ -33,7 +33,7 @@ def gpt2_export_on_rdp_rank0():
     model = smp.DistributedModel(model)
     dist_model = model
 
-    from modelparallel.nn.huggingface.gpt2 \
+    from modelparallel.sagemaker.nn.huggingface.gpt2 \
         import translate_state_dict_to_hf_gpt2
     max_seq_len = 1024
     # [... code block for training ...]
@@ -64,7 +64,7 @@ def roberta_pretrained_into_distributed(tmp):
         AutoModelForMaskedLM.from_config(roberta_config).save_pretrained(tmp)
     smp.barrier()
     # --- the page's code (only the import changed; a local directory instead of the hub) ---
-    from modelparallel.nn.huggingface.roberta \
+    from modelparallel.sagemaker.nn.huggingface.roberta \
         import translate_state_dict_to_smdistributed
     model = AutoModelForMaskedLM.from_config(roberta_config)
     model = smp.DistributedModel(model)

@@ -138,7 +138,7 @@ def test_v1_example_trains_and_resumes_on_2_and_4_ranks(tmp_path):
 
 
 def test_gptj_translate_spellings():
-    from modelparallel.nn.huggingface import gptj
+    from modelparallel.sagemaker.nn.huggingface import gptj
     from transformers import GPTJConfig, GPTJForCausalLM
 
     torch.manual_seed(0)
@@ -174,7 +174,7 @@ def write_token_rows(train_dir: Path, rows: int = 128) -> None:
 def sagemaker_process(sm_dir: str):
     """What ``modelparallel run`` gives a rank, for the duration of a harness call: SageMaker's
     environment, ``torch.cuda.set_device`` passing on CPU, the import hook."""
-    from modelparallel.compat import sagemaker_imports
+    from modelparallel.sagemaker import sagemaker_imports
     from modelparallel.sagemaker import env
 
     saved_env, saved_set_device = dict(os.environ), torch.cuda.set_device
@@ -244,8 +244,8 @@ def test_scripts_model_lines(tmp_path, model_type):
              for n, _ in mod.named_parameters()}
     assert r0["no_decay"] == sorted(norms | {n for n, _ in hf.named_parameters() if n.endswith(".bias")}), \
         "layer norms (smp.nn.FusedLayerNorm to the scripts) and biases are the scripts' no-decay group"
-    from modelparallel.nn.huggingface import table_for
-    from modelparallel.nn.huggingface.translate import from_hf
+    from modelparallel.models import table_for
+    from modelparallel.models._translate import from_hf
 
     distributed = from_hf(table_for(model_type), dict(hf.named_parameters()))  # the model's own layout
     assert r0["shapes"] == {n: tuple(p.shape) for n, p in distributed.items()}

@@ -33,7 +33,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
 
 import harness
 import modelparallel as smp
-from modelparallel.moe.moe_config import MoEConfig
+from modelparallel.expert.config import MoEConfig
 from modelparallel.materialize import meta
 from modelparallel.delayed_param import DelayedParamIniter
 from modelparallel import transform

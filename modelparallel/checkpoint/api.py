@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import runtime
-from ..utils.utils import paused_gc
+from .paused_gc import paused_gc
 from .background.async_save import AsyncSaver
 from .format import export_dtype
 from .load import full_load, partial_load

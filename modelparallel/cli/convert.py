@@ -85,8 +85,8 @@ def convert(source: Path, dest: Path, to: str) -> Path:
     """
     from safetensors.torch import save_file
 
-    from ..nn.huggingface import table_for
-    from ..nn.huggingface.translate import from_hf, to_hf
+    from ..models import table_for
+    from ..models._translate import from_hf, to_hf
 
     config = _read_config(source)
     if dest.exists() and not dest.is_dir():

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from ..moe.moe_config import MoEConfig
+from .config import MoEConfig
 from ..tp.layout import base_prefix
 from ..tp.plan import glob_match, join
 from .layout import ExpertLayout

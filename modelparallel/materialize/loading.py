@@ -24,7 +24,7 @@ from torch import nn
 
 from . import hf_init, meta, safetensors_io, stacked
 from .init_engine import InitEngine
-from ..nn.huggingface import table_for
+from ..models import table_for
 from ..pipeline.split import elsewhere, saved_names
 from ..tp.layout import base_prefix, block_of, block_slices, local_part, tie_groups
 from .state_dict import LoadReport

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..context.spec import ContextSpec
 from ..expert.layout import ExpertLayout
-from ..nn.huggingface.translate import KeyTable
+from ._translate import KeyTable
 from ..pipeline.split import PipelineSplit
 from ..tp.plan import ArchSpec
 from ._sagemaker import SageMakerLayout

@@ -21,7 +21,7 @@ and head names.
 
 import torch
 
-from ..nn.huggingface.translate import KeyTable
+from ._translate import KeyTable
 from ..pipeline.split import PipelineSplit
 from ..tp.plan import ArchSpec, ModulePlan, SharedInput
 from ._parts import column_row

@@ -17,7 +17,7 @@ without ``new_decoder_architecture``: one KV head stored after all queries).
 
 from dataclasses import replace
 
-from ..nn.huggingface.translate import KeyTable
+from ._translate import KeyTable
 from ..tp.plan import Unsupported
 from ._parts import decoder_lm
 

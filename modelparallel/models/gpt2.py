@@ -11,7 +11,7 @@ import and re-created on export when asked for.
 """
 
 from ..context.spec import ContextSpec
-from ..nn.huggingface.translate import KeyTable, causal_mask, masked_bias
+from ._translate import KeyTable, causal_mask, masked_bias
 from ..pipeline.split import PipelineSplit
 from ..tp.plan import ArchSpec, ModulePlan, Packed, packed_keys
 from ._parts import LM_HEAD, column_row

@@ -13,7 +13,7 @@ and renames it to ``lm_head`` on load, so exports write that name and imports ta
 
 from dataclasses import replace
 
-from ..nn.huggingface.translate import KeyTable
+from ._translate import KeyTable
 from ._parts import decoder_lm
 
 SPEC = replace(decoder_lm(

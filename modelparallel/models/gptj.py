@@ -11,7 +11,7 @@ only weights (the rotary table ``embed_positions`` is recomputed).
 """
 
 from ..context.spec import ContextSpec
-from ..nn.huggingface.translate import KeyTable, causal_mask, masked_bias
+from ._translate import KeyTable, causal_mask, masked_bias
 from ..pipeline.split import PipelineSplit
 from ..tp.plan import SharedInput
 from ._parts import decoder_lm

@@ -12,7 +12,7 @@ local layers, the causal mask restricted to a window.
 import torch
 
 from ..context.spec import ContextSpec
-from ..nn.huggingface.translate import KeyTable, causal_mask, masked_bias
+from ._translate import KeyTable, causal_mask, masked_bias
 from ..pipeline.split import PipelineSplit
 from ..tp.plan import SharedInput
 from ._parts import decoder_lm

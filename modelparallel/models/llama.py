@@ -15,7 +15,7 @@ buffer the model recomputes, so nothing else is stored.
 """
 
 from ..context.spec import ContextSpec
-from ..nn.huggingface.translate import KeyTable
+from ._translate import KeyTable
 from ..pipeline.split import PipelineSplit
 from ..tp.plan import KVHeads, SharedInput
 from ._parts import decoder_lm

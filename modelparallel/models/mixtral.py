@@ -14,7 +14,7 @@ Checkpoints on the Hugging Face hub hold each expert's ``w1`` (gate), ``w3`` (up
 """
 
 from ..expert.layout import ExpertLayout
-from ..nn.huggingface.translate import KeyTable
+from ._translate import KeyTable
 from ..tp.plan import ArchSpec, ModulePlan, SharedInput
 from ._parts import LM_HEAD, column_row
 

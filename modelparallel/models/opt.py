@@ -11,7 +11,7 @@ weight is fused.
 
 from dataclasses import replace
 
-from ..nn.huggingface.translate import KeyTable
+from ._translate import KeyTable
 from ..tp.plan import SharedInput
 from ._parts import decoder_lm
 

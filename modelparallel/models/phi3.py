@@ -13,7 +13,7 @@ Refused at TP > 1: grouped-query attention (``num_key_value_heads`` below
 ``num_attention_heads``), whose fused chunks differ in size.
 """
 
-from ..nn.huggingface.translate import KeyTable
+from ._translate import KeyTable
 from ..tp.plan import ArchSpec, ModulePlan, Packed, Unsupported, packed_keys
 from ._parts import LM_HEAD
 

@@ -13,7 +13,7 @@ on the Hugging Face hub hold each expert's projections separately (``TABLE.stack
 """
 
 from ..expert.layout import ExpertLayout
-from ..nn.huggingface.translate import KeyTable
+from ._translate import KeyTable
 from ..tp.plan import ArchSpec, ModulePlan, SharedInput
 from ._parts import LM_HEAD, column_row
 

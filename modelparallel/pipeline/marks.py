@@ -15,7 +15,7 @@ import contextlib
 
 from torch import nn
 
-from ..utils.creation_marks import CreationMarks
+from ..tp.creation_marks import CreationMarks
 
 _MARKS = CreationMarks("_mp_partition")
 

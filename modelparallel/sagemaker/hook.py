@@ -1,13 +1,17 @@
 """SageMaker's module names resolved to this package, for one process: an import hook.
 
-``smdistributed.modelparallel.torch.a.b`` (v1) and ``torch.sagemaker.a.b`` (v2) are
-``modelparallel.a.b``; ``smdistributed`` and ``smdistributed.modelparallel`` are small stand-in
-packages (scripts read ``smdistributed.modelparallel.__version__``). The alias is the module
-object itself, so ``smp.DistributedModel is modelparallel.DistributedModel`` and pickles name
-``modelparallel``. Nothing is written to disk: the finder sits first on ``sys.meta_path`` and
-answers only for those names (a string test, no import), so every other import, ``torch``'s own
-lazy submodules included, goes on as before. A SageMaker module this package does not have
-raises ``ModuleNotFoundError`` naming it.
+``smdistributed.modelparallel.torch`` (v1) is ``modelparallel.sagemaker.v1`` and ``torch.sagemaker``
+(v2) is ``modelparallel.sagemaker.v2``: both give every name of ``import modelparallel as smp``
+(the same objects, so ``smp.DistributedModel is modelparallel.DistributedModel`` and pickles name
+``modelparallel``), v1 with the engine's ``init``, v2 with the ``init`` and ``transform`` that
+install v2's PyTorch patches. Below either root, ``.a.b`` is ``modelparallel.sagemaker.a.b`` for
+the modules that exist only to mirror SageMaker (``MIRRORED``: ``nn``, ``utils``...) and
+``modelparallel.a.b`` for the engine's own (``delayed_param``, ``checkpoint``...); the alias is the
+module object itself. ``smdistributed`` and ``smdistributed.modelparallel`` are small stand-in
+packages (scripts read ``smdistributed.modelparallel.__version__``). Nothing is written to disk:
+the finder sits first on ``sys.meta_path`` and answers only for those names (a string test, no
+import), so every other import, ``torch``'s own lazy submodules included, goes on as before. A
+SageMaker module this package does not have raises ``ModuleNotFoundError`` naming it.
 """
 
 from __future__ import annotations
@@ -20,8 +24,13 @@ import importlib.util
 import sys
 import types
 
-ROOTS = {"smdistributed.modelparallel.torch": "modelparallel", "torch.sagemaker": "modelparallel"}
-"""SageMaker module path -> the module it is here; submodules follow (``.a.b`` -> ``.a.b``)."""
+ROOTS = {"smdistributed.modelparallel.torch": "modelparallel.sagemaker.v1",
+         "torch.sagemaker": "modelparallel.sagemaker.v2"}
+"""SageMaker's root module paths -> the module each is here."""
+
+MIRRORED = ("cp", "grad_norm", "logger", "moe", "nn", "patches", "state", "tensor_parallel", "utils")
+"""The first name below a root of the SageMaker modules that live in ``modelparallel.sagemaker``;
+every other submodule is the engine's (``modelparallel.<name>``)."""
 
 STAND_INS = ("smdistributed", "smdistributed.modelparallel", "smdistributed.dataparallel",
              "smdistributed.dataparallel.torch", "smdistributed.dataparallel.torch.torch_smddp")
@@ -33,8 +42,12 @@ backend module, which scripts import only to make the ``smddp`` backend name kno
 def target_of(name: str) -> str | None:
     """The module ``name`` resolves to here, or None if it is not a SageMaker path we alias."""
     for root, ours in ROOTS.items():
-        if name == root or name.startswith(root + "."):
-            return ours + name[len(root):]
+        if name == root:
+            return ours
+        if name.startswith(root + "."):
+            rest = name[len(root) + 1:]
+            home = "modelparallel.sagemaker" if rest.split(".")[0] in MIRRORED else "modelparallel"
+            return f"{home}.{rest}"
     return None
 
 

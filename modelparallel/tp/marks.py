@@ -16,7 +16,7 @@ from typing import Any, Callable
 from torch import nn
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from ..utils.creation_marks import CreationMarks
+from .creation_marks import CreationMarks
 from .plan import ModulePlan
 
 
@@ -47,7 +47,7 @@ _HONOURED = ("distribute_embedding",)
 def _split_options(owner: str, kwargs: dict) -> tuple[tuple, tuple]:
     """Sort keyword options into overrides (distributed-module constructor arguments) and
     creation options; refuse what cannot be honoured, naming it."""
-    from ..nn.distributed.options import constructor_args
+    from .modules import constructor_args
 
     overrides, options, refused, unknown = {}, {}, [], []
     accepted = constructor_args()

@@ -67,7 +67,7 @@ def dist_registration(module_cls: type, dist_module: type, init_hook=None, forwa
     Raises:
         TypeError: naming the class or the hook at fault.
     """
-    from ..nn.distributed.base import DistributedModule
+    from .modules import DistributedModule
 
     if not issubclass(dist_module, DistributedModule):
         raise TypeError(f"cannot register {module_cls.__name__} with {dist_module.__name__}: it is not an "

@@ -47,8 +47,7 @@ class Substitution:
     """One pass over a model; ``probe(module) -> problems`` checks a candidate's plan."""
 
     def __init__(self, model: nn.Module, probe: Callable[[nn.Module], list[str]], whole_model: bool):
-        from ..nn.distributed import DistributedEmbedding, DistributedLinear, DistributedModule
-        from ..nn.distributed.options import init_params
+        from .modules import DistributedEmbedding, DistributedLinear, DistributedModule, init_params
 
         self.model, self.probe, self.whole_model = model, probe, whole_model
         self.kinds = (DistributedModule, DistributedLinear, DistributedEmbedding)

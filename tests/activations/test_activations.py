@@ -1,6 +1,6 @@
 """Activation checkpointing and offloading in one process, against the same model run plainly.
 
-A failure here means ``modelparallel/activations`` (or ``modelparallel/patches/checkpoint.py``)
+A failure here means ``modelparallel/activations`` (or ``modelparallel/sagemaker/patches/checkpoint.py``)
 changed what the model computes, split a container into other regions than its strategy says,
 lost the random state between forward and recomputation, or reloaded offloaded tensors in the
 wrong order. Gradient mismatches: look at ``run_checkpointed``; wrong region order: ``segments``;
@@ -17,7 +17,7 @@ from torch import nn
 import modelparallel as smp
 from modelparallel.activations import ActivationOffloader, offloader_for, segments
 from modelparallel.config import build_config
-from modelparallel.patches.checkpoint import checkpoint, checkpoint_sequential
+from modelparallel.sagemaker.patches.checkpoint import checkpoint, checkpoint_sequential
 from reference import assert_close
 
 

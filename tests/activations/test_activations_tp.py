@@ -129,7 +129,7 @@ def check_patches_on_tensor_parallel_layers(tp):
     from torch import nn
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from modelparallel.patches.checkpoint import checkpoint, checkpoint_sequential
+    from modelparallel.sagemaker.patches.checkpoint import checkpoint, checkpoint_sequential
 
     smp.init({"tensor_parallel_degree": tp, "random_seed": 0})
     torch.manual_seed(0)

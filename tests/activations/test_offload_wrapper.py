@@ -22,7 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import harness
 import modelparallel as smp
 from modelparallel.activations import job_offloader
-from modelparallel.tensor_parallel.transformer import TransformerLayer
+from modelparallel.sagemaker.tensor_parallel.transformer import TransformerLayer
 from reference import assert_replicas_train_like_one_process, token_batches
 
 

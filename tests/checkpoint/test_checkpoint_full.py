@@ -17,7 +17,7 @@ from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Lla
 import harness
 import modelparallel as smp
 from modelparallel.checkpoint.save import full
-from modelparallel.nn.huggingface.gpt2 import translate_hf_state_dict_to_smdistributed_gpt2
+from modelparallel.sagemaker.nn.huggingface.gpt2 import translate_hf_state_dict_to_smdistributed_gpt2
 
 
 def cfg():

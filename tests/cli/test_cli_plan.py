@@ -15,7 +15,7 @@ import transformers as T
 
 from modelparallel.cli import main
 from modelparallel.models import _check
-from modelparallel.nn.huggingface.translate import from_hf, to_hf
+from modelparallel.models._translate import from_hf, to_hf
 from modelparallel.tp.auto.plan import derive
 from modelparallel.tp.walker import collect
 

@@ -6,7 +6,7 @@ over the data x context ranks exactly once: by ``DistributedModel`` (v1, replica
 data parallelism), or by the user's FSDP1 / FSDP2 call as v2 scripts make it (no mesh, or
 ``smp.dp_mesh()``), with ``hybrid_shard_degree``, tensor parallelism and activation
 checkpointing. A failure with one data-parallel path only points at the group it averages over
-(runtime.DP_CP_GROUP, Runtime.dp_mesh, training/fsdp1_v2.py's layout); a failure only with
+(runtime.DP_CP_GROUP, Runtime.dp_mesh, sagemaker/v2/fsdp1.py's layout); a failure only with
 checkpointing at the recomputation repeating attention's collectives (context/attention.py).
 """
 

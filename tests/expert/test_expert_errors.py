@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, OlmoeConfig, OlmoeForCau
 import harness
 import modelparallel as smp
 from modelparallel.config import build_config
-from modelparallel.moe.moe_config import MoEConfig
+from modelparallel.expert.config import MoEConfig
 from moe_reference import VOCAB, reference_model, replica_batches
 
 

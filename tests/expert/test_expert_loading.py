@@ -16,7 +16,7 @@ from accelerate import init_empty_weights
 
 import harness
 import modelparallel as smp
-from modelparallel.moe.moe_config import MoEConfig
+from modelparallel.expert.config import MoEConfig
 from moe_reference import ARCHS, reference_model, replica_batches
 from reference import assert_close
 

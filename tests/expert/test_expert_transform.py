@@ -19,7 +19,7 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeDecoderLaye
 
 import harness
 import modelparallel as smp
-from modelparallel.moe.moe_config import MoEConfig
+from modelparallel.expert.config import MoEConfig
 from moe_reference import reference_loss, reference_model, replica_batches, train_transformed_like_one_process
 
 LAYERS = {"mixtral": MixtralDecoderLayer, "qwen2_moe": Qwen2MoeDecoderLayer}

@@ -20,8 +20,8 @@ import transformers as T
 
 import harness
 import modelparallel as smp
-from modelparallel.nn.huggingface import table_for
-from modelparallel.nn.huggingface.translate import to_hf
+from modelparallel.models import table_for
+from modelparallel.models._translate import to_hf
 from reference import assert_close, assert_grads_match, assert_same_training, build_pair
 
 VOCAB = 101  # uneven vocabulary shards at TP 2 and 4

@@ -10,8 +10,8 @@ import torch
 from transformers import MistralConfig, MistralForCausalLM
 
 import harness
-from modelparallel.nn.huggingface import table_for
-from modelparallel.nn.huggingface.translate import from_hf, to_hf
+from modelparallel.models import table_for
+from modelparallel.models._translate import from_hf, to_hf
 from reference import assert_close, assert_grads_match, build_pair
 
 VOCAB = 1001  # uneven vocabulary shards at TP=2

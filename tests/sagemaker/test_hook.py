@@ -1,8 +1,8 @@
 """The SageMaker import hook (modelparallel/sagemaker/hook.py) and its environment (env.py).
 
 A failure in the alias tests means ``smdistributed.modelparallel.torch[.x]`` or
-``torch.sagemaker[.x]`` no longer give this package's own module objects (look at
-``SageMakerFinder.find_spec`` and ``_Loader.exec_module``); in the not-provided test, that a
+``torch.sagemaker[.x]`` no longer give this package's own module objects (look at ``ROOTS`` and
+``MIRRORED``, ``SageMakerFinder.find_spec`` and ``_Loader.exec_module``); in the not-provided test, that a
 missing SageMaker module no longer raises ``ModuleNotFoundError`` naming it; in the
 ``sagemaker_imports`` test, that leaving the block leaves aliases behind. The env tests check the
 SM_* defaults a script's argparse reads and the CPU ``torch.cuda.set_device`` stand-in.
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import modelparallel
-from modelparallel.compat import sagemaker_imports
+from modelparallel.sagemaker import sagemaker_imports
 from modelparallel.sagemaker import env, hook
 
 
@@ -29,19 +29,46 @@ def test_aliases_are_this_package():
         from torch.sagemaker.delayed_param import DelayedParamIniter
 
         import modelparallel.delayed_param
-        import modelparallel.nn.huggingface.gptj
+        import modelparallel.sagemaker.nn.huggingface.gptj
 
-        assert smp is modelparallel and tsm is modelparallel and torch.sagemaker is modelparallel
+        assert smp is modelparallel.sagemaker.v1 and tsm is modelparallel.sagemaker.v2 and torch.sagemaker is tsm
+        assert smp.DistributedModel is modelparallel.DistributedModel and tsm.state is modelparallel.state
+        assert smp.init is modelparallel.runtime.init, "v1's init is the engine's: no v2 PyTorch patches"
+        assert tsm.init is modelparallel.init and tsm.transform is modelparallel.transform
+        assert smp.nn is modelparallel.nn is modelparallel.sagemaker.nn
         assert smdistributed.modelparallel.__version__ == modelparallel.__version__
-        assert FusedLayerNorm is modelparallel.nn.FusedLayerNorm
-        assert translate_state_dict_to_hf_gptj is modelparallel.nn.huggingface.gptj.translate_state_dict_to_hf_gptj
+        assert FusedLayerNorm is modelparallel.sagemaker.nn.FusedLayerNorm
+        assert translate_state_dict_to_hf_gptj is modelparallel.sagemaker.nn.huggingface.gptj.translate_state_dict_to_hf_gptj
         assert DelayedParamIniter is modelparallel.delayed_param.DelayedParamIniter
-        assert sys.modules["smdistributed.modelparallel.torch.nn"] is modelparallel.nn
-        assert modelparallel.nn.__spec__.name == "modelparallel.nn", "the real module's spec must stay its own"
+        assert sys.modules["smdistributed.modelparallel.torch.nn"] is modelparallel.sagemaker.nn
+        assert modelparallel.sagemaker.nn.__spec__.name == "modelparallel.sagemaker.nn", "the real module's spec must stay its own"
         import torch.fx as fx  # torch's own submodules import as before
 
         assert fx.__name__ == "torch.fx"
         assert sys.modules["torch"]._export.__name__ == "torch._export"  # torch's lazy submodules too
+
+
+def test_sagemaker_paths_under_modelparallel():
+    """``modelparallel`` written for ``torch.sagemaker`` (as the README's v2 examples do) reaches the
+    same module objects as ``modelparallel.sagemaker``'s, and ``smp.state`` stays the state object."""
+    from modelparallel.grad_norm import clip_grad_norm_
+    from modelparallel.moe.moe_config import MoEConfig
+    from modelparallel.patches.checkpoint import checkpoint
+    import modelparallel.nn.huggingface.gpt2
+    import modelparallel.sagemaker.nn.huggingface.gpt2 as gpt2
+
+    assert modelparallel.nn.huggingface.gpt2 is gpt2 and sys.modules["modelparallel.nn.huggingface.gpt2"] is gpt2
+    assert MoEConfig is modelparallel.sagemaker.moe.moe_config.MoEConfig is modelparallel.expert.config.MoEConfig
+    assert checkpoint is modelparallel.sagemaker.patches.checkpoint.checkpoint
+    assert clip_grad_norm_ is modelparallel.clip_grad_norm_
+    from modelparallel.nn.huggingface import table_for
+    from modelparallel.nn.huggingface.translate import from_hf
+
+    assert from_hf is modelparallel.models._translate.from_hf and table_for is modelparallel.models.table_for
+    assert type(modelparallel.state).__name__ == "_State"
+    from modelparallel.compat import sagemaker_imports as documented
+
+    assert documented is sagemaker_imports
 
 
 @pytest.mark.parametrize("name", ["torch.sagemaker.tensor_parallel.no_such_module",

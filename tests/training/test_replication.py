@@ -20,7 +20,7 @@ from transformers import MixtralConfig, MixtralForCausalLM
 import harness
 import modelparallel as smp
 from modelparallel.config import build_config
-from modelparallel.moe.moe_config import MoEConfig
+from modelparallel.expert.config import MoEConfig
 from modelparallel.runtime import mesh_layout
 from modelparallel.training.replication import Ranker
 

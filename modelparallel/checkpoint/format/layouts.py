@@ -27,7 +27,8 @@ HF, UNSHARDED, DISTRIBUTED = "hf", "unsharded", "distributed"
 
 def translation(model_type: str | None, to_hf: bool) -> Items | None:
     """The per-key translation (distributed -> HF, or back) of an architecture, or None."""
-    from ...nn.huggingface import from_hf_items, table_for, to_hf_items
+    from ...models import table_for
+    from ...models._hf_items import from_hf_items, to_hf_items
 
     if model_type is None or table_for(model_type) is None:
         return None

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ...checkpoint.safety.files import CheckpointFiles
 from ...compat import flatten_state_dict
-from ...utils.utils import paused_gc
+from ...checkpoint.paused_gc import paused_gc
 from . import saving
 from .async_utils import wait_for_staging
 from .directory import checkpoint_files

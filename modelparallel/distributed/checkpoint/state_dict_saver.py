@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import SavePlanner, StorageWriter
 
 from ... import runtime
-from ...utils.utils import paused_gc
+from ...checkpoint.paused_gc import paused_gc
 from . import saving
 from .async_utils import AsyncCallsQueue
 from .state_dict_utils import LOCAL_LAYOUT_FILE, local_layouts

@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
 from ...tp.layout import local_part
-from ...training.fsdp1_grads import flattened_by_fsdp1, fsdp1_units
+from ...training.flat_grads import flattened_by_fsdp1, fsdp1_units
 from .optim_init import init_optim_state
 
 __all__ = ["LOCAL_LAYOUT_FILE", "LocalStateDict", "SMStateDictType", "check_local_group", "init_optim_state",

@@ -34,7 +34,7 @@ def applies(model: nn.Module) -> bool:
         return False
     if not marks.is_enabled(model, ""):
         return False
-    from ...nn.distributed.base import DistributedModule
+    from ..modules import DistributedModule
 
     for module in model.modules():
         mark = module.__dict__.get("_mp_tp")

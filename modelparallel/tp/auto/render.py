@@ -63,7 +63,7 @@ def model_file(model: nn.Module, spec: ArchSpec, tp: int) -> str:
         'modelparallel/models/<arch>.py: the registry finds it there like any built-in architecture.',
         '"""',
         "",
-        "from ..nn.huggingface.translate import KeyTable",
+        "from ._translate import KeyTable",
         "from ..tp.plan import ArchSpec, KVHeads, ModulePlan, Packed, SharedInput  # noqa: F401 - as the plan needs",
         "",
         "SPEC = ArchSpec(",

@@ -21,7 +21,7 @@ from modelparallel.distributed.checkpoint.filesystem import DistributedFileSyste
 from modelparallel.distributed.checkpoint.state_dict_loader import load
 from modelparallel.distributed.checkpoint.state_dict_saver import async_save
 from modelparallel.distributed.checkpoint.state_dict_utils import SMStateDictType, init_optim_state, sm_state_dict_type
-from modelparallel.tensor_parallel.transformer import TransformerLayer
+from modelparallel.sagemaker.tensor_parallel.transformer import TransformerLayer
 from v2_script import replication_group
 
 VOCAB = 100

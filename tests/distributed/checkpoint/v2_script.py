@@ -21,9 +21,9 @@ from modelparallel.distributed.checkpoint.filesystem import DistributedFileSyste
 from modelparallel.distributed.checkpoint.state_dict_loader import load
 from modelparallel.distributed.checkpoint.state_dict_saver import async_save, save
 from modelparallel.distributed.checkpoint.state_dict_utils import SMStateDictType, init_optim_state, sm_state_dict_type
-from modelparallel.grad_norm import clip_grad_norm_
-from modelparallel.tensor_parallel.transformer import TransformerLayer
-from modelparallel.utils.process_group_utils import get_global_ranks
+from modelparallel.sagemaker.grad_norm import clip_grad_norm_
+from modelparallel.sagemaker.tensor_parallel.transformer import TransformerLayer
+from modelparallel.sagemaker.utils.process_group_utils import get_global_ranks
 
 VOCAB = 100
 

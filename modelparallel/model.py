@@ -12,7 +12,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import runtime
 from . import partitioning
-from .materialize import wrapping
+from .materialize import weights as wrapping
 from .expert import is_expert_parameter
 from .training import batch
 from .training.dp import OverlappedAverage, allreduce_gradients

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from . import runtime
-from .materialize import wrapping
+from .materialize import weights as wrapping
 from .models import sagemaker_layout_for
 from .models._sagemaker import offer_tree
 from .parallelize import parallelize

@@ -1,124 +1,124 @@
-"""The steps ``DistributedModel`` runs around the TP walker, for models that are not simply real
-and identical on every rank: built on the meta device, built in ``model_creation`` /
-``delay_param_initialization``, real only on rank 0, or to be sharded over data parallelism too.
+"""Where a model's weights come from, and giving its shards their values: the steps the one
+composition (``parallelize``) runs before and after sharding, for models that are not simply
+real and identical on every rank.
 
-Before sharding every rank learns every rank's meta state (one small all-gather), so all ranks
-take the same path and no rank waits in a collective the others skip. The outcomes:
+Before sharding the ranks agree on where the weights come from (the v1 API finds out, through
+one small all-gather of every rank's meta state, so no rank waits in a collective the others
+skip; the v2 API is told, by ``load_state_dict_from_rank0``):
 
-* all real: as before (move to the device, shard);
-* rank 0 real, others meta: everything to meta, shard, then rank 0 sends each rank its blocks;
-* all meta, built in a delayed-init context: shard, then ``InitEngine.init_all``;
-* all meta otherwise: shard and stay on meta until ``smp.load_hf_checkpoint`` (forward refuses);
+* ``REAL``: every rank holds the weights: move to the device and shard;
+* ``RANK0``: rank 0 holds them, the others are on meta: everything goes to meta (rank 0 keeping
+  its tensors), all ranks shard alike, then rank 0 sends each rank exactly its blocks;
+* ``META``: every rank is on meta: shard, then initialize (built in a delayed-init context, v1)
+  or stay on meta until ``smp.load_hf_checkpoint`` (forward refuses);
 * any other mix: refused on every rank, naming the ranks.
 
-Two fixes apply to every path: the weights the HF config ties are tied before sharding (scripts
-that skip HF's ``init_weights`` also skip its tying), and after the shards have values every
-parameter held whole on each TP rank is made equal to TP rank 0's (``tp_sync``).
+The v1 API also ties the weights the HF config ties before sharding (scripts that skip HF's
+``init_weights`` also skip its tying), and after the shards have values makes every parameter
+held whole on each TP rank equal to TP rank 0's (``tp_sync``).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..models import sagemaker_layout_for, spec_for
-from ..models._sagemaker import offer_tree
-from ..tp import auto, walker
-from ..tp.plan import ArchSpec
-from ..training import fsdp
 from . import creation_options as creation
 from . import hf_init, meta
 from .init_engine import InitEngine
-from .rank0_sync import meta_states, move, sync_from_rank0
+from .rank0_sync import check_rank0_source, meta_states, sync_from_rank0
 from .tp_sync import broadcast_replicated
 
 logger = logging.getLogger("modelparallel")
 
-
-@dataclass
-class WrapState:
-    spec: ArchSpec | None
-    options: creation.CreationOptions | None
-    full_on_rank0: dict = field(default_factory=dict)
-    from_rank0: bool = False
-    pending_meta: bool = False
-    fsdp: bool = False
-    compute_dtype: torch.dtype | None = None
+REAL, RANK0, META = "real", "rank0", "meta"
 
 
-def _mode(states: list[tuple[bool, bool]]) -> str:
+def prepare_v1(module: nn.Module, options: creation.CreationOptions | None) -> None:
+    """Tie what the HF config ties and apply ``model_creation``'s attention options (v1)."""
+    if hf_init.tie_as_config(module) and dist.get_rank() == 0:
+        logger.info("tied the weights %s's config ties (they were separate copies: was "
+                    "PreTrainedModel.init_weights replaced?)", type(module).__name__)
+    creation.apply_attention(module, options)
+
+
+def _agreed(states: list[tuple[bool, bool]]) -> str:
     metas = [r for r, (has_meta, _) in enumerate(states) if has_meta]
     real = [r for r, (has_meta, has_real) in enumerate(states) if not has_meta and has_real]
     if not metas:
-        return "real"
+        return REAL
     if 0 in real and len(real) == 1:
-        return "rank0"
+        return RANK0
     if len(metas) == len(states):
-        return "meta"
+        return META
     raise meta.MetaTensorError(f"ranks {metas} hold a model with meta-device tensors and ranks {real} a real one: "
                                "either every rank builds on meta, or only rank 0 holds real weights")
 
 
-def before_shard(module: nn.Module, rt, dtype: torch.dtype | None) -> WrapState:
-    """Agree on the path, move/cast what has data, pick the plan; a collective."""
-    options = creation.options_of(module)
-    if hf_init.tie_as_config(module) and dist.get_rank() == 0:
-        logger.info("tied the weights %s's config ties (they were separate copies: was "
-                    "PreTrainedModel.init_weights replaced?)", type(module).__name__)
-    spec = auto.plan_for(module, spec_for(module), rt.tp_mesh, walker.parallelize)  # built-in or automatic
-    if options is not None and not options.distribute_embedding:
-        spec = creation.without_vocab(spec)
-    fsdp.check_degree(rt.config.shard_degree, rt.config.replica_degree)
-    creation.apply_attention(module, options)
-    state = WrapState(spec, options)
-    mode = _mode(meta_states(module)) if dist.get_world_size() > 1 else ("meta" if meta.has_meta(module) else "real")
-    if mode == "rank0" and rt.config.pipeline_parallel_degree > 1:
+def source(module: nn.Module, topo, find: bool, from_rank0: bool) -> str:
+    """Where the weights come from: ``REAL``, ``RANK0`` or ``META``; a collective when ``find``
+    (v1) or ``from_rank0`` (v2 told so, checked against every rank's model).
+
+    Raises:
+        MetaTensorError: a mix of meta and real models no source explains, or (``from_rank0``)
+            rank 0's model on meta.
+        NotImplementedError: a model real on rank 0 only under pipeline parallelism.
+    """
+    if from_rank0:
+        check_rank0_source(meta_states(module))
+        return RANK0
+    if not find or dist.get_world_size() == 1:
+        return META if meta.has_meta(module) else REAL
+    found = _agreed(meta_states(module))
+    if found == RANK0 and topo.config.pipeline_parallel_degree > 1:
         raise NotImplementedError(
             "a model real on rank 0 only (meta elsewhere) at pipeline_parallel_degree > 1: build it on the meta "
             "device on every rank and load it with smp.load_hf_checkpoint (each stage reads its own tensors), or "
             "build it in smp.delay_param_initialization()")
-    if mode == "rank0":
-        full = meta.to_meta_(module)
-        state.full_on_rank0, state.from_rank0 = (full if dist.get_rank() == 0 else {}), True
-    # under FSDP the sharded parameters stay fp32 (they are the master weights) and FSDP casts
-    # them to ``dtype`` for compute (``fsdp.mixed_precision``)
-    state.compute_dtype = dtype
-    move(module, rt.device, None if rt.config.shard_degree > 1 else dtype)
-    state.pending_meta = mode == "meta"
-    return state
+    return found
 
 
-def after_shard(module: nn.Module, rt, state: WrapState) -> None:
-    """Give the shards storage and values (from rank 0, or by delayed init), then FSDP."""
-    if state.from_rank0:
-        meta.materialize(module, rt.device)
-        sync_from_rank0(module, state.full_on_rank0, rt.expert_mesh)
-        state.full_on_rank0.clear()
-    elif state.pending_meta and state.options is not None and state.options.delayed:
-        initer = InitEngine(module, device=rt.device)
+def to_meta_keeping_rank0(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Move ``module`` to meta on every rank; rank 0 keeps its full tensors (returned) to send
+    each rank its blocks once the model is sharded. Other ranks get ``{}``."""
+    full = meta.to_meta_(module)
+    return full if dist.get_rank() == 0 else {}
+
+
+def give_values(module: nn.Module, topo, where: str, full: dict[str, torch.Tensor], device: torch.device,
+                delayed: bool, equalize: bool) -> bool:
+    """Give the sharded model's tensors storage and values: rank 0's (``RANK0``, consuming
+    ``full``), or by delayed init (``META`` built in a delayed-init context); then, when
+    ``equalize``, every parameter held whole on each TP rank is made TP rank 0's.
+
+    Returns:
+        Whether the model is left on meta, waiting for a load.
+    """
+    pending = where == META
+    if where == RANK0:
+        meta.materialize(module, device)
+        sync_from_rank0(module, full, topo.expert_mesh)  # names every mesh dim a DTensor here can have
+        full.clear()
+    elif pending and delayed:
+        initer = InitEngine(module, device=device)
         with initer.validate_params_and_buffers_inited():
             initer.init_all()
-        state.pending_meta = False
-    if not state.from_rank0 and not state.pending_meta:  # the sync from rank 0 made them equal already
-        broadcast_replicated(module, rt.tp_mesh)
-    state.fsdp = fsdp.shard_data_parallel(module, rt.dp_mesh, state.spec, rt.config.shard_degree,
-                                          fsdp.mixed_precision(state.compute_dtype),
-                                          keep_gathered=rt.config.keep_params_gathered, expert_replicas=rt.edp_mesh)
-    layout = sagemaker_layout_for(module)
-    if layout is not None:  # SageMaker's names (seq_layers, .attention, .output) as aliases
-        offer_tree(module, layout)
+        pending = False
+    if equalize and where != RANK0 and not pending:  # the sync from rank 0 made them equal already
+        broadcast_replicated(module, topo.tp_mesh)
+    return pending
 
 
-def check_ready(module: nn.Module, state: WrapState) -> None:
-    """Refuse to run a model whose shards were never given values."""
-    if state.pending_meta:
+def check_ready(module: nn.Module, composed) -> None:
+    """Refuse to run a model whose shards were never given values (``composed``: the result of
+    ``parallelize``, updated once a load gave them values)."""
+    if composed.pending_meta:
         if meta.has_meta(module):
             raise meta.MetaTensorError(
                 "this DistributedModel was built on the meta device and has no weights yet: load them with "
                 "smp.load_hf_checkpoint(model, directory), or build it inside smp.delay_param_initialization() "
                 f"to initialize it; still on meta: {', '.join(meta.meta_names(module)[:8])}...")
-        state.pending_meta = False
+        composed.pending_meta = False

@@ -55,8 +55,9 @@ class Request:
     """What the calling API asks of ``parallelize``: the two APIs differ only here."""
 
     api: str
-    """"v1" (``DistributedModel``: finds where the weights come from, initializes delayed-init
-    models, equalizes replicated parameters, applies FSDP) or "v2" (``transform``)."""
+    """Which API calls: "v1" (``DistributedModel``: finds where the weights come from,
+    initializes delayed-init models, equalizes replicated parameters, applies FSDP) or "v2"
+    (``transform``)."""
     device: torch.device
     dtype: torch.dtype | None = None
     """Floating tensors are cast to it (under v1's FSDP: all-gathered in it for compute)."""

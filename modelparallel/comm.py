@@ -57,7 +57,7 @@ def dp_mesh() -> DeviceMesh:
     """The 1-D DeviceMesh FSDP shards over: the ranks holding the same shard (SageMaker's rdp
     group), times the context-parallel ranks when ``context_parallel_degree`` > 1 (they hold the
     same parameters too)."""
-    return current().dp_mesh
+    return current().replica_mesh
 
 
 def cp_mesh() -> DeviceMesh:

@@ -207,13 +207,41 @@ def _check_pipeline(cfg: Config, problems: list[str]) -> None:
                         f"is {cfg.pipeline_parallel_degree} (partitions 0 .. {cfg.pipeline_parallel_degree - 1})")
 
 
-def build_config(config: dict | str | os.PathLike | None, world_size: int) -> Config:
+COMBINED = ("context_parallel_degree", "expert_parallel_degree")
+"""Degrees that pipeline parallelism does not compose with (``unbuilt_combinations``)."""
+
+
+def unbuilt_combinations(cfg: Config, api: str | None = None) -> list[str]:
+    """The dimensions ``cfg`` combines that do not compose here, each naming its keys. With
+    ``api="v2"`` (a job started by ``transform``) also pipeline parallelism, which runs only
+    through the v1 API's ``DistributedModel`` and ``@smp.step``."""
+    found = []
+    pp, ep, cp = cfg.pipeline_parallel_degree, cfg.expert_parallel_degree, cfg.context_parallel_degree
+    for key in COMBINED:
+        if pp > 1 and getattr(cfg, key) > 1:
+            found.append(f"{key} {getattr(cfg, key)} with pipeline_parallel_degree {pp}; use one of them")
+    if ep > 1 and cp > 1:
+        found.append(f"expert_parallel_degree {ep} with context_parallel_degree {cp} (experts replicated over "
+                     "context-parallel ranks); use one of them")
+    if api == "v2" and pp > 1:
+        found.append(f"transform at pipeline_parallel_degree {pp} (pipeline parallelism runs through "
+                     "smp.DistributedModel and @smp.step)")
+    return found
+
+
+def build_config(config: dict | str | os.PathLike | None, world_size: int, api: str | None = None) -> Config:
     """Parse and validate a config for a job of ``world_size`` ranks.
+
+    Args:
+        config: a dict, a JSON path, or None for the environment.
+        world_size: ranks in the job.
+        api: "v2" when ``transform`` starts the job (refuses what only the v1 API runs).
 
     Raises:
         ValueError: listing every unknown key (with a suggestion), wrong type and inconsistent
-            degree at once.
-        NotImplementedError: naming each key given a non-default value that is not built.
+            degree at once (and whatever is not implemented, when there is both).
+        NotImplementedError: naming each key given a non-default value that is not built, and
+            each combination of dimensions that is not (``unbuilt_combinations``).
     """
     problems: list[str] = []
     raw = _resolve_aliases(load_raw(config), problems)
@@ -227,18 +255,19 @@ def build_config(config: dict | str | os.PathLike | None, world_size: int) -> Co
     _check_placement(cfg.placement_strategy, problems)
     _check_degrees(cfg, problems)
     _check_pipeline(cfg, problems)
+    refused = _unbuilt(known) + unbuilt_combinations(cfg, api)
     if problems:
-        raise ValueError("invalid modelparallel config:\n  - " + "\n  - ".join(problems))
-    _refuse_unbuilt(known)
+        raise ValueError("invalid modelparallel config:\n  - " + "\n  - ".join(
+            problems + [f"not implemented: {r}" for r in refused]))
+    if refused:
+        raise NotImplementedError("modelparallel does not implement:\n  - " + "\n  - ".join(refused))
     return cfg
 
 
-def _refuse_unbuilt(known: dict[str, Any]) -> None:
-    """Raise for keys whose non-default value would change results and is not built."""
-    refused = [f"{k}={v!r} (only {BY_NAME[k].default!r} is supported: {BY_NAME[k].doc})"
-               for k, v in known.items() if BY_NAME[k].status == DEFAULT_ONLY and v != BY_NAME[k].default]
-    if refused:
-        raise NotImplementedError("modelparallel does not implement:\n  - " + "\n  - ".join(refused))
+def _unbuilt(known: dict[str, Any]) -> list[str]:
+    """The keys whose non-default value would change results and is not built."""
+    return [f"{k}={v!r} (only {BY_NAME[k].default!r} is supported: {BY_NAME[k].doc})"
+            for k, v in known.items() if BY_NAME[k].status == DEFAULT_ONLY and v != BY_NAME[k].default]
 
 
 def without_effect(config: dict | str | os.PathLike | None) -> dict[str, Any]:

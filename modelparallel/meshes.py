@@ -2,8 +2,10 @@
 
 The world mesh has one named dimension per kind of parallelism, ``("pp", "dp", "cp", "tp")``
 (pipeline stages, reduced data parallelism, context parallelism, tensor parallelism); a degree of
-1 gives a dimension of size 1. ``Runtime.mesh`` is its ``("dp", "tp")`` slice holding this rank:
-the ranks of one pipeline stage and one context slice, the mesh TP and FSDP work on.
+1 gives a dimension of size 1. "dp" is SageMaker's rdp here, nothing else: the ranks that hold
+the same shard. ``Topology.mesh`` is the world mesh's ``("dp", "tp")`` slice holding this rank:
+the ranks of one pipeline stage and one context slice, the mesh TP works on; FSDP works on
+``Topology.replica_mesh`` ("dp" times "cp").
 
 Rank vocabulary (SageMaker's). ``TP_GROUP``: ranks sharing one copy of each layer. ``RDP_GROUP``
 (reduced data parallel): ranks with the same tp, cp and pp rank, holding the same shard; gradients
@@ -17,7 +19,7 @@ torchtitan's ``dp_shard_cp`` does. Every group is "the ranks that differ from th
 these dimensions" (``GROUP_DIMS``), numbered in global-rank order as torch numbers a group.
 
 Expert parallelism is carved out of the data-parallel ranks, as torchtitan and Megatron-Core do:
-``Runtime.expert_mesh`` is the world mesh with "dp" split into ``("edp", "ep")``. ``EP_GROUP``:
+``Topology.expert_mesh`` is the world mesh with "dp" split into ``("edp", "ep")``. ``EP_GROUP``:
 consecutive data-parallel ranks (same tp, cp and pp rank) that together hold one copy of every
 MoE layer's experts, each 1/ep of them; ``EDP_GROUP``: the ranks holding the same experts (same
 ep rank), over which expert gradients are averaged.

@@ -12,7 +12,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import runtime
 from . import partitioning
-from .materialize import wrapping
+from .materialize import weights
 from .expert import is_expert_parameter
 from .training import batch
 from .training.dp import OverlappedAverage, allreduce_gradients
@@ -63,15 +63,16 @@ class DistributedModel(TensorParallelMethods, nn.Module):
         if isinstance(module, DistributedModel) or module.__dict__.get("_mp_wrapped"):
             raise ValueError("DistributedModel was already applied to this model; wrap a model once")
         rt = runtime.current()
-        check(module, rt)  # what no plan can fix is refused before the first collective
+        check(module, rt.topology)  # what no plan can fix is refused before the first collective
         super().__init__()
+        self._mp_topology = rt.topology  # where the (possibly deferred) split runs
         self._mp_state = self._mp_pipeline = None  # set by partitioning.shard
         self._v1 = V1Options(backward_passes_per_step, average_grads_across_microbatches, overlapping_allreduce,
                              bucket_cap_mb)
         self._mp_optimizers: list = []  # DistributedOptimizers holding this model's parameters, newest last
-        self._mp_names = partitioning.wait_for_marks(module) if partitioning.deferred(rt) else {}
-        if not partitioning.deferred(rt):
-            partitioning.shard(self, module, rt)
+        self._mp_names = partitioning.wait_for_marks(module) if partitioning.deferred(rt.topology) else {}
+        if not partitioning.deferred(rt.topology):
+            partitioning.shard(self, module, rt.topology)
         module._mp_wrapped = True
         self.module = module
         rt.models.append(self)
@@ -93,7 +94,7 @@ class DistributedModel(TensorParallelMethods, nn.Module):
         """Run the wrapped model. With ``prescaled_batch`` false and TP > 1, the TP group
         computes on the union of its ranks' batches and each rank gets its own rows back."""
         self._mp_partition_now()
-        wrapping.check_ready(self.module, self._mp_state)
+        weights.check_ready(self.module, self._mp_state)
         rt = runtime.current()
         if not rt.config.scaled_batch:
             return self.module(*args, **kwargs)
@@ -242,14 +243,14 @@ class DistributedModel(TensorParallelMethods, nn.Module):
         """The full state dict at global shapes, every pipeline stage's entries included (a
         collective). With ``gather_to_rank0`` only rank 0 receives it and other ranks get ``{}``."""
         self._mp_partition_now()
-        wrapping.check_ready(self.module, self._mp_state)
+        weights.check_ready(self.module, self._mp_state)
         pp_group = runtime.current().group(runtime.PP_GROUP) if self._mp_pipeline is not None else None
         return full_state_dict(self.module, gather_to_rank0, pp_group)
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's shards, keyed like ``state_dict()``."""
         self._mp_partition_now()
-        wrapping.check_ready(self.module, self._mp_state)
+        weights.check_ready(self.module, self._mp_state)
         return local_state_dict(self.module)
 
     def load_state_dict(self, state_dict, same_partition_load: bool = False, strict: bool = True) -> LoadReport:

@@ -1,102 +1,159 @@
-"""The one place where the parallel dimensions compose, in a fixed order.
+"""The one place where the parallel dimensions compose: ``parallelize`` reads top to bottom.
 
-``DistributedModel`` (v1) and ``transform`` (v2) both turn a model into this rank's parallel form
-here, so every dimension is applied in the same order whichever API the script uses. Each
-dimension lives in its own package that takes the model and the mesh it needs, and knows nothing
-of the others; this module only orders them:
+``DistributedModel`` (v1) and ``transform`` (v2) are thin callers of ``parallelize``, so every
+dimension is applied in the same order whichever API the script uses, and the plan choice, the
+rank-0 load path and FSDP each happen once, here. Each dimension lives in its own package that
+takes the model and the mesh it needs, and knows nothing of the others; this module orders them:
 
-1. the pipeline split (``pipeline``): at ``pipeline_parallel_degree`` > 1 the model is cut down
-   to this rank's stage (its blocks; embeddings on the first, final modules on the last), so
-   every later dimension only sees, and only allocates, the stage's modules;
-2. tensor parallelism (``tp.walker``): shards each layer over the ``tp`` mesh dimension (with the
-   ``sequence_parallel`` key, the hidden states between its regions split over it too);
-3. expert parallelism (``expert``): shards each MoE layer's experts over the ``ep`` dimension
-   (data-parallel ranks sharing the experts) and applies a ``MoEConfig``'s routing options;
-4. context parallelism (``context``): splits every sequence over the ``cp`` mesh dimension
-   (attention reaches the other ranks' keys and values; the weights are not split);
-5. whenever the tensor-parallel walker ran, every parameter still a plain tensor becomes a
-   ``Replicate()`` DTensor on the ``tp`` mesh (``tp.dtensor_params``), so that torch's
-   ``foreach`` and ``fused`` optimizers never see plain tensors beside DTensors.
-
-Data parallelism (replica gradient averaging, FSDP) is applied after this by the caller, over
-``Runtime.dp_mesh`` (the data-parallel ranks, times the context-parallel ones: they hold the
-same weights), because the two APIs differ there (v1 wraps it itself, v2 scripts call FSDP
-themselves).
+1. check: what no plan or weights can fix (an encoder under context parallelism, an unknown
+   ``cp_comm_type``, experts the expert-parallel degree cannot split), refused before any
+   collective. What depends on the config alone was refused by ``smp.init`` already;
+2. plan: the architecture's tensor-parallel plan, or the automatic one;
+   then where the weights come from (``materialize.weights``): a model real on rank 0 only goes
+   to meta, rank 0 keeping its tensors, so that every rank shards alike without communication;
+3. the pipeline split (``pipeline``): at ``pipeline_parallel_degree`` > 1 the model is cut down
+   to this rank's stage, so every later dimension only sees, and only allocates, its modules;
+4. tensor parallelism (``tp.walker``): shards each layer over the ``tp`` mesh dimension (with
+   ``sequence_parallel``, the hidden states between its regions split over it too);
+5. expert parallelism (``expert``): shards each MoE layer's experts over the ``ep`` dimension
+   and applies a ``MoEConfig``'s routing options;
+6. context parallelism (``context``): splits every sequence over the ``cp`` mesh dimension;
+   whenever the walker ran, every parameter still a plain tensor becomes a ``Replicate()``
+   DTensor on the ``tp`` mesh, so torch's ``foreach`` and ``fused`` optimizers never see plain
+   tensors beside DTensors;
+7. materialize: the shards get storage and values (rank 0's, or delayed init);
+8. data parallelism: v1 applies FSDP2 over ``Topology.replica_mesh`` (the data-parallel ranks
+   times the context-parallel ones: they hold the same weights) when sharding is configured;
+   v2 scripts call FSDP themselves.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from . import context, pipeline
 from .expert import apply_experts, check_experts
-from .models import EXPERT_LAYOUTS, context_spec_for, experts_for, pipeline_split_for
+from .materialize import creation_options as creation
+from .materialize import meta, weights
+from .materialize.rank0_sync import move
 from .expert.config import MoEConfig
-from .runtime import PP_GROUP, Runtime
-from .tp import walker
+from .meshes import PP_GROUP
+from .models import EXPERT_LAYOUTS, context_spec_for, experts_for, pipeline_split_for, spec_for
+from .topology import Topology
+from .tp import auto, walker
 from .tp.dtensor_params import replicate_plain_parameters
 from .tp.plan import ArchSpec
+from .training import fsdp
 
 
-def check(module: nn.Module, rt: Runtime, cp_comm_type: str = "p2p", moe: MoEConfig | None = None) -> None:
+@dataclass(frozen=True)
+class Request:
+    """What the calling API asks of ``parallelize``: the two APIs differ only here."""
+
+    api: str
+    """Which API calls: "v1" (``DistributedModel``: finds where the weights come from,
+    initializes delayed-init models, equalizes replicated parameters, applies FSDP) or "v2"
+    (``transform``)."""
+    device: torch.device
+    dtype: torch.dtype | None = None
+    """Floating tensors are cast to it (under v1's FSDP: all-gathered in it for compute)."""
+    cp_comm_type: str = "p2p"
+    moe: MoEConfig | None = None
+    from_rank0: bool = False
+    """v2's ``load_state_dict_from_rank0`` (v1 finds a model real on rank 0 only itself)."""
+    tensor_parallel: bool = True
+    """Run the walker (``transform`` leaves a plain model plain at TP degree 1)."""
+
+    @property
+    def v1(self) -> bool:
+        return self.api == "v1"
+
+
+@dataclass
+class Parallelized:
+    """What ``parallelize`` did, for its caller."""
+
+    spec: ArchSpec | None
+    replicated: list[str]
+    """Paths of the modules left replicated over the tensor-parallel ranks (for the log line)."""
+    pending_meta: bool
+    """The model is still on meta, waiting for ``smp.load_hf_checkpoint``."""
+    fsdp: bool
+
+
+def parallelize(module: nn.Module, topo: Topology, ask: Request) -> Parallelized:
+    """Apply every parallel dimension the topology asks for to ``module``, in place. A collective.
+
+    Args:
+        module: the model, real, on the meta device, or real on rank 0 only (see
+            ``materialize.weights``).
+        topo: the job's config and meshes.
+        ask: what the calling API asks for.
+
+    Raises:
+        ValueError, NotImplementedError: when a dimension's plan does not fit the model, before
+            any tensor is touched.
+        MetaTensorError: ranks whose models mix meta and real tensors in no way a source explains.
+    """
+    cfg = topo.config
+    experts = check(module, topo, ask.cp_comm_type, ask.moe)  # 1. check
+    if ask.v1:
+        fsdp.check_degree(cfg.shard_degree, cfg.replica_degree)
+    options = creation.options_of(module) if ask.v1 else None
+    spec = plan(module, topo, options)  # 2. plan
+    if ask.v1:
+        weights.prepare_v1(module, options)
+    where = weights.source(module, topo, find=ask.v1, from_rank0=ask.from_rank0)
+    full = weights.to_meta_keeping_rank0(module) if where == weights.RANK0 else {}
+    # under v1's FSDP the sharded parameters stay fp32 (the master weights); FSDP casts for compute
+    move(module, ask.device, None if ask.v1 and cfg.shard_degree > 1 else ask.dtype)
+    with meta.torch_parameter_registration():  # v2 scripts may call transform in init_empty_weights()
+        stage = pipeline.split_model(module, cfg, topo.ranks(PP_GROUP).index(dist.get_rank()),
+                                     pipeline_split_for(module))  # 3. pipeline split
+        if stage is not None and spec is not None:
+            spec = pipeline.stage_spec(spec, module)
+        replicated = walker.parallelize(module, topo.tp_mesh, spec, cfg.sequence_parallel) \
+            if ask.tensor_parallel else []  # 4. tensor parallelism
+        apply_experts(experts, topo.ep_mesh)  # 5. expert parallelism
+        if cfg.context_parallel_degree > 1:  # 6. context parallelism
+            context.parallelize(module, topo.cp_mesh, context_spec_for(module), ask.cp_comm_type)
+        if ask.tensor_parallel:  # one kind of parameter for torch's foreach and fused optimizers
+            replicate_plain_parameters(module, topo.tp_mesh)
+    pending = weights.give_values(module, topo, where, full, ask.device,  # 7. materialize
+                                  delayed=options is not None and options.delayed, equalize=ask.v1)
+    sharded = ask.v1 and fsdp.shard_data_parallel(  # 8. data parallelism
+        module, topo.replica_mesh, spec, cfg.shard_degree, fsdp.mixed_precision(ask.dtype),
+        keep_gathered=cfg.keep_params_gathered, expert_replicas=topo.edp_mesh)
+    return Parallelized(spec, replicated, pending, sharded)
+
+
+def check(module: nn.Module, topo: Topology, cp_comm_type: str = "p2p", moe: MoEConfig | None = None):
     """Refuse, before any collective, a model a dimension cannot run whatever its weights (an
     encoder under context parallelism, an unknown ``cp_comm_type``, a MoE model whose experts the
-    expert-parallel degree cannot split or whose layout is unknown, context or expert parallelism
-    with pipeline parallelism).
+    expert-parallel degree cannot split or whose layout is unknown).
+
+    Returns:
+        The expert-parallel work to apply (``expert.apply_experts``).
 
     Raises:
         ValueError, NotImplementedError: naming the model type or the value at fault.
     """
     context.check_comm_type(cp_comm_type)
-    pp = rt.config.pipeline_parallel_degree
-    for key in ("context_parallel_degree", "expert_parallel_degree"):
-        if pp > 1 and getattr(rt.config, key) > 1:
-            raise NotImplementedError(f"{key} {getattr(rt.config, key)} with pipeline_parallel_degree {pp} is not "
-                                      "implemented; use one of them")
-    _expert_work(module, rt, moe)
-    if rt.config.context_parallel_degree > 1:
+    experts = check_experts(module, topo.config.expert_parallel_degree, experts_for(module), moe,
+                            tuple(EXPERT_LAYOUTS))
+    if topo.config.context_parallel_degree > 1:
         context.check_model(module, context_spec_for(module))
+    return experts
 
 
-def _expert_work(module: nn.Module, rt: Runtime, moe: MoEConfig | None):
-    ep, cp = rt.config.expert_parallel_degree, rt.config.context_parallel_degree
-    if ep > 1 and cp > 1:
-        raise NotImplementedError(f"expert_parallel_degree {ep} with context_parallel_degree {cp} (experts "
-                                  "replicated over context-parallel ranks) is not implemented; use one of them")
-    return check_experts(module, ep, experts_for(module), moe, tuple(EXPERT_LAYOUTS))
-
-
-def parallelize(module: nn.Module, rt: Runtime, spec: ArchSpec | None, cp_comm_type: str = "p2p",
-                moe: MoEConfig | None = None, tensor_parallel: bool = True) -> list[str]:
-    """Apply every model-parallel dimension the runtime asks for to ``module``, in place.
-
-    Args:
-        module: the model (real or on the meta device).
-        rt: the running job (its config and meshes).
-        spec: the architecture's plan, or None for a model the walker handles from its marks.
-        cp_comm_type: context parallelism's communication, "p2p" or "all_gather".
-        moe: SageMaker's ``MoEConfig`` (``transform(model, config=MoEConfig(...))``), or None.
-        tensor_parallel: run the TP walker and make every remaining parameter a replicated DTensor
-            (``transform`` leaves a plain model at TP degree 1).
-
-    Returns:
-        Paths of the modules left replicated over the tensor-parallel ranks (for the log line).
-
-    Raises:
-        ValueError, NotImplementedError: when a dimension's plan does not fit the model (or the
-            context-parallel communication is unknown), before any tensor is touched.
-    """
-    check(module, rt, cp_comm_type, moe)  # every dimension is checked before anything is touched
-    experts = _expert_work(module, rt, moe)
-    stage = pipeline.split_model(module, rt.config, rt.ranks(PP_GROUP).index(dist.get_rank()),
-                                 pipeline_split_for(module))
-    if stage is not None and spec is not None:
-        spec = pipeline.stage_spec(spec, module)
-    replicated = walker.parallelize(module, rt.tp_mesh, spec, rt.config.sequence_parallel) if tensor_parallel else []
-    apply_experts(experts, rt.ep_mesh)
-    if rt.config.context_parallel_degree > 1:
-        context.parallelize(module, rt.cp_mesh, context_spec_for(module), cp_comm_type)
-    if tensor_parallel:  # one kind of parameter for torch's foreach and fused optimizers
-        replicate_plain_parameters(module, rt.tp_mesh)
-    return replicated
+def plan(module: nn.Module, topo: Topology, options: creation.CreationOptions | None) -> ArchSpec | None:
+    """The tensor-parallel plan: the architecture's own, else the automatic one (a collective
+    when derived), without the vocabulary rules where ``model_creation`` keeps embeddings whole."""
+    spec = auto.plan_for(module, spec_for(module), topo.tp_mesh, walker.parallelize)
+    if options is not None and not options.distribute_embedding:
+        spec = creation.without_vocab(spec)
+    return spec

@@ -14,37 +14,40 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from . import runtime
-from .materialize import wrapping
 from .models import sagemaker_layout_for
 from .models._sagemaker import offer_tree
-from .parallelize import parallelize
+from .parallelize import Request, parallelize
 from .pipeline import Runner
+from .topology import Topology
 
 logger = logging.getLogger("modelparallel")
 
 
-def deferred(rt) -> bool:
+def deferred(topo: Topology) -> bool:
     """Whether the split waits for the user's partition marks."""
-    return rt.config.pipeline_parallel_degree > 1 and not rt.config.auto_partition
+    return topo.config.pipeline_parallel_degree > 1 and not topo.config.auto_partition
 
 
-def shard(model, module: nn.Module, rt) -> None:
+def shard(model, module: nn.Module, topo: Topology) -> None:
     """Apply every parallel dimension to ``module`` (the wrapped model) and set up ``model``'s
     pipeline runner (at pipeline degree > 1). A collective."""
-    dtype = torch.float16 if rt.config.fp16 else torch.bfloat16 if rt.config.bf16 else None
-    state = wrapping.before_shard(module, rt, dtype)  # meta / rank-0-only / delayed-init models
-    replicated = parallelize(module, rt, state.spec)
-    if replicated and runtime.rank() == 0:
-        logger.info("replicated on every TP rank: %s", ", ".join(replicated))
-    wrapping.after_shard(module, rt, state)
-    model._mp_state = state
+    cfg = topo.config
+    dtype = torch.float16 if cfg.fp16 else torch.bfloat16 if cfg.bf16 else None
+    done = parallelize(module, topo, Request("v1", topo.device, dtype))
+    if done.replicated and dist.get_rank() == 0:
+        logger.info("replicated on every TP rank: %s", ", ".join(done.replicated))
+    layout = sagemaker_layout_for(module)
+    if layout is not None:  # SageMaker's names (seq_layers, .attention, .output) as aliases
+        offer_tree(module, layout)
+    model._mp_state = done
     # at pipeline degree > 1, runs @smp.step's microbatches through this rank's stage
-    model._mp_pipeline = Runner(module, rt, rt.group(runtime.PP_GROUP), model._finish_backward) \
+    model._mp_pipeline = Runner(module, topo, topo.group(runtime.PP_GROUP), model._finish_backward) \
         if hasattr(module, "_mp_stage") else None
-    if model._mp_pipeline is not None and not state.pending_meta:
+    if model._mp_pipeline is not None and not done.pending_meta:
         model._mp_pipeline.sync_ties()
 
 
@@ -70,7 +73,7 @@ def before_split_names(module: nn.Module) -> dict[int, list[str]]:
 def ensure(model) -> None:
     """Split ``model`` now if it still waits (a collective: every rank gets here at once)."""
     if model._mp_state is None:
-        shard(model, model.module, runtime.current())
+        shard(model, model.module, model._mp_topology)
 
 
 def remap(model, params: list[torch.Tensor]) -> list[torch.Tensor] | None:

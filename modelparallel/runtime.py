@@ -1,9 +1,10 @@
-"""The one runtime handle: process group, device, the world mesh and SMP's rank API.
+"""The one runtime handle: the job's ``Topology`` (config, device, meshes, groups), what the job
+has made so far, and SMP's rank API.
 
 ``init`` is the only place that reads the launcher's environment. Everything inside the library
-takes the mesh (or this handle) as an argument; the module-level ``_RUNTIME`` exists only so the
-SMP-style facade (``smp.tp_rank()``, ``smp.get_tp_process_group()``...) has something to read.
-The mesh dimensions, SageMaker's groups and how ranks are laid out are ``meshes``'s.
+takes the topology (or a mesh of it) as an argument; the module-level ``_RUNTIME`` exists only so
+the SMP-style facade (``smp.tp_rank()``, ``smp.get_tp_process_group()``...) has something to
+read. The mesh dimensions, SageMaker's groups and how ranks are laid out are ``meshes``'s.
 """
 
 from __future__ import annotations
@@ -17,14 +18,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
-from .compat import default_group_timeout, flatten_mesh
-from .config import Config, build_config, without_effect
+from .config import build_config, without_effect
 from . import devices, meshes
 from .meshes import (  # noqa: F401 - the group names and layouts are part of this module's API
     CP_GROUP, DIMS, DP_CP_GROUP, DP_GROUP, EDP_GROUP, EP_GROUP, EXPERT_DIMS, GROUP_DIMS, MP_GROUP, PP_GROUP,
     RDP_GROUP, TP_GROUP, WORLD, CommGroup, expert_layout, members, mesh_layout, spanned)
+from .topology import Topology
 
 logger = logging.getLogger("modelparallel")
 
@@ -34,23 +34,17 @@ _RUNTIME: Runtime | None = None
 
 @dataclass
 class Runtime:
-    """Everything a distributed job needs to know about where it runs.
+    """A running job: where it runs (``topology``, fixed by ``init``) and what it has made so far.
 
+    The topology's names (``config``, ``device``, the meshes, ``group``, ``ranks``...) read through
+    the runtime too, for the SMP-style facade; the engine is handed the ``Topology`` itself.
     ``models`` and ``optimizers`` record what the job created, newest last, for the API layer
     only (``smp.state.model``, ``@smp.step``, ``save_checkpoint``'s defaults). Internals never
     search them: an optimizer is linked to the models whose parameters it holds when it is
     built, and each model reads its own link.
     """
 
-    config: Config
-    world_mesh: DeviceMesh
-    """Every rank, with the dimensions ``DIMS``."""
-    mesh: DeviceMesh
-    """This rank's ``("dp", "tp")`` slice of ``world_mesh``: the ranks of its pipeline stage and
-    context slice, the mesh TP and FSDP work on."""
-    device: torch.device
-    expert_mesh: DeviceMesh | None = None
-    """Every rank, with the dimensions ``EXPERT_DIMS`` (``world_mesh`` with "dp" unflattened)."""
+    topology: Topology
     models: list = field(default_factory=list)
     optimizers: list = field(default_factory=list)
     resume: Any = None
@@ -70,81 +64,19 @@ class Runtime:
     """SageMaker v2's default queue of asynchronous saves and its plan cache
     (``distributed.checkpoint.async_utils.AsyncCallsQueue``), made at the job's first v2 save
     that names no queue."""
-    _groups: dict = field(default_factory=dict)
-    """Process groups spanning several mesh dimensions, made by ``init`` (every rank at once)."""
-    _object_group: Any = None
-    mesh_cache: Any = None
-    """The meshes built so far in this process (``meshes.MeshCache``), handed to the next ``init``."""
+    logged: set = field(default_factory=set)
+    """Messages logged once per process already (config keys without effect, one-time notices):
+    handed from each job to the next by ``init``."""
+
+    def __getattr__(self, name: str):
+        if name == "topology":  # not set yet (a copy under construction): no recursion
+            raise AttributeError(name)
+        return getattr(self.topology, name)
 
     @property
     def pending_resume(self):
         """The resume still waiting for its model or optimizer, or None."""
         return self.resume if self.resume is not None and self.resume.armed else None
-
-    @property
-    def tp_mesh(self) -> DeviceMesh:
-        return self.mesh["tp"]
-
-    @property
-    def cp_mesh(self) -> DeviceMesh:
-        """This rank's 1-D context-parallel mesh (the ranks splitting its sequences)."""
-        return self.world_mesh["cp"]
-
-    @property
-    def dp_mesh(self) -> DeviceMesh:
-        """The 1-D mesh FSDP shards over: the data-parallel ranks, times the context-parallel ones
-        when context parallelism is on (they hold the same parameters; the ``dp_cp`` dimension)."""
-        if self.world_mesh.size(DIMS.index("cp")) == 1:
-            return self.mesh["dp"]
-        return flatten_mesh(self.world_mesh["dp", "cp"], "dp_cp")
-
-    @property
-    def ep_mesh(self) -> DeviceMesh:
-        """This rank's expert-parallel group as a 1-D mesh (experts are sharded over it)."""
-        return self.expert_mesh["ep"]
-
-    @property
-    def edp_mesh(self) -> DeviceMesh:
-        """The ranks holding this rank's experts (expert replicas), as a 1-D mesh."""
-        return self.expert_mesh["edp"]
-
-    def _mesh_of(self, dims: tuple[str, ...]) -> DeviceMesh:
-        return self.world_mesh if set(dims) <= set(DIMS) else self.expert_mesh
-
-    def group(self, name: str | CommGroup) -> dist.ProcessGroup:
-        """The process group for one of ``CommGroup``'s members (or its string value)."""
-        mesh = self._mesh_of(GROUP_DIMS[_group_name(name)])
-        dims = spanned(GROUP_DIMS[_group_name(name)], mesh)
-        if len(dims) == 1:
-            return mesh.get_group(dims[0])
-        if set(dims) == set(spanned(DIMS, self.world_mesh)):
-            return dist.group.WORLD
-        return self._groups[dims]
-
-    def ranks(self, name: str | CommGroup) -> list[int]:
-        """Global ranks of this rank's group ``name``, in group-rank order (ascending)."""
-        dims = GROUP_DIMS[_group_name(name)]
-        mesh = self._mesh_of(dims)
-        return members(mesh.mesh, dims, dist.get_rank(), mesh.mesh_dim_names)
-
-    def object_group(self) -> dist.ProcessGroup | None:
-        """The group for object collectives (``all_gather_object``): the world on gloo (None), a
-        gloo side group over NCCL, created on first use by every rank (object collectives on
-        NCCL need CUDA tensors, and a CPU group keeps them off the GPU stream) and kept in
-        ``mesh_cache`` for the jobs after this one."""
-        if dist.get_backend() == "gloo":
-            return None
-        if self._object_group is None:
-            self._object_group = meshes.kept(self.mesh_cache, ("object collectives", "gloo"),
-                                             lambda: dist.new_group(backend="gloo", timeout=default_group_timeout()))
-        return self._object_group
-
-
-def _group_name(name: str | CommGroup) -> CommGroup:
-    try:
-        return CommGroup(name)
-    except ValueError:
-        raise ValueError(f"unknown group {name!r}; use one of {[g.value for g in CommGroup]}") from None
 
 
 def _device() -> torch.device:
@@ -175,22 +107,25 @@ def configure_logging(global_rank: int) -> None:
         logger.propagate = False
 
 
-def init(config: dict | str | None = None, *, timeout_s: float = 300.0) -> Runtime:
+def init(config: dict | str | None = None, *, timeout_s: float = 300.0, api: str | None = None) -> Runtime:
     """Start (or restart) the distributed runtime.
 
     Args:
         config: a dict, a JSON file path, or None to read ``MODELPARALLEL_CONFIG``.
         timeout_s: collective timeout; a rank that fails makes the others fail within it.
+        api: "v2" when ``transform`` starts the job: the config is also checked against what only
+            the v1 API runs (``config.unbuilt_combinations``).
 
     Returns:
         The runtime handle (also reachable through the module-level rank API).
 
     Raises:
         ValueError: for any invalid config, before any collective runs.
+        NotImplementedError: for keys or combinations of dimensions not built, all named at once.
     """
     global _RUNTIME
     world = int(os.environ.get("WORLD_SIZE", 1)) if not dist.is_initialized() else dist.get_world_size()
-    cfg = build_config(config, world)
+    cfg = build_config(config, world, api)
     if _RUNTIME is not None:
         if _RUNTIME.checkpoint_saver is not None:  # the previous job's save in flight ends first
             try:
@@ -209,33 +144,34 @@ def init(config: dict | str | None = None, *, timeout_s: float = 300.0) -> Runti
         meshes.background_group(cache)  # now, not at the first asynchronous save (see there)
     torch.manual_seed(cfg.random_seed)
     random.seed(cfg.random_seed)
-    _RUNTIME = Runtime(config=cfg, world_mesh=world_mesh, mesh=world_mesh["dp", "tp"], device=device,
-                       expert_mesh=built.expert, _groups=built.groups, mesh_cache=cache)
+    topology = Topology(config=cfg, world_mesh=world_mesh, mesh=world_mesh["dp", "tp"], device=device,
+                        expert_mesh=built.expert, groups=built.groups, mesh_cache=cache)
+    _RUNTIME = Runtime(topology, logged=_RUNTIME.logged if _RUNTIME is not None else set())
     configure_logging(dist.get_rank())
     if dist.get_rank() == 0:
         logger.info("world %d = %s on %s", cfg.world_size,
                     " x ".join(f"{d} {n}" for d, n in zip(DIMS, world_mesh.mesh.shape) if n > 1 or d in ("dp", "tp")),
                     device.type)
-        _log_without_effect(without_effect(config))
+        _log_without_effect(_RUNTIME.logged, without_effect(config))
     return _RUNTIME
 
 
-_LOGGED_KEYS: set[str] = set()
-"""What was logged once per process already (config keys without effect, one-time notices)."""
 
 
 def log_once(log: logging.Logger, message: str) -> None:
-    """Log ``message`` at info level the first time this process asks."""
-    if message not in _LOGGED_KEYS:
-        _LOGGED_KEYS.add(message)
+    """Log ``message`` at info level the first time this process asks (within a job: the set of
+    what was logged is the runtime's, handed on by each ``init``)."""
+    logged = _RUNTIME.logged if _RUNTIME is not None else set()
+    if message not in logged:
+        logged.add(message)
         log.info(message)
 
 
-def _log_without_effect(keys: dict[str, Any]) -> None:
+def _log_without_effect(logged: set[str], keys: dict[str, Any]) -> None:
     """Say once per process which given keys tune SageMaker machinery that does not exist here."""
-    fresh = {k: v for k, v in keys.items() if k not in _LOGGED_KEYS}
+    fresh = {k: v for k, v in keys.items() if k not in logged}
     if fresh:
-        _LOGGED_KEYS.update(fresh)
+        logged.update(fresh)
         logger.info("config keys accepted with no effect here: %s",
                     ", ".join(f"{k}={v!r}" for k, v in sorted(fresh.items())))
 

@@ -15,19 +15,16 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from . import runtime
-from . import context
-from .materialize import meta
-from .materialize.rank0_sync import (  # noqa: F401 - SYNCED_FROM_RANK0, meta_states, move: re-exported
-    SYNCED_FROM_RANK0, check_rank0_source, meta_states, move, sync_from_rank0)
-from .models import spec_for
+from . import context, runtime
+from .config import unbuilt_combinations
 from .expert.config import MoEConfig
-from .parallelize import check, parallelize
+from .materialize.rank0_sync import (  # noqa: F401 - SYNCED_FROM_RANK0, meta_states, move: re-exported
+    SYNCED_FROM_RANK0, meta_states, move)
+from .parallelize import Request, check, parallelize
+from .tp import marks
 from .training.blocks import mark_transformer_layers
-from .tp import auto, marks, walker
 
 logger = logging.getLogger("modelparallel")
 
@@ -35,8 +32,9 @@ CP_COMM_TYPES = context.COMM_TYPES
 
 
 def _runtime(config: dict | None) -> runtime.Runtime:
+    """The running job, started here (its config checked as a v2 job's) if there is none."""
     if not runtime.is_initialized():
-        return runtime.init(config)
+        return runtime.init(config, api="v2")
     rt = runtime.current()
     if config:
         cfg = rt.config
@@ -44,6 +42,9 @@ def _runtime(config: dict | None) -> runtime.Runtime:
         if wrong:
             raise ValueError(f"transform(config=...) disagrees with the running config: {wrong}; "
                              "call smp.init with that config instead")
+    refused = unbuilt_combinations(rt.config, "v2")  # smp.init could not know transform would run
+    if refused:
+        raise NotImplementedError("; ".join(refused))
     return rt
 
 
@@ -97,28 +98,12 @@ def transform(model: nn.Module, device=None, dtype: torch.dtype | None = None,
     context.check_comm_type(cp_comm_type)
     moe = config if isinstance(config, MoEConfig) else None
     rt = _runtime(None if moe is not None else config)
-    if rt.config.pipeline_parallel_degree > 1:  # the stages run only under DistributedModel's @smp.step
-        raise NotImplementedError(f"transform at pipeline_parallel_degree {rt.config.pipeline_parallel_degree}: "
-                                  "pipeline parallelism runs through smp.DistributedModel and @smp.step")
-    check(model, rt, cp_comm_type, moe)  # before the rank-0 sync's first collective
-    device = torch.device(device) if device is not None else rt.device
-    full = {}
-    if load_state_dict_from_rank0:
-        check_rank0_source(meta_states(model))
-        full = meta.to_meta_(model)
-        if dist.get_rank() != 0:
-            full = {}
-    move(model, device, dtype)
-    mark_transformer_layers(model)  # isinstance(block, TransformerLayer) for FSDP's wrap policy
+    check(model, rt.topology, cp_comm_type, moe)  # before the rank-0 sync's first collective
     sharded = rt.tp_mesh.size() > 1 or _registered_or_marked(model)
-    experts = moe is not None or rt.config.expert_parallel_degree > 1
-    if sharded or experts or rt.config.context_parallel_degree > 1:
-        spec = auto.plan_for(model, spec_for(model), rt.tp_mesh, walker.parallelize)  # built-in or automatic
-        with meta.torch_parameter_registration():  # v2 scripts may call transform in init_empty_weights()
-            parallelize(model, rt, spec, cp_comm_type, moe=moe, tensor_parallel=sharded)
+    ask = Request("v2", torch.device(device) if device is not None else rt.device, dtype, cp_comm_type, moe,
+                  from_rank0=load_state_dict_from_rank0, tensor_parallel=sharded)
+    parallelize(model, rt.topology, ask)
     if load_state_dict_from_rank0:
-        meta.materialize(model, device)
-        sync_from_rank0(model, full, rt.expert_mesh)  # names every mesh dim a DTensor here can have
-        full.clear()
         model.__dict__[SYNCED_FROM_RANK0] = True
+    mark_transformer_layers(model)  # isinstance(block, TransformerLayer) for FSDP's wrap policy
     return model

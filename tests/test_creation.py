@@ -2,7 +2,7 @@
 hold no storage until ``DistributedModel`` gives each rank its shard, and every option is either
 honoured or refused by name.
 
-A failure means modelparallel/creation.py (or wrapping.py, which applies the options): a refused
+A failure means modelparallel/creation.py (or materialize/weights.py, which applies the options): a refused
 option accepted silently, an option without effect (dtype, distribute_embedding,
 flash_attention), or a delayed model that differs from the eager one.
 """

@@ -131,15 +131,17 @@ def test_keys_without_effect_logged_once(monkeypatch):
     level = log.level
     log.addHandler(handler)
     log.setLevel(logging.INFO)
-    monkeypatch.setattr(runtime, "_LOGGED_KEYS", set())
+    logged = set()  # a fresh process's (the runtime holds it and each init hands it on)
     try:
         cfg = {"optimize": "speed", "skip_tracing": True, "microbatches": 2}
-        runtime._log_without_effect(without_effect(cfg))
-        runtime._log_without_effect(without_effect(cfg))
+        runtime._log_without_effect(logged, without_effect(cfg))
+        runtime._log_without_effect(logged, without_effect(cfg))
     finally:
         log.removeHandler(handler)
         log.setLevel(level)
     assert seen == ["config keys accepted with no effect here: optimize='speed', skip_tracing=True"]
+    first = runtime.init({})
+    assert runtime.init({}).logged is first.logged, "a new job must not log again what this process logged"
 
 
 def _restarts():
@@ -234,7 +236,7 @@ def _group_timeouts(build) -> dict[str, float]:
 
     build()
     rt = runtime._RUNTIME
-    _ = rt.dp_mesh  # the flattened data x context dimension, made on first use
+    _ = rt.replica_mesh  # the flattened data x context dimension, made on first use
 
     def of_mesh(mesh):
         root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh

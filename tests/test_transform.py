@@ -1,7 +1,7 @@
 """``smp.transform`` and the sync from rank 0 (``load_state_dict_from_rank0=True``, and a
 ``DistributedModel`` of a model that only rank 0 holds).
 
-A failure means modelparallel/transform.py (or the rank-0 path of wrapping.py) gives a rank
+A failure means modelparallel/transform.py (or the rank-0 path of materialize/weights.py) gives a rank
 something other than its shard of rank 0's weights: compare the local shard with the slice of
 the reference. A refusal test failing means a rank-0 model on meta was accepted, which would
 leave every rank with uninitialized memory ("random metrics after sync_module_states").

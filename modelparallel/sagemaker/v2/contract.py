@@ -29,7 +29,7 @@ def _fsdp1_layout() -> fsdp1.Layout | None:
     if not runtime.is_initialized():
         return None
     rt = runtime.current()
-    return fsdp1.Layout(rt.dp_mesh, rt.config.tensor_parallel_degree, rt.config.hybrid_shard_degree,
+    return fsdp1.Layout(rt.replica_mesh, rt.config.tensor_parallel_degree, rt.config.hybrid_shard_degree,
                         rt.edp_mesh, rt.mesh_cache)
 
 

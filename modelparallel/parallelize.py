@@ -31,7 +31,8 @@ from torch import nn
 
 from . import context, pipeline
 from .expert import apply_experts, check_experts
-from .models import EXPERT_LAYOUTS, context_spec_for, experts_for, pipeline_split_for
+from .models import BUILT_IN, architecture_for
+from .pipeline.split import hf_pipeline_split
 from .moe.moe_config import MoEConfig
 from .runtime import PP_GROUP, Runtime
 from .tp import walker
@@ -56,7 +57,7 @@ def check(module: nn.Module, rt: Runtime, cp_comm_type: str = "p2p", moe: MoECon
                                       "implemented; use one of them")
     _expert_work(module, rt, moe)
     if rt.config.context_parallel_degree > 1:
-        context.check_model(module, context_spec_for(module))
+        context.check_model(module, getattr(architecture_for(module), "context", None))
 
 
 def _expert_work(module: nn.Module, rt: Runtime, moe: MoEConfig | None):
@@ -64,7 +65,8 @@ def _expert_work(module: nn.Module, rt: Runtime, moe: MoEConfig | None):
     if ep > 1 and cp > 1:
         raise NotImplementedError(f"expert_parallel_degree {ep} with context_parallel_degree {cp} (experts "
                                   "replicated over context-parallel ranks) is not implemented; use one of them")
-    return check_experts(module, ep, experts_for(module), moe, tuple(EXPERT_LAYOUTS))
+    return check_experts(module, ep, getattr(architecture_for(module), "experts", None), moe,
+                         tuple(t for t, a in BUILT_IN.items() if a.experts))
 
 
 def parallelize(module: nn.Module, rt: Runtime, spec: ArchSpec | None, cp_comm_type: str = "p2p",
@@ -89,14 +91,15 @@ def parallelize(module: nn.Module, rt: Runtime, spec: ArchSpec | None, cp_comm_t
     """
     check(module, rt, cp_comm_type, moe)  # every dimension is checked before anything is touched
     experts = _expert_work(module, rt, moe)
+    record = architecture_for(module)  # a model with no record: transformers' own pipeline plan
     stage = pipeline.split_model(module, rt.config, rt.ranks(PP_GROUP).index(dist.get_rank()),
-                                 pipeline_split_for(module))
+                                 record.pipeline if record else hf_pipeline_split(module))
     if stage is not None and spec is not None:
         spec = pipeline.stage_spec(spec, module)
     replicated = walker.parallelize(module, rt.tp_mesh, spec, rt.config.sequence_parallel) if tensor_parallel else []
     apply_experts(experts, rt.ep_mesh)
     if rt.config.context_parallel_degree > 1:
-        context.parallelize(module, rt.cp_mesh, context_spec_for(module), cp_comm_type)
+        context.parallelize(module, rt.cp_mesh, getattr(architecture_for(module), "context", None), cp_comm_type)
     if tensor_parallel:  # one kind of parameter for torch's foreach and fused optimizers
         replicate_plain_parameters(module, rt.tp_mesh)
     return replicated

@@ -18,7 +18,7 @@ from torch import nn
 
 from . import runtime
 from .materialize import wrapping
-from .models import sagemaker_layout_for
+from .models import architecture_for
 from .models._sagemaker import offer_tree
 from .parallelize import parallelize
 from .pipeline import Runner
@@ -52,7 +52,7 @@ def wait_for_marks(module: nn.Module) -> dict[int, list[str]]:
     """Prepare ``module`` for a split deferred until the user's partition marks: SageMaker's
     names (``seq_layers``...) are offered now, since the scripts mark those layers before the
     split. Returns ``before_split_names``."""
-    layout = sagemaker_layout_for(module)
+    layout = getattr(architecture_for(module), "sagemaker", None)
     if layout is not None:
         offer_tree(module, layout)
     return before_split_names(module)

@@ -23,7 +23,7 @@ from . import context
 from .materialize import meta
 from .materialize.rank0_sync import (  # noqa: F401 - SYNCED_FROM_RANK0, meta_states, move: re-exported
     SYNCED_FROM_RANK0, check_rank0_source, meta_states, move, sync_from_rank0)
-from .models import spec_for
+from .models import architecture_for
 from .moe.moe_config import MoEConfig
 from .parallelize import check, parallelize
 from .tensor_parallel.transformer import mark_transformer_layers
@@ -119,7 +119,7 @@ def transform(model: nn.Module, device=None, dtype: torch.dtype | None = None,
     sharded = rt.tp_mesh.size() > 1 or _registered_or_marked(model)
     experts = moe is not None or rt.config.expert_parallel_degree > 1
     if sharded or experts or rt.config.context_parallel_degree > 1:
-        spec = auto.plan_for(model, spec_for(model), rt.tp_mesh, walker.parallelize)  # built-in or automatic
+        spec = auto.plan_for(model, architecture_for(model), rt.tp_mesh, walker.parallelize)  # built-in or automatic
         with meta.torch_parameter_registration():  # v2 scripts may call transform in init_empty_weights()
             parallelize(model, rt, spec, cp_comm_type, moe=moe, tensor_parallel=sharded)
     if load_state_dict_from_rank0:

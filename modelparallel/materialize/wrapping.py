@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..models import sagemaker_layout_for, spec_for
+from ..models import architecture_for
 from ..models._sagemaker import offer_tree
 from ..tp import auto, walker
 from ..tp.plan import ArchSpec
@@ -69,7 +69,7 @@ def before_shard(module: nn.Module, rt, dtype: torch.dtype | None) -> WrapState:
     if hf_init.tie_as_config(module) and dist.get_rank() == 0:
         logger.info("tied the weights %s's config ties (they were separate copies: was "
                     "PreTrainedModel.init_weights replaced?)", type(module).__name__)
-    spec = auto.plan_for(module, spec_for(module), rt.tp_mesh, walker.parallelize)  # built-in or automatic
+    spec = auto.plan_for(module, architecture_for(module), rt.tp_mesh, walker.parallelize)  # built-in or automatic
     if options is not None and not options.distribute_embedding:
         spec = creation.without_vocab(spec)
     fsdp.check_degree(rt.config.shard_degree, rt.config.replica_degree)
@@ -108,7 +108,7 @@ def after_shard(module: nn.Module, rt, state: WrapState) -> None:
     state.fsdp = fsdp.shard_data_parallel(module, rt.dp_mesh, state.spec, rt.config.shard_degree,
                                           fsdp.mixed_precision(state.compute_dtype),
                                           keep_gathered=rt.config.keep_params_gathered, expert_replicas=rt.edp_mesh)
-    layout = sagemaker_layout_for(module)
+    layout = getattr(architecture_for(module), "sagemaker", None)
     if layout is not None:  # SageMaker's names (seq_layers, .attention, .output) as aliases
         offer_tree(module, layout)
 

@@ -16,9 +16,9 @@ from . import translate as _t
 
 def table_for(model_type: str | None) -> _t.KeyTable | None:
     """The key table of an HF ``model_type``, or None if it has no translation."""
-    from ...models import table_for as find  # the architectures import this package's engine
+    from ...models import architecture_for  # the architectures import this package's engine
 
-    return find(model_type)
+    return getattr(architecture_for(model_type), "table", None) if model_type else None
 
 
 SAGEMAKER_MODULES = ("bert", "gpt2", "gptj", "gptneo", "llama", "roberta")
@@ -28,9 +28,9 @@ tables from ``modelparallel.models``, whose files import this package's engine."
 
 def __getattr__(name: str):
     if name == "TABLES":  # model_type -> key table, every built-in architecture
-        from ...models import TABLES
+        from ...models import BUILT_IN
 
-        return TABLES
+        return {t: a.table for t, a in BUILT_IN.items()}
     if name in SAGEMAKER_MODULES:
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,7 +18,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .. import marks
 from ..plan import ArchSpec
-from .plan import AutoPlanError, derive
+from .hf_plan import candidate
+from .plan import AutoPlanError, check_inputs, derive
 from .verify import verify
 
 logger = logging.getLogger("modelparallel")
@@ -45,12 +46,19 @@ def applies(model: nn.Module) -> bool:
 
 
 def automatic_spec(model: nn.Module, tp_mesh: DeviceMesh, parallelize) -> ArchSpec:
-    """Derive ``model``'s plan and verify it over ``tp_mesh`` (a collective). A plan whose shared
-    inputs (one ``f`` for several column layers) do not verify is tried once without them.
+    """``model``'s plan, verified over ``tp_mesh`` (a collective): transformers' own plan where it
+    has one that verifies (``hf_plan.candidate``), else the derived plan. A derived plan whose
+    shared inputs (one ``f`` for several column layers) do not verify is tried once without them.
 
     Raises:
         AutoPlanError: naming the module that cannot be placed or whose output or gradient differs.
     """
+    hf = candidate(model)
+    if hf is not None:
+        check_inputs(model, tp_mesh.size())
+        if verify(model, hf, tp_mesh, parallelize) is None:
+            logger.info("automatic plan of %s: transformers' base_model_tp_plan", type(model).__name__)
+            return hf
     spec = derive(model, tp_mesh.size()).spec
     found = verify(model, spec, tp_mesh, parallelize)
     if found is not None and spec.base.shared_inputs:
@@ -64,9 +72,10 @@ def automatic_spec(model: nn.Module, tp_mesh: DeviceMesh, parallelize) -> ArchSp
     return spec
 
 
-def plan_for(model: nn.Module, builtin: ArchSpec | None, tp_mesh: DeviceMesh, parallelize) -> ArchSpec | None:
-    """The plan ``model`` is sharded with: ``builtin`` if any, else the automatic plan (at a degree
-    above 1, for a model it ``applies`` to), else None."""
+def plan_for(model: nn.Module, record, tp_mesh: DeviceMesh, parallelize) -> ArchSpec | None:
+    """The plan ``model`` is sharded with: its architecture ``record``'s (``models.Architecture``)
+    if any, else the automatic plan (at a degree above 1, for a model it ``applies`` to), else None."""
+    builtin = record.spec if record is not None else None
     if builtin is not None or tp_mesh.size() == 1 or not applies(model):
         return builtin
     spec = automatic_spec(model, tp_mesh, parallelize)

@@ -65,6 +65,7 @@ def model_file(model: nn.Module, spec: ArchSpec, tp: int) -> str:
         "",
         "from ..nn.huggingface.translate import KeyTable",
         "from ..tp.plan import ArchSpec, KVHeads, ModulePlan, Packed, SharedInput  # noqa: F401 - as the plan needs",
+        "from ._architecture import Architecture",
         "",
         "SPEC = ArchSpec(",
         f"    model_type={spec.model_type!r},",
@@ -78,6 +79,8 @@ def model_file(model: nn.Module, spec: ArchSpec, tp: int) -> str:
         "TABLE = KeyTable(",
         *(f"    {k}={v!r}," for k, v in table.items()),
         ")",
+        "",
+        "ARCHITECTURE = Architecture(SPEC, TABLE)",
         "",
     ]
     return "\n".join(lines)

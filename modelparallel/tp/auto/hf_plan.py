@@ -1,0 +1,49 @@
+"""Transformers' own plans read as ours: the first candidate for a model with no architecture record.
+
+Transformers 5 puts a tensor-parallel plan on many config classes (``LlamaConfig.base_model_tp_plan``:
+module glob -> style name, relative to the base model) and a pipeline plan next to it
+(``base_model_pp_plan``: the base model's top-level modules in running order, each with its input
+and output names; ``pipeline.split.hf_pipeline_split`` reads that one). Where HF's plan uses only styles that mean what ours mean, it is our plan with
+two additions we always make: the embedding and the LM head sharded over the vocabulary (HF
+keeps the embedding whole in the base plan and gathers the LM head's logits). A candidate is
+verified over the TP ranks like a derived plan; one that does not reproduce the model is dropped
+for the derivation.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..layout import base_prefix
+from ..plan import ArchSpec, ModulePlan, to_glob
+from .plan import _head
+
+HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "replicated_with_grad_allreduce": "replicated_grad_sum"}
+"""HF style name -> ours, for the styles that shard (or keep) a module the same way: a column
+layer's output split over the ranks, a row layer's input split and its output summed, a module
+kept whole whose gradient is summed over the ranks. HF's others gather or split activations
+between layers (``colwise_gather_output``), shard experts (``moe_tp_experts``) or pack chunks
+of a size ours reads from the plan (``packed_colwise``): a plan using one is no candidate."""
+
+
+def hf_tp_rules(config) -> dict[str, str]:
+    """HF's ``base_model_tp_plan`` of a config (instance or class), {} if it has none."""
+    return dict(getattr(config, "base_model_tp_plan", None) or {})
+
+
+def candidate(model: nn.Module) -> ArchSpec | None:
+    """HF's plan of ``model`` as an ``ArchSpec``, or None where it has none or uses a style
+    ours does not mean the same way (see ``HF_STYLES``)."""
+    plan = hf_tp_rules(model.config)
+    if not plan or any(style not in HF_STYLES for style in plan.values()):
+        return None
+    prefix = base_prefix(model)
+    emb = model.get_input_embeddings()
+    path = next(p for p, m in model.named_modules() if m is emb)
+    rules = {to_glob(path[len(prefix) + 1:] if prefix else path): "vocab_embedding",
+             **{glob: HF_STYLES[style] for glob, style in plan.items()}}
+    heads = getattr(model.config, "num_attention_heads", None)
+    return ArchSpec(model_type=model.config.model_type, base=ModulePlan(rules=rules), head=_head(model, prefix, rules),
+                    divisible_config=("num_attention_heads",) if heads else (),
+                    loss="masked" if "MaskedLM" in type(model).__name__ else "causal",
+                    sequence_parallel=False)  # verified without it only

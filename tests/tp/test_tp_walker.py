@@ -50,7 +50,8 @@ def test_vocab_too_small_for_degree():
 
 
 def test_rule_matching_nothing_refused():
-    spec = ArchSpec("gpt2", base=ModulePlan(rules={**architecture_for(gpt2()).spec.base.rules, "h.*.attn.c_atn": "colwise"},
+    rules = architecture_for(gpt2()).spec.base.rules
+    spec = ArchSpec("gpt2", base=ModulePlan(rules={**rules, "h.*.attn.c_atn": "colwise"},
                                             packed={"h.*.attn.c_attn": 3}))
     work = collect(gpt2(), spec, tp=2)
     assert any("rule 'h.*.attn.c_atn' -> 'colwise' matches no module" in p for p in work.problems)
@@ -64,7 +65,8 @@ def test_uncovered_linear_inside_block_refused():
 
 
 def test_style_on_wrong_module_type_refused():
-    spec = ArchSpec("gpt2", base=ModulePlan(rules={**architecture_for(gpt2()).spec.base.rules, "h.*.ln_1": "colwise"},
+    rules = architecture_for(gpt2()).spec.base.rules
+    spec = ArchSpec("gpt2", base=ModulePlan(rules={**rules, "h.*.ln_1": "colwise"},
                                             packed={"h.*.attn.c_attn": 3}))
     work = collect(gpt2(), spec, tp=2)
     assert "transformer.h.0.ln_1: style 'colwise' cannot shard a LayerNorm" in work.problems

@@ -1,6 +1,7 @@
-"""The automatic plan: tensor parallelism for a Hugging Face model with no file in
-``modelparallel/models``, found on a proxy (``plan.derive``) and verified over the TP ranks
-before any weight of the user's model is touched (``verify.verify``).
+"""The automatic plan: tensor parallelism for a Hugging Face model with no architecture record
+(no file in ``modelparallel/models``, none registered): transformers' own ``base_model_tp_plan``
+where it verifies (``hf_plan.candidate``), else one found on a proxy (``plan.derive``), verified
+over the TP ranks before any weight of the user's model is touched (``verify.verify``).
 
 ``plan_for`` is what ``DistributedModel`` and ``transform`` ask: the built-in plan when there is
 one, the automatic plan for an HF model without one, or None for a model that steers tensor
@@ -79,6 +80,6 @@ def plan_for(model: nn.Module, record, tp_mesh: DeviceMesh, parallelize) -> Arch
     if builtin is not None or tp_mesh.size() == 1 or not applies(model):
         return builtin
     spec = automatic_spec(model, tp_mesh, parallelize)
-    logger.info("automatic tensor-parallel plan for %s (no file in modelparallel/models): %s",
+    logger.info("automatic tensor-parallel plan for %s (no architecture record): %s",
                 type(model).__name__, ", ".join(f"{k} -> {v}" for k, v in spec.base.rules.items()))
     return spec

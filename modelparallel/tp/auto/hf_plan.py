@@ -3,11 +3,11 @@
 Transformers 5 puts a tensor-parallel plan on many config classes (``LlamaConfig.base_model_tp_plan``:
 module glob -> style name, relative to the base model) and a pipeline plan next to it
 (``base_model_pp_plan``: the base model's top-level modules in running order, each with its input
-and output names; ``pipeline.split.hf_pipeline_split`` reads that one). Where HF's plan uses only styles that mean what ours mean, it is our plan with
-two additions we always make: the embedding and the LM head sharded over the vocabulary (HF
-keeps the embedding whole in the base plan and gathers the LM head's logits). A candidate is
-verified over the TP ranks like a derived plan; one that does not reproduce the model is dropped
-for the derivation.
+and output names; ``pipeline.split.hf_pipeline_split`` reads that one). Where HF's plan uses
+only styles that mean what ours mean, it is our plan with two additions we always make: the
+embedding and the LM head sharded over the vocabulary (HF keeps the embedding whole in the base
+plan and gathers the LM head's logits). A candidate is verified over the TP ranks like a derived
+plan; one that does not reproduce the model is dropped for the derivation.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """An automatic plan written out: as text for a person, and as a model file for
-``modelparallel/models/`` (the ``SPEC`` and ``TABLE`` an architecture file exports).
+``modelparallel/models/`` (the ``SPEC``, ``TABLE`` and ``ARCHITECTURE`` record an architecture file exports).
 
 The key table is read off the model itself: its state-dict keys with the block index made the
 ``{}`` of a template, split into the base model's and the head's, the packed weights' keys from

@@ -32,8 +32,8 @@ from torch import nn
 from . import context, pipeline
 from .expert import apply_experts, check_experts
 from .models import BUILT_IN, architecture_for
-from .pipeline.split import hf_pipeline_split
 from .moe.moe_config import MoEConfig
+from .pipeline.split import hf_pipeline_split
 from .runtime import PP_GROUP, Runtime
 from .tp import walker
 from .tp.dtensor_params import replicate_plain_parameters

@@ -178,14 +178,14 @@ def test_a_model_with_no_record_gets_transformers_plans_as_candidates():
                                            num_attention_heads=2, num_key_value_heads=2, vocab_size=VOCAB,
                                            pad_token_id=0, bos_token_id=1, eos_token_id=2))
     assert architecture_for(model) is None
-    spec = candidate(model)
+    spec = candidate(model, 2)
     assert spec.base.rules == {"embed_tokens": "vocab_embedding", **T.OlmoConfig.base_model_tp_plan}
     assert spec.head.rules == {"lm_head": "vocab_colwise"}
     # OLMo's final LayerNorm holds no parameters: it runs on every stage, as a rotary table does
     assert hf_pipeline_split(model) == PipelineSplit(blocks="layers", first=("embed_tokens",), last=())
     assert candidate(T.Phi3ForCausalLM(T.Phi3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                      num_attention_heads=2, vocab_size=VOCAB, pad_token_id=0,
-                                                     bos_token_id=1, eos_token_id=2))) is None, \
+                                                     bos_token_id=1, eos_token_id=2)), 2) is None, \
         "a plan with styles ours does not share (colwise_gather_output) is no candidate"
 
 
@@ -197,7 +197,7 @@ def check_candidate_used(tp):
                           num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32, pad_token_id=0,
                           bos_token_id=1, eos_token_id=2)
     model = T.OlmoForCausalLM(config)
-    return auto.plan_for(model, None, smp.tp_mesh(), walker.parallelize) == candidate(model)
+    return auto.plan_for(model, None, smp.tp_mesh(), walker.parallelize) == candidate(model, tp)
 
 
 def test_transformers_plan_is_the_automatic_plan_where_it_verifies():

@@ -54,7 +54,7 @@ def automatic_spec(model: nn.Module, tp_mesh: DeviceMesh, parallelize) -> ArchSp
     Raises:
         AutoPlanError: naming the module that cannot be placed or whose output or gradient differs.
     """
-    hf = candidate(model)
+    hf = candidate(model, tp_mesh.size())
     if hf is not None:
         check_inputs(model, tp_mesh.size())
         if verify(model, hf, tp_mesh, parallelize) is None:

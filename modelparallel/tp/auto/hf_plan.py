@@ -16,6 +16,7 @@ from torch import nn
 
 from ..layout import base_prefix
 from ..plan import ArchSpec, ModulePlan, to_glob
+from ..walker import collect
 from .plan import _head
 
 HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "replicated_with_grad_allreduce": "replicated_grad_sum"}
@@ -31,9 +32,11 @@ def hf_tp_rules(config) -> dict[str, str]:
     return dict(getattr(config, "base_model_tp_plan", None) or {})
 
 
-def candidate(model: nn.Module) -> ArchSpec | None:
-    """HF's plan of ``model`` as an ``ArchSpec``, or None where it has none or uses a style
-    ours does not mean the same way (see ``HF_STYLES``)."""
+def candidate(model: nn.Module, tp: int) -> ArchSpec | None:
+    """HF's plan of ``model`` as an ``ArchSpec``, or None where it has none, uses a style ours
+    does not mean the same way (see ``HF_STYLES``) or does not fit the model at degree ``tp``
+    (the walker's checks: a rule matching nothing, a linear layer of a block no rule covers, a
+    size the degree does not divide; a model whose modules were replaced after it was built)."""
     plan = hf_tp_rules(model.config)
     if not plan or any(style not in HF_STYLES for style in plan.values()):
         return None
@@ -43,7 +46,8 @@ def candidate(model: nn.Module) -> ArchSpec | None:
     rules = {to_glob(path[len(prefix) + 1:] if prefix else path): "vocab_embedding",
              **{glob: HF_STYLES[style] for glob, style in plan.items()}}
     heads = getattr(model.config, "num_attention_heads", None)
-    return ArchSpec(model_type=model.config.model_type, base=ModulePlan(rules=rules), head=_head(model, prefix, rules),
+    spec = ArchSpec(model_type=model.config.model_type, base=ModulePlan(rules=rules), head=_head(model, prefix, rules),
                     divisible_config=("num_attention_heads",) if heads else (),
                     loss="masked" if "MaskedLM" in type(model).__name__ else "causal",
                     sequence_parallel=False)  # verified without it only
+    return None if collect(model, spec, tp).problems else spec

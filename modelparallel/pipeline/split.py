@@ -48,8 +48,9 @@ def hf_pipeline_split(model: nn.Module) -> PipelineSplit | None:
     """HF's ``base_model_pp_plan`` of ``model`` as a ``PipelineSplit``: the one ``nn.ModuleList``
     among its entries is the blocks, the entries with parameters before it run on the first
     stage, those after it on the last (parameter-free ones, such as dropout, stay on every
-    stage). None where the config has no plan or the plan has no single list of blocks."""
-    plan = getattr(model.config, "base_model_pp_plan", None) or {}
+    stage). None where the model has no such plan (or no config) or the plan has no single list
+    of blocks."""
+    plan = getattr(getattr(model, "config", None), "base_model_pp_plan", None) or {}
     base = getattr(model, "base_model", model)
     names = [n for n in plan if isinstance(getattr(base, n, None), nn.Module)]
     lists = [i for i, n in enumerate(names) if isinstance(getattr(base, n), nn.ModuleList)]

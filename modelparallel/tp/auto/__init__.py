@@ -48,8 +48,8 @@ def applies(model: nn.Module) -> bool:
 
 def automatic_spec(model: nn.Module, tp_mesh: DeviceMesh, parallelize) -> ArchSpec:
     """``model``'s plan, verified over ``tp_mesh`` (a collective): transformers' own plan where it
-    has one that verifies (``hf_plan.candidate``), else the derived plan. A derived plan whose
-    shared inputs (one ``f`` for several column layers) do not verify is tried once without them.
+    has one that verifies (``hf_plan.candidate``), else the derived plan. A plan whose shared
+    inputs (one ``f`` for several column layers) do not verify is tried once without them.
 
     Raises:
         AutoPlanError: naming the module that cannot be placed or whose output or gradient differs.
@@ -57,9 +57,11 @@ def automatic_spec(model: nn.Module, tp_mesh: DeviceMesh, parallelize) -> ArchSp
     hf = candidate(model, tp_mesh.size())
     if hf is not None:
         check_inputs(model, tp_mesh.size())
-        if verify(model, hf, tp_mesh, parallelize) is None:
-            logger.info("automatic plan of %s: transformers' base_model_tp_plan", type(model).__name__)
-            return hf
+        plain = replace(hf, base=replace(hf.base, shared_inputs={}))
+        for spec in (hf, plain) if hf.base.shared_inputs else (hf,):
+            if verify(model, spec, tp_mesh, parallelize) is None:
+                logger.info("automatic plan of %s: transformers' base_model_tp_plan", type(model).__name__)
+                return spec
     spec = derive(model, tp_mesh.size()).spec
     found = verify(model, spec, tp_mesh, parallelize)
     if found is not None and spec.base.shared_inputs:

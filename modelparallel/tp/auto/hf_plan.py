@@ -12,10 +12,13 @@ plan; one that does not reproduce the model is dropped for the derivation.
 
 from __future__ import annotations
 
+import inspect
+from collections import Counter
+
 from torch import nn
 
 from ..layout import base_prefix
-from ..plan import ArchSpec, ModulePlan, to_glob
+from ..plan import ArchSpec, ModulePlan, SharedInput, glob_match, to_glob
 from ..walker import collect
 from .plan import _head
 
@@ -46,8 +49,24 @@ def candidate(model: nn.Module, tp: int) -> ArchSpec | None:
     rules = {to_glob(path[len(prefix) + 1:] if prefix else path): "vocab_embedding",
              **{glob: HF_STYLES[style] for glob, style in plan.items()}}
     heads = getattr(model.config, "num_attention_heads", None)
-    spec = ArchSpec(model_type=model.config.model_type, base=ModulePlan(rules=rules), head=_head(model, prefix, rules),
+    base = ModulePlan(rules=rules, shared_inputs=_shared_inputs(model.base_model, rules))
+    spec = ArchSpec(model_type=model.config.model_type, base=base, head=_head(model, prefix, rules),
                     divisible_config=("num_attention_heads",) if heads else (),
                     loss="masked" if "MaskedLM" in type(model).__name__ else "causal",
                     sequence_parallel=False)  # verified without it only
     return None if collect(model, spec, tp).problems else spec
+
+
+def _shared_inputs(base: nn.Module, rules: dict[str, str]) -> dict[str, SharedInput]:
+    """A guess of the one tensor several column layers read (q, k, v; gate, up): the first
+    argument of the module holding them. It saves one input all-reduce per extra layer; a wrong
+    guess computes other gradients, which the verification catches (then the plan is tried
+    without it)."""
+    parents = Counter(g.rsplit(".", 1)[0] for g, s in rules.items() if s == "colwise" and "." in g)
+    out = {}
+    for glob in (g for g, n in parents.items() if n > 1):
+        module = next((m for p, m in base.named_modules() if glob_match(glob, p)), None)
+        params = list(inspect.signature(module.forward).parameters) if module is not None else []
+        if params:
+            out[glob] = SharedInput(arg=params[0])
+    return out

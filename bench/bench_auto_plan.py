@@ -34,16 +34,20 @@ ARCHS = ("olmo", "llama")
 
 def rank(arch: str, steps: int, quick: bool) -> dict:
     """One rank: the timings above for ``arch`` (the slowest rank's counts, as a step's)."""
+    from types import MappingProxyType
+
     import torch
 
     import modelparallel as smp
-    from modelparallel.models import ARCHITECTURES
+    import modelparallel.models as registry
+    from modelparallel.models import Architecture
     from modelparallel.tp.auto.plan import derive
     from modelparallel.tp.auto.verify import verify
     from modelparallel.tp.walker import parallelize
 
     smp.init({"tensor_parallel_degree": 2, "prescaled_batch": True})
-    builtin = ARCHITECTURES.pop(arch, None)  # as if the file did not exist
+    saved = registry.BUILT_IN
+    registry.BUILT_IN = MappingProxyType({t: a for t, a in saved.items() if t != arch})  # as if no file
     try:
         model = tp_bench.build(arch, quick=quick)
         t0 = time.perf_counter()
@@ -53,15 +57,13 @@ def rank(arch: str, steps: int, quick: bool) -> dict:
         t2 = time.perf_counter()
         wrapped = smp.DistributedModel(model)
         t3 = time.perf_counter()
-        ARCHITECTURES[arch] = spec  # the same plan, as a model file would give it
+        registry.BUILT_IN = MappingProxyType({**saved, arch: Architecture(spec)})  # as a model file gives it
         other = tp_bench.build(arch, quick=quick)
         t4 = time.perf_counter()
         smp.DistributedModel(other)
         t5 = time.perf_counter()
     finally:
-        ARCHITECTURES.pop(arch, None)
-        if builtin is not None:
-            ARCHITECTURES[arch] = builtin
+        registry.BUILT_IN = saved
     times = tp_bench.timed_steps(wrapped, 1, steps, torch.distributed.barrier, quick)
     out = dict(derive_s=t1 - t0, verify_s=t2 - t1, wrap_auto_s=t3 - t2, wrap_file_s=t5 - t4,
                step_s=statistics.median(times))

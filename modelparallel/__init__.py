@@ -10,6 +10,11 @@ checkpoint/, models/) imports nothing from the SageMaker compatibility surface
 PyTorch patches); this module puts the two together. ``init`` and ``transform`` here are SageMaker
 v2's (they install its PyTorch patches, which a v2 script imported as ``modelparallel`` needs);
 SageMaker v1's path ``smdistributed.modelparallel.torch`` gives the engine's ``init``.
+
+A Hugging Face architecture modelparallel does not know gets its data with
+``smp.register_architecture(ConfigClass, smp.Architecture(spec=smp.ArchSpec(...), table=...))``:
+its tensor-parallel plan, and optionally its state-dict key table, pipeline split, context and
+expert data (``smp.architecture_for(model)`` shows the record a model gets).
 """
 
 from .checkpoint import (CheckpointError, checkpoint_staging_bytes, last_load_report, load, resume_from_checkpoint,
@@ -24,6 +29,7 @@ from .creation import delay_param_initialization, model_creation
 from .partitioning import load_hf_checkpoint
 from .materialize.meta import MetaTensorError
 from .model import DistributedModel
+from .models import Architecture, architecture_for, register_architecture
 from .optimizer import DistributedOptimizer
 from .pipeline import partition, set_partition
 from .runtime import (
@@ -52,7 +58,7 @@ _paths.register(_sys.modules[__name__])  # modelparallel.moe.moe_config & co.: S
 __version__ = "0.1.0"
 
 __all__ = [
-    "ArchSpec", "CheckpointError", "Config", "DistributedModel", "DistributedOptimizer", "ModulePlan",
+    "Architecture", "ArchSpec", "CheckpointError", "Config", "DistributedModel", "DistributedOptimizer", "ModulePlan",
     "DP_GROUP", "MP_GROUP", "PP_GROUP", "RDP_GROUP", "TP_GROUP", "WORLD", "CommGroup", "RankType",
     "StepOutput", "allgather", "dp_barrier", "dp_mesh", "get_dp_group", "get_mp_group", "get_pp_group",
     "get_pp_process_group", "get_rdp_group", "get_tp_group", "get_world_group", "is_tracing", "mp_barrier",
@@ -68,5 +74,5 @@ __all__ = [
     "transform", "clip_grad_norm_",
     "patches", "set_activation_checkpointing", "partition", "set_partition",
     "CP_GROUP", "DP_CP_GROUP", "context", "cp_rank", "cp_size", "cp_mesh", "gather_sequence", "get_batch_for_cp_rank",
-    "get_cp_group", "get_cp_process_group",
+    "get_cp_group", "get_cp_process_group", "architecture_for", "register_architecture",
 ]

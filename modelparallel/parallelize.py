@@ -42,7 +42,8 @@ from .materialize import meta, weights
 from .materialize.rank0_sync import move
 from .expert.config import MoEConfig
 from .meshes import PP_GROUP
-from .models import EXPERT_LAYOUTS, context_spec_for, experts_for, pipeline_split_for, spec_for
+from .models import BUILT_IN, architecture_for
+from .pipeline.split import hf_pipeline_split
 from .topology import Topology
 from .tp import auto, walker
 from .tp.dtensor_params import replicate_plain_parameters
@@ -113,14 +114,14 @@ def parallelize(module: nn.Module, topo: Topology, ask: Request) -> Parallelized
     move(module, ask.device, None if ask.v1 and cfg.shard_degree > 1 else ask.dtype)
     with meta.torch_parameter_registration():  # v2 scripts may call transform in init_empty_weights()
         stage = pipeline.split_model(module, cfg, topo.ranks(PP_GROUP).index(dist.get_rank()),
-                                     pipeline_split_for(module))  # 3. pipeline split
+                                     _pipeline_split(module))  # 3. pipeline split
         if stage is not None and spec is not None:
             spec = pipeline.stage_spec(spec, module)
         replicated = walker.parallelize(module, topo.tp_mesh, spec, cfg.sequence_parallel) \
             if ask.tensor_parallel else []  # 4. tensor parallelism
         apply_experts(experts, topo.ep_mesh)  # 5. expert parallelism
         if cfg.context_parallel_degree > 1:  # 6. context parallelism
-            context.parallelize(module, topo.cp_mesh, context_spec_for(module), ask.cp_comm_type)
+            context.parallelize(module, topo.cp_mesh, _field(module, "context"), ask.cp_comm_type)
         if ask.tensor_parallel:  # one kind of parameter for torch's foreach and fused optimizers
             replicate_plain_parameters(module, topo.tp_mesh)
     pending = weights.give_values(module, topo, where, full, ask.device,  # 7. materialize
@@ -143,17 +144,28 @@ def check(module: nn.Module, topo: Topology, cp_comm_type: str = "p2p", moe: MoE
         ValueError, NotImplementedError: naming the model type or the value at fault.
     """
     context.check_comm_type(cp_comm_type)
-    experts = check_experts(module, topo.config.expert_parallel_degree, experts_for(module), moe,
-                            tuple(EXPERT_LAYOUTS))
+    experts = check_experts(module, topo.config.expert_parallel_degree, _field(module, "experts"), moe,
+                            tuple(t for t, a in BUILT_IN.items() if a.experts))
     if topo.config.context_parallel_degree > 1:
-        context.check_model(module, context_spec_for(module))
+        context.check_model(module, _field(module, "context"))
     return experts
+
+
+def _field(module: nn.Module, name: str):
+    """One field of ``module``'s architecture record, or None for a model with no record."""
+    return getattr(architecture_for(module), name, None)
+
+
+def _pipeline_split(module: nn.Module):
+    """The record's pipeline split; a model with no record: transformers' own pipeline plan."""
+    record = architecture_for(module)
+    return record.pipeline if record is not None else hf_pipeline_split(module)
 
 
 def plan(module: nn.Module, topo: Topology, options: creation.CreationOptions | None) -> ArchSpec | None:
     """The tensor-parallel plan: the architecture's own, else the automatic one (a collective
     when derived), without the vocabulary rules where ``model_creation`` keeps embeddings whole."""
-    spec = auto.plan_for(module, spec_for(module), topo.tp_mesh, walker.parallelize)
+    spec = auto.plan_for(module, architecture_for(module), topo.tp_mesh, walker.parallelize)
     if options is not None and not options.distribute_embedding:
         spec = creation.without_vocab(spec)
     return spec

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import runtime
-from .models import sagemaker_layout_for
+from .models import architecture_for
 from .models._sagemaker import offer_tree
 from .parallelize import Request, parallelize
 from .pipeline import Runner
@@ -40,7 +40,7 @@ def shard(model, module: nn.Module, topo: Topology) -> None:
     done = parallelize(module, topo, Request("v1", topo.device, dtype))
     if done.replicated and dist.get_rank() == 0:
         logger.info("replicated on every TP rank: %s", ", ".join(done.replicated))
-    layout = sagemaker_layout_for(module)
+    layout = getattr(architecture_for(module), "sagemaker", None)
     if layout is not None:  # SageMaker's names (seq_layers, .attention, .output) as aliases
         offer_tree(module, layout)
     model._mp_state = done
@@ -55,7 +55,7 @@ def wait_for_marks(module: nn.Module) -> dict[int, list[str]]:
     """Prepare ``module`` for a split deferred until the user's partition marks: SageMaker's
     names (``seq_layers``...) are offered now, since the scripts mark those layers before the
     split. Returns ``before_split_names``."""
-    layout = sagemaker_layout_for(module)
+    layout = getattr(architecture_for(module), "sagemaker", None)
     if layout is not None:
         offer_tree(module, layout)
     return before_split_names(module)

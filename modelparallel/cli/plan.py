@@ -76,7 +76,7 @@ def plan(directory: Path, tp: int, save: Path | None = None, auto: bool = False)
         AutoPlanError: naming the module the automatic plan cannot place.
         ValueError / FileExistsError: an unknown architecture, a degree below 1, an existing ``save``.
     """
-    from ..models import ARCHITECTURES
+    from ..models import architecture_for
     from ..tp.auto.plan import derive
     from ..tp.auto.render import describe, model_file
 
@@ -86,7 +86,7 @@ def plan(directory: Path, tp: int, save: Path | None = None, auto: bool = False)
         what = "is a symlink" if save.is_symlink() else "exists"
         raise FileExistsError(f"{save} {what}; choose a new file")
     model = _model(directory)
-    builtin = ARCHITECTURES.get(model.config.model_type)
+    builtin = getattr(architecture_for(model), "spec", None)
     if builtin is None or auto:
         _check_proxy_size(model)
     spec = builtin if builtin is not None and not auto else derive(model, tp).spec

@@ -119,11 +119,12 @@ def expert_problems(config, ep: int) -> list[str]:
     layout whose number of experts the degree divides."""
     if ep <= 1:  # 1: nothing to check; below 1 the range check reports it
         return []
-    from ..models import EXPERT_LAYOUTS
+    from ..models import BUILT_IN, architecture_for
 
-    layout = EXPERT_LAYOUTS.get(config.model_type)
+    layout = getattr(architecture_for(config), "experts", None)
     if layout is None:
-        return [f"--ep {ep} needs a mixture-of-experts model ({', '.join(EXPERT_LAYOUTS)}; presets "
+        moe = ", ".join(t for t, a in BUILT_IN.items() if a.experts)
+        return [f"--ep {ep} needs a mixture-of-experts model ({moe}; presets "
                 f"{', '.join(MOE_PRESETS)}), the model's model_type is {config.model_type!r}"]
     experts = getattr(config, layout.num_experts)
     return [f"the model has {experts} experts per layer, not divisible by --ep {ep}"] if experts % ep else []

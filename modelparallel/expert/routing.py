@@ -85,13 +85,10 @@ class RoutingOptions:
         self.z_losses: list[torch.Tensor] = []
 
 
-_CLASSES: dict[type, type] = {}
-
-
-def _routed_class(cls: type) -> type:
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"Routed{cls.__name__}", (RoutedForward, cls), {})
-    return _CLASSES[cls]
+def _routed_classes(routers: list[nn.Module]) -> dict[type, type]:
+    """Router class -> its ``RoutedForward`` subclass, one per class among ``routers`` (made per
+    model: the library keeps no table of the classes it made)."""
+    return {cls: type(f"Routed{cls.__name__}", (RoutedForward, cls), {}) for cls in {type(r) for r in routers}}
 
 
 def _start_forward(options: RoutingOptions):
@@ -126,9 +123,10 @@ def apply_routing(model: nn.Module, routers: list[nn.Module], load_balancing: st
     options = RoutingOptions(load_balancing == "sinkhorn", z_loss_coeff)
     if not options.sinkhorn and z_loss_coeff == 0:
         return
+    routed = _routed_classes(routers)
     for router in routers:
         router.__dict__["_mp_routing"] = options
-        router.__class__ = _routed_class(type(router))
+        router.__class__ = routed[type(router)]
     if z_loss_coeff > 0:
         model.register_forward_pre_hook(_start_forward(options), with_kwargs=True)
         model.register_forward_hook(_add_z_loss(options), with_kwargs=True)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..models import sagemaker_layout_for
+from ..models import architecture_for
 from ..tp.plan import ArchSpec, ModulePlan
 from . import qk_scaling
 
@@ -56,6 +56,6 @@ def apply_attention(module: nn.Module, options: CreationOptions | None) -> None:
             raise NotImplementedError(f"flash_attention: {type(module).__name__} is not an HF model whose "
                                       "attention implementation can be chosen")
         module.set_attn_implementation(options.attn_implementation)
-    layout = sagemaker_layout_for(module)
+    layout = getattr(architecture_for(module), "sagemaker", None)
     if options.query_key_layer_scaling and not (layout is not None and layout.scores_in_fp32):
         qk_scaling.enable(module)

@@ -24,7 +24,7 @@ from torch import nn
 
 from . import hf_init, meta, safetensors_io, stacked
 from .init_engine import InitEngine
-from ..models import table_for
+from ..models import architecture_for
 from ..pipeline.split import elsewhere, saved_names
 from ..tp.layout import base_prefix, block_of, block_slices, local_part, tie_groups
 from .state_dict import LoadReport
@@ -164,7 +164,7 @@ def plan(module: nn.Module, files: dict[str, str], strict: bool) -> tuple[list[E
     ``ValueError`` naming every problem (file and key) before anything is allocated."""
     metadata = _metadata(files)
     shapes = {k: shape for k, (shape, _) in metadata.items()}
-    table = table_for(getattr(getattr(module, "config", None), "model_type", None))
+    table = getattr(architecture_for(module), "table", None)
     packed_dims = _packed_dims(module)
     state = module.state_dict(keep_vars=True)
     moved = saved_names(module)  # a weight tied across pipeline stages: also under its first stage's key

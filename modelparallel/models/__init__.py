@@ -1,28 +1,26 @@
-"""Built-in architectures, one module each, found by listing this package.
+"""Architectures: one ``Architecture`` record per Hugging Face ``model_type``, one lookup.
 
-A module here (any whose name does not start with ``_``) describes one HF architecture and
-exports ``SPEC`` (its ``ArchSpec``: plan, packed weights, loss kind) and ``TABLE`` (its
-``KeyTable`` for state-dict translation), and optionally ``EXPERTS`` (a mixture-of-experts
-architecture's ``ExpertLayout``), ``SAGEMAKER`` (a ``SageMakerLayout``: where SageMaker's module
-names fall in it), for a causal decoder that context parallelism can run, ``CONTEXT`` (its
-``ContextSpec``), and, if it can be pipelined, ``PIPELINE`` (its ``PipelineSplit``: where the
-blocks are, what runs before and after them). Adding the file is all it takes to register it.
+Each module here (any whose name does not start with ``_``) describes one built-in architecture
+and exports ``ARCHITECTURE``, its record (plan, key table, and where it applies: pipeline split,
+context-parallel attention, experts, SageMaker names); adding the file is all it takes to build
+it in. A model this package does not know gets its record from ``register_architecture``, held
+by the model's config class (so the library keeps no registry of its own); it takes precedence
+over a built-in record of the same ``model_type``. ``architecture_for`` is the one lookup.
 """
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
-from types import ModuleType
+from types import MappingProxyType, ModuleType
+from typing import Mapping
 
-from torch import nn
+from ._architecture import Architecture
 
-from ..context.spec import ContextSpec
-from ..expert.layout import ExpertLayout
-from ._translate import KeyTable
-from ..pipeline.split import PipelineSplit
-from ..tp.plan import ArchSpec
-from ._sagemaker import SageMakerLayout
+__all__ = ["BUILT_IN", "Architecture", "architecture_for", "register_architecture", "table_for"]
+
+_ATTRIBUTE = "_mp_architecture"
+"""The config-class attribute holding a registered record."""
 
 
 def _modules() -> list[ModuleType]:
@@ -31,53 +29,77 @@ def _modules() -> list[ModuleType]:
 
 
 def _check(module: ModuleType) -> ModuleType:
-    """Refuse an architecture module that does not export a matching SPEC and TABLE."""
-    spec, table = getattr(module, "SPEC", None), getattr(module, "TABLE", None)
-    if not isinstance(spec, ArchSpec) or not isinstance(table, KeyTable) or table.arch != spec.model_type:
-        raise TypeError(f"{module.__name__} must export SPEC (an ArchSpec) and TABLE (a KeyTable) for the same "
-                        f"model_type, got {type(spec).__name__} and {type(table).__name__}")
-    if not isinstance(getattr(module, "EXPERTS", ExpertLayout("", "")), ExpertLayout):
-        raise TypeError(f"{module.__name__}.EXPERTS must be an ExpertLayout")
-    if not isinstance(getattr(module, "CONTEXT", None), (ContextSpec, type(None))):
-        raise TypeError(f"{module.__name__}.CONTEXT must be a ContextSpec")
+    """Refuse an architecture module that does not export a record with a key table."""
+    record = getattr(module, "ARCHITECTURE", None)
+    if not isinstance(record, Architecture) or record.table is None:
+        raise TypeError(f"{module.__name__} must export ARCHITECTURE (an Architecture with a key table), "
+                        f"got {type(record).__name__}")
     return module
 
 
-_ALL = [_check(m) for m in _modules()]
-ARCHITECTURES: dict[str, ArchSpec] = {m.SPEC.model_type: m.SPEC for m in _ALL}
-TABLES: dict[str, KeyTable] = {m.SPEC.model_type: m.TABLE for m in _ALL}
-PIPELINES: dict[str, PipelineSplit] = {m.SPEC.model_type: m.PIPELINE for m in _ALL
-                                       if isinstance(getattr(m, "PIPELINE", None), PipelineSplit)}
-EXPERT_LAYOUTS: dict[str, ExpertLayout] = {m.SPEC.model_type: m.EXPERTS for m in _ALL if hasattr(m, "EXPERTS")}
-CONTEXTS: dict[str, ContextSpec] = {m.SPEC.model_type: m.CONTEXT for m in _ALL if getattr(m, "CONTEXT", None)}
-LAYOUTS: dict[str, SageMakerLayout] = {m.SPEC.model_type: m.SAGEMAKER for m in _ALL if hasattr(m, "SAGEMAKER")}
+BUILT_IN: Mapping[str, Architecture] = MappingProxyType(
+    {m.ARCHITECTURE.model_type: m.ARCHITECTURE for m in map(_check, _modules())})
+"""``model_type`` -> the record of every file of this package (read-only, built once)."""
 
 
-def spec_for(model: nn.Module) -> ArchSpec | None:
-    """The built-in spec for an HF model, or None if its architecture has none."""
-    return ARCHITECTURES.get(getattr(getattr(model, "config", None), "model_type", None))
+def _config_of(model_or_config):
+    """A model's config, a config itself, or the config class transformers registers under a
+    ``model_type`` string (None for an unknown one)."""
+    if isinstance(model_or_config, str):
+        from transformers import CONFIG_MAPPING
+
+        try:
+            return CONFIG_MAPPING[model_or_config]
+        except KeyError:
+            return None
+    return getattr(model_or_config, "config", model_or_config)
 
 
-def experts_for(model: nn.Module) -> ExpertLayout | None:
-    """The built-in expert layout of an HF mixture-of-experts model, or None."""
-    return EXPERT_LAYOUTS.get(getattr(getattr(model, "config", None), "model_type", None))
+def architecture_for(model_or_config) -> Architecture | None:
+    """The record of an HF model, of its config, or of a ``model_type`` string.
+
+    A record registered for the config's class (or a base class with the same ``model_type``)
+    comes first, then the built-in record of the ``model_type``.
+
+    Returns:
+        The ``Architecture``, or None for a model neither registered nor built in.
+    """
+    config = _config_of(model_or_config)
+    model_type = model_or_config if isinstance(model_or_config, str) else getattr(config, "model_type", None)
+    registered = getattr(config, _ATTRIBUTE, None)
+    if isinstance(registered, Architecture) and registered.model_type == model_type:
+        return registered
+    return BUILT_IN.get(model_type)
 
 
-def context_spec_for(model: nn.Module) -> ContextSpec | None:
-    """The built-in ``ContextSpec`` of an HF model, or None if context parallelism cannot run it."""
-    return CONTEXTS.get(getattr(getattr(model, "config", None), "model_type", None))
+def register_architecture(config_class: type, architecture: Architecture) -> None:
+    """Make ``architecture`` the record of every model whose config is a ``config_class``: its
+    plan then shards it under tensor parallelism, and its key table, pipeline split, context and
+    expert data serve the other dimensions, as for a built-in architecture.
+
+    The record is kept on the class (as ``tp_register`` keeps registrations on module classes):
+    register in every process, before the model is wrapped. Registering again replaces it.
+
+    Args:
+        config_class: the model's ``PretrainedConfig`` subclass; its ``model_type`` must be the
+            record's.
+        architecture: the record (see ``Architecture``).
+
+    Raises:
+        TypeError: ``architecture`` is not an ``Architecture`` or ``config_class`` not a class.
+        ValueError: the record's ``model_type`` is not the config class's.
+    """
+    if not isinstance(architecture, Architecture):
+        raise TypeError(f"register_architecture takes an Architecture, got {type(architecture).__name__}")
+    if not isinstance(config_class, type):
+        raise TypeError(f"register_architecture takes the model's config class, got {config_class!r}")
+    model_type = getattr(config_class, "model_type", None)
+    if model_type != architecture.model_type:
+        raise ValueError(f"{config_class.__name__}.model_type is {model_type!r}, the record's is "
+                         f"{architecture.model_type!r}: a record serves one model_type")
+    setattr(config_class, _ATTRIBUTE, architecture)
 
 
-def table_for(model_type: str | None) -> KeyTable | None:
-    """The key table of an HF ``model_type``, or None if it has no translation."""
-    return TABLES.get(model_type)
-
-
-def pipeline_split_for(model: nn.Module) -> PipelineSplit | None:
-    """The built-in pipeline split for an HF model, or None if its architecture has none."""
-    return PIPELINES.get(getattr(getattr(model, "config", None), "model_type", None))
-
-
-def sagemaker_layout_for(model: nn.Module) -> SageMakerLayout | None:
-    """Where SageMaker's module names fall in an HF model, or None if its architecture has none."""
-    return LAYOUTS.get(getattr(getattr(model, "config", None), "model_type", None))
+def table_for(model_type: str | None):
+    """The state-dict key table of an HF ``model_type`` (``KeyTable``), or None if it has none."""
+    return getattr(architecture_for(model_type), "table", None) if model_type else None

@@ -9,7 +9,7 @@ block's ``attention`` / ``output`` are its attention and MLP modules. The aliase
 instances' ``__dict__``, not among their children: parameter names, state dicts, ``modules()``
 and checkpoints are unchanged, and weights are the HF ones exactly.
 
-An architecture gives its names as data (``SAGEMAKER`` in ``models/<arch>.py``).
+An architecture gives its names as data (``Architecture.sagemaker`` in ``models/<arch>.py``).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ import torch
 from ._translate import KeyTable
 from ..pipeline.split import PipelineSplit
 from ..tp.plan import ArchSpec, ModulePlan, SharedInput
+from ._architecture import Architecture
 from ._parts import column_row
 
 ENCODER = ModulePlan(
@@ -98,3 +99,5 @@ SPEC, TABLE = encoder_arch(
     causal_head="BertLMHeadModel",
 )
 PIPELINE = ENCODER_PIPELINE
+
+ARCHITECTURE = Architecture(SPEC, TABLE, pipeline=PIPELINE)

@@ -19,6 +19,7 @@ from dataclasses import replace
 
 from ._translate import KeyTable
 from ..tp.plan import Unsupported
+from ._architecture import Architecture
 from ._parts import decoder_lm
 
 SPEC = decoder_lm(
@@ -44,3 +45,5 @@ TABLE = KeyTable(
     head_keys=("lm_head.weight", "score.weight", "score.bias"),
     tied={"lm_head.weight": "transformer.word_embeddings.weight"},
 )
+
+ARCHITECTURE = Architecture(SPEC, TABLE)

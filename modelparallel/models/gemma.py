@@ -11,6 +11,9 @@ Llama's: whole query heads per rank, KV heads whole or replicated. No weight is 
 from dataclasses import replace
 
 from . import llama
+from ._architecture import Architecture
 
 SPEC = replace(llama.SPEC, model_type="gemma")
 TABLE = replace(llama.TABLE, arch="gemma")
+
+ARCHITECTURE = Architecture(SPEC, TABLE)

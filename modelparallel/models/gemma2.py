@@ -11,8 +11,11 @@ as Gemma's and tied to the LM head. No weight is fused.
 from dataclasses import replace
 
 from . import gemma
+from ._architecture import Architecture
 
 SPEC = replace(gemma.SPEC, model_type="gemma2")
 TABLE = replace(gemma.TABLE, arch="gemma2",
                 base_keys=(*gemma.TABLE.base_keys, "layers.{}.pre_feedforward_layernorm.weight",
                            "layers.{}.post_feedforward_layernorm.weight"))
+
+ARCHITECTURE = Architecture(SPEC, TABLE)

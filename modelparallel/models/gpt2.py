@@ -14,6 +14,7 @@ from ..context.spec import ContextSpec
 from ._translate import KeyTable, causal_mask, masked_bias
 from ..pipeline.split import PipelineSplit
 from ..tp.plan import ArchSpec, ModulePlan, Packed, packed_keys
+from ._architecture import Architecture
 from ._parts import LM_HEAD, column_row
 from ._sagemaker import SageMakerLayout
 
@@ -61,3 +62,5 @@ TABLE = KeyTable(
 
 SAGEMAKER = SageMakerLayout(layers="h", attention="attn", output="mlp")
 """SageMaker's ``transformer.seq_layers.N.attention`` / ``.output`` over ``h.N.attn`` / ``h.N.mlp``."""
+
+ARCHITECTURE = Architecture(SPEC, TABLE, pipeline=PIPELINE, context=CONTEXT, sagemaker=SAGEMAKER)

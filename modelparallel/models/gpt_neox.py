@@ -13,6 +13,7 @@ and renames it to ``lm_head`` on load, so exports write that name and imports ta
 
 from dataclasses import replace
 
+from ._architecture import Architecture
 from ._translate import KeyTable
 from ._parts import decoder_lm
 
@@ -35,3 +36,5 @@ TABLE = KeyTable(
     tied={"lm_head.weight": "gpt_neox.embed_in.weight"},
     stored_as={"lm_head.weight": "embed_out.weight"},
 )
+
+ARCHITECTURE = Architecture(SPEC, TABLE)

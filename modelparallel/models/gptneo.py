@@ -15,6 +15,7 @@ from ..context.spec import ContextSpec
 from ._translate import KeyTable, causal_mask, masked_bias
 from ..pipeline.split import PipelineSplit
 from ..tp.plan import SharedInput
+from ._architecture import Architecture
 from ._parts import decoder_lm
 from ._sagemaker import SageMakerLayout
 from .gpt2 import GPT_KEYS
@@ -61,3 +62,5 @@ TABLE = KeyTable(
 
 SAGEMAKER = SageMakerLayout(layers="h", attention="attn", output="mlp", scores_in_fp32=True)
 """SageMaker's tree over ``h.N.attn`` / ``h.N.mlp``; ``GPTNeoSelfAttention._attn`` scores in float32."""
+
+ARCHITECTURE = Architecture(SPEC, TABLE, pipeline=PIPELINE, context=CONTEXT, sagemaker=SAGEMAKER)

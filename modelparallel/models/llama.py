@@ -18,6 +18,7 @@ from ..context.spec import ContextSpec
 from ._translate import KeyTable
 from ..pipeline.split import PipelineSplit
 from ..tp.plan import KVHeads, SharedInput
+from ._architecture import Architecture
 from ._parts import decoder_lm
 
 SPEC = decoder_lm(
@@ -49,3 +50,5 @@ TABLE = KeyTable(
     head_keys=("lm_head.weight", "score.weight"),
     tied={"lm_head.weight": "model.embed_tokens.weight"},
 )
+
+ARCHITECTURE = Architecture(SPEC, TABLE, pipeline=PIPELINE, context=CONTEXT)

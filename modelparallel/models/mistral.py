@@ -10,8 +10,11 @@ head-count checks, the same state-dict keys under ``model``. No weight is fused.
 from dataclasses import replace
 
 from . import llama
+from ._architecture import Architecture
 
 SPEC = replace(llama.SPEC, model_type="mistral")
 TABLE = replace(llama.TABLE, arch="mistral")
 PIPELINE = llama.PIPELINE
 CONTEXT = llama.CONTEXT  # HF's attention interface passes the sliding window itself
+
+ARCHITECTURE = Architecture(SPEC, TABLE, pipeline=PIPELINE, context=CONTEXT)

@@ -16,6 +16,7 @@ Checkpoints on the Hugging Face hub hold each expert's ``w1`` (gate), ``w3`` (up
 from ..expert.layout import ExpertLayout
 from ._translate import KeyTable
 from ..tp.plan import ArchSpec, ModulePlan, SharedInput
+from ._architecture import Architecture
 from ._parts import LM_HEAD, column_row
 
 SPEC = ArchSpec(
@@ -50,3 +51,5 @@ TABLE = KeyTable(
              "layers.{}.mlp.experts.down_proj": ("layers.{}.block_sparse_moe.experts.{}.w2.weight",)},
     renamed={"layers.{}.block_sparse_moe.gate.weight": "layers.{}.mlp.gate.weight"},
 )
+
+ARCHITECTURE = Architecture(SPEC, TABLE, experts=EXPERTS)

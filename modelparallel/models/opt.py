@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from ._translate import KeyTable
 from ..tp.plan import SharedInput
+from ._architecture import Architecture
 from ._parts import decoder_lm
 
 SPEC = replace(decoder_lm(
@@ -35,3 +36,5 @@ TABLE = KeyTable(
     head_keys=("lm_head.weight", "score.weight"),
     tied={"lm_head.weight": "model.decoder.embed_tokens.weight"},
 )
+
+ARCHITECTURE = Architecture(SPEC, TABLE)

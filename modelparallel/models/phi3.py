@@ -15,6 +15,7 @@ Refused at TP > 1: grouped-query attention (``num_key_value_heads`` below
 
 from ._translate import KeyTable
 from ..tp.plan import ArchSpec, ModulePlan, Packed, Unsupported, packed_keys
+from ._architecture import Architecture
 from ._parts import LM_HEAD
 
 PACKED = {"layers.*.self_attn.qkv_proj": Packed(chunks=3, dims={"weight": 0, "bias": 0}),
@@ -48,3 +49,5 @@ TABLE = KeyTable(
     packed=packed_keys(PACKED),
     tied={"lm_head.weight": "model.embed_tokens.weight"},
 )
+
+ARCHITECTURE = Architecture(SPEC, TABLE)

@@ -9,6 +9,9 @@ heads per rank. No weight is fused.
 from dataclasses import replace
 
 from . import llama
+from ._architecture import Architecture
 
 SPEC = replace(llama.SPEC, model_type="qwen2")
 TABLE = replace(llama.TABLE, arch="qwen2")
+
+ARCHITECTURE = Architecture(SPEC, TABLE)

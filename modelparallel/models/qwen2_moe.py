@@ -15,6 +15,7 @@ on the Hugging Face hub hold each expert's projections separately (``TABLE.stack
 from ..expert.layout import ExpertLayout
 from ._translate import KeyTable
 from ..tp.plan import ArchSpec, ModulePlan, SharedInput
+from ._architecture import Architecture
 from ._parts import LM_HEAD, column_row
 
 _DENSE = {**column_row("layers.*.mlp", ("gate_proj", "up_proj"), "down_proj"),
@@ -57,3 +58,5 @@ TABLE = KeyTable(
                                                     "layers.{}.mlp.experts.{}.up_proj.weight"),
              "layers.{}.mlp.experts.down_proj": ("layers.{}.mlp.experts.{}.down_proj.weight",)},
 )
+
+ARCHITECTURE = Architecture(SPEC, TABLE, experts=EXPERTS)

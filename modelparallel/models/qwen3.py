@@ -10,6 +10,7 @@ heads). The rest is Llama's plan: grouped-query attention, no fused weight.
 from dataclasses import replace
 
 from . import llama
+from ._architecture import Architecture
 
 SPEC = replace(llama.SPEC, model_type="qwen3", base=replace(llama.SPEC.base, rules={
     **llama.SPEC.base.rules,
@@ -18,3 +19,5 @@ SPEC = replace(llama.SPEC, model_type="qwen3", base=replace(llama.SPEC.base, rul
 TABLE = replace(llama.TABLE, arch="qwen3",
                 base_keys=(*llama.TABLE.base_keys, "layers.{}.self_attn.q_norm.weight",
                            "layers.{}.self_attn.k_norm.weight"))
+
+ARCHITECTURE = Architecture(SPEC, TABLE)

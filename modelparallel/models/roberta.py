@@ -9,6 +9,7 @@ replicated.
 """
 
 from .bert import ENCODER_PIPELINE, encoder_arch
+from ._architecture import Architecture
 
 SPEC, TABLE = encoder_arch(
     "roberta", "roberta", "lm_head",
@@ -18,3 +19,5 @@ SPEC, TABLE = encoder_arch(
     causal_head="RobertaForCausalLM",
 )
 PIPELINE = ENCODER_PIPELINE
+
+ARCHITECTURE = Architecture(SPEC, TABLE, pipeline=PIPELINE)

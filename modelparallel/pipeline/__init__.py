@@ -73,7 +73,8 @@ def split_model(model: nn.Module, config, index: int, split: PipelineSplit | Non
     if split is None:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         raise NotImplementedError(f"pipeline parallelism of {type(model).__name__} (model_type {model_type!r}): "
-                                  "its architecture has no PipelineSplit (PIPELINE in modelparallel/models/<arch>.py)")
+                                  "its architecture record has no PipelineSplit (Architecture.pipeline, "
+                                  "modelparallel/models/) and transformers gives it no base_model_pp_plan")
     ranges = plan_ranges(model, split, count, config.auto_partition, config.default_partition)
     stage = describe(model, split, ranges, index)
     if not config.auto_partition:

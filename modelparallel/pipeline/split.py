@@ -44,6 +44,24 @@ class PipelineSplit:
     last: tuple[str, ...] = ()
 
 
+def hf_pipeline_split(model: nn.Module) -> PipelineSplit | None:
+    """HF's ``base_model_pp_plan`` of ``model`` as a ``PipelineSplit``: the one ``nn.ModuleList``
+    among its entries is the blocks, the entries with parameters before it run on the first
+    stage, those after it on the last (parameter-free ones, such as dropout, stay on every
+    stage). None where the model has no such plan (or no config) or the plan has no single list
+    of blocks."""
+    plan = getattr(getattr(model, "config", None), "base_model_pp_plan", None) or {}
+    base = getattr(model, "base_model", model)
+    names = [n for n in plan if isinstance(getattr(base, n, None), nn.Module)]
+    lists = [i for i, n in enumerate(names) if isinstance(getattr(base, n), nn.ModuleList)]
+    if len(names) != len(plan) or len(lists) != 1:
+        return None
+    held = [n for n in names if next(getattr(base, n).parameters(), None) is not None]
+    cut = lists[0]
+    return PipelineSplit(blocks=names[cut], first=tuple(n for n in names[:cut] if n in held),
+                         last=tuple(n for n in names[cut + 1:] if n in held))
+
+
 @dataclass
 class Stage:
     """This rank's stage of a split model (kept on the model as ``_mp_stage``).

@@ -20,7 +20,7 @@ from transformers import (BertConfig, BertForMaskedLM, BertForSequenceClassifica
 
 import harness
 import modelparallel as smp
-from modelparallel.models import spec_for
+from modelparallel.models import architecture_for
 from modelparallel.tp.walker import collect
 from reference import (all_reduces, assert_close, assert_grads_match, assert_same_training, build_pair,
                        comm_counts_by_kind)
@@ -192,11 +192,11 @@ def test_causal_heads_take_the_causal_loss():
 
 def test_heads_not_divisible_named_with_numbers():
     model = BertModel(tiny("bert", vocab_size=100, hidden_size=96, num_attention_heads=6))
-    problems = collect(model, spec_for(model), tp=4).problems
+    problems = collect(model, architecture_for(model).spec, tp=4).problems
     assert ("BertConfig.num_attention_heads = 6 is not divisible by tensor_parallel_degree 4 "
             "(each rank must hold whole heads)") in problems, problems
     model = RobertaForMaskedLM(tiny("roberta", vocab_size=100, hidden_size=66, num_attention_heads=3))
-    problems = collect(model, spec_for(model), tp=4).problems
+    problems = collect(model, architecture_for(model).spec, tp=4).problems
     assert ("roberta.encoder.layer.0.attention.self.query: out_features = 66 is not divisible by "
             "tensor_parallel_degree 4") in problems, problems
 
@@ -205,7 +205,7 @@ def test_tie_split_refused_unless_the_holder_is_declared():
     """The decoder bias is tied to a parameter of a module no rule shards: refused by default."""
     for arch in ARCHS:
         model = ARCHS[arch][1][1](tiny(arch, vocab_size=100))
-        spec = spec_for(model)
+        spec = architecture_for(model).spec
         assert not collect(model, spec, tp=2).problems
         bare = dataclasses.replace(spec, head=dataclasses.replace(spec.head, tied_holders=()))
         holder = BIAS_HOLDER[arch]

@@ -8,7 +8,7 @@ from modelparallel/tp/walker.py.
 
 from transformers import GPTJConfig, GPTJForCausalLM, GPTNeoConfig, GPTNeoForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from modelparallel.models import spec_for
+from modelparallel.models import architecture_for
 from modelparallel.tp.walker import collect
 
 TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -33,7 +33,7 @@ def llama(hidden=64, heads=4, kv_heads=2, vocab=1001, tied=False):
 
 
 def _work(model, tp):
-    return collect(model, spec_for(model), tp)
+    return collect(model, architecture_for(model).spec, tp)
 
 
 def _styles(work):

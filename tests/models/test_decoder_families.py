@@ -177,23 +177,23 @@ def test_bad_input_named_by_the_plan_check():
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from modelparallel.models import spec_for
+    from modelparallel.models import architecture_for
     from modelparallel.tp.walker import collect
 
     AttentionInterface.register("my_kernel", sdpa_attention_forward)  # may read global head counts
     config = FAMILIES["qwen2"][1]()
     config._attn_implementation = "my_kernel"
     model = T.Qwen2ForCausalLM(config)
-    assert collect(model, spec_for(model), 2).problems == [
+    assert collect(model, architecture_for(model).spec, 2).problems == [
         "model.layers.*.self_attn: attention implementation 'my_kernel' is not one known to compute head by head "
         "(eager, sdpa, flex_attention, flash_attention_*)"]
     model = T.Qwen2ForCausalLM(FAMILIES["qwen2"][1]())
     model.model.embed_tokens = torch.nn.Embedding(64, VOCAB)  # hidden x vocabulary
-    problems = collect(model, spec_for(model), 2).problems
+    problems = collect(model, architecture_for(model).spec, 2).problems
     assert "model.embed_tokens: its first dimension (64) is not the vocabulary (Qwen2Config.vocab_size = 101)" \
         in problems, problems
     heads = T.Qwen2ForCausalLM(T.Qwen2Config(**{**SMALL, "hidden_size": 96}, num_attention_heads=6,
                                              num_key_value_heads=6, intermediate_size=128))
-    assert collect(heads, spec_for(heads), 4).problems == [
+    assert collect(heads, architecture_for(heads).spec, 4).problems == [
         "Qwen2Config.num_attention_heads = 6 is not divisible by tensor_parallel_degree 4 (each rank must hold "
         "whole heads)"]

@@ -15,7 +15,7 @@ from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadMo
 
 import harness
 import modelparallel as smp
-from modelparallel.models import spec_for
+from modelparallel.models import architecture_for
 from modelparallel.tp.plan import Packed
 from modelparallel.tp.walker import collect
 from reference import (all_reduces, assert_close, assert_grads_match, assert_same_training, build_pair,
@@ -152,7 +152,7 @@ def test_packed_dims_that_are_not_the_output_refused_before_sharding():
     """``c_attn`` fuses q|k|v along dim 1 of its ``Conv1D`` weight; a descriptor naming dim 0 would
     split the input features, so the walker refuses it, naming the module and the dims."""
     model = GPT2LMHeadModel(tiny(vocab=1000))
-    spec = spec_for(model)
+    spec = architecture_for(model).spec
     wrong = {"h.*.attn.c_attn": Packed(chunks=3, dims={"weight": 0, "bias": 0})}
     bad = dataclasses.replace(spec, base=dataclasses.replace(spec.base, packed=wrong))
     problems = collect(model, bad, tp=2).problems

@@ -14,7 +14,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import modelparallel as smp
 from modelparallel.config import build_config
-from modelparallel.models import pipeline_split_for
+from modelparallel.models import architecture_for
 from modelparallel.pipeline import plan_ranges
 from modelparallel.pipeline.placement import balanced, imbalance
 
@@ -54,7 +54,7 @@ def cfg(**keys):
 
 def test_manual_marks_and_default_partition():
     model = tiny(4)
-    split = pipeline_split_for(model)
+    split = architecture_for(model).pipeline
     for i, block in enumerate(model.transformer.h):
         smp.set_partition(block, 0 if i < 3 else 1)
     assert plan_ranges(model, split, 2, auto=False, default=0) == ((0, 3), (3, 4))
@@ -81,7 +81,7 @@ def test_set_partition_on_a_parent_applies_to_its_blocks():
     model = tiny(4)
     smp.set_partition(model.transformer, 1)
     smp.set_partition(model.transformer.h[0], 0)
-    assert plan_ranges(model, pipeline_split_for(model), 2, auto=False, default=0) == ((0, 1), (1, 4))
+    assert plan_ranges(model, architecture_for(model).pipeline, 2, auto=False, default=0) == ((0, 1), (1, 4))
 
 
 @pytest.mark.parametrize("marks, fragment", [
@@ -94,12 +94,12 @@ def test_bad_manual_partitions_named(marks, fragment):
     for block, index in zip(model.transformer.h, marks):
         smp.set_partition(block, index)
     with pytest.raises(ValueError, match=fragment):
-        plan_ranges(model, pipeline_split_for(model), 2, auto=False, default=0)
+        plan_ranges(model, architecture_for(model).pipeline, 2, auto=False, default=0)
 
 
 def test_more_stages_than_layers_refused():
     with pytest.raises(ValueError, match=r"pipeline_parallel_degree 4 is more than the 2 layers of GPT2LMHeadModel"):
-        plan_ranges(tiny(2), pipeline_split_for(tiny(2)), 4, auto=True, default=0)
+        plan_ranges(tiny(2), architecture_for(tiny(2)).pipeline, 4, auto=True, default=0)
 
 
 def test_bad_partition_arguments():

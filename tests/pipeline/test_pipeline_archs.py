@@ -2,11 +2,14 @@
 process: GPT-J (rotary, untied head with bias), GPT-Neo (alternating global / local attention,
 tied head), Llama tied, Mistral (sliding window), RoBERTa (MLM decoder tied to the embeddings,
 uneven vocabulary) and BERT / RoBERTa sequence classifiers (pooler and classifier on the last
-stage), at pipeline degree 2, also with tensor parallelism beside.
+stage), at pipeline degree 2, also with tensor parallelism beside; and OLMo, which has no
+architecture record: its split is read from transformers' ``base_model_pp_plan`` (its TP plan
+from ``base_model_tp_plan``).
 
-A failure means the architecture's ``PIPELINE`` data (modelparallel/models/<arch>.py) names the
-wrong blocks, embeddings or final modules, or the stage's first block receives its input under
-another argument name.
+A failure means the architecture's pipeline split (``Architecture.pipeline`` in
+modelparallel/models/<arch>.py; for OLMo ``pipeline.split.hf_pipeline_split``) names the wrong
+blocks, embeddings or final modules, or the stage's first block receives its input under another
+argument name.
 """
 
 import copy
@@ -15,7 +18,7 @@ import pytest
 import torch
 from transformers import (BertConfig, BertForSequenceClassification, GPTJConfig, GPTJForCausalLM, GPTNeoConfig,
                           GPTNeoForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                          RobertaConfig, RobertaForMaskedLM, RobertaForSequenceClassification)
+                          OlmoConfig, OlmoForCausalLM, RobertaConfig, RobertaForMaskedLM, RobertaForSequenceClassification)
 
 import harness
 import modelparallel as smp
@@ -41,6 +44,9 @@ MODELS = {
     "mistral": lambda: MistralForCausalLM(MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
                                                         max_position_embeddings=16, sliding_window=4, **TOKENS)),
+    "olmo": lambda: OlmoForCausalLM(OlmoConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                               num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                               max_position_embeddings=16, **TOKENS)),
     "roberta_mlm": lambda: RobertaForMaskedLM(RobertaConfig(**ENCODER)),
     "roberta_cls": lambda: RobertaForSequenceClassification(RobertaConfig(**ENCODER, num_labels=3)),
     "bert_cls": lambda: BertForSequenceClassification(BertConfig(**ENCODER, num_labels=3)),

@@ -10,6 +10,7 @@ failing: the module named in the message is the one the check should have caught
 """
 
 import copy
+from types import MappingProxyType
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 import harness
 import modelparallel as smp
-from modelparallel.models import ARCHITECTURES
+import modelparallel.models as registry
 from modelparallel.tp.auto.plan import AutoPlanError, derive
 from modelparallel.tp.auto.verify import verify
 from modelparallel.tp.walker import collect, parallelize
@@ -88,7 +89,7 @@ def test_automatic_plan_gives_each_family_the_shards_of_its_file(name, tp):
     cls, config, _ = FAMILIES[name]
     model = cls(config())
     spec = derive(model, tp).spec
-    auto, builtin = collect(model, spec, tp), collect(model, ARCHITECTURES[model.config.model_type], tp)
+    auto, builtin = collect(model, spec, tp), collect(model, registry.BUILT_IN[model.config.model_type].spec, tp)
     assert not auto.problems, auto.problems
     assert _shards(auto) == _shards(builtin)
     # the sizes it makes per rank are among the file's: those the forward reads (GPT-2's split_size;
@@ -97,16 +98,17 @@ def test_automatic_plan_gives_each_family_the_shards_of_its_file(name, tp):
 
 
 class _FileRemoved:
-    """The registry without ``model_type``'s entry, as if its file did not exist."""
+    """The built-in records without ``model_type``'s, as if its file did not exist."""
 
     def __init__(self, model_type):
         self.model_type = model_type
 
     def __enter__(self):
-        self.spec = ARCHITECTURES.pop(self.model_type)
+        self.saved = registry.BUILT_IN
+        registry.BUILT_IN = MappingProxyType({t: a for t, a in self.saved.items() if t != self.model_type})
 
     def __exit__(self, *exc):
-        ARCHITECTURES[self.model_type] = self.spec
+        registry.BUILT_IN = self.saved
 
 
 def check_results_without_the_file(name, tp):
@@ -272,7 +274,7 @@ def check_verification_refuses_a_wrong_plan():
     smp.init({"tensor_parallel_degree": 2})
     model = T.LlamaForCausalLM(_eager(T.LlamaConfig(num_attention_heads=4, num_key_value_heads=2,
                                                     intermediate_size=128, **S)))
-    good = ARCHITECTURES["llama"]
+    good = registry.BUILT_IN["llama"].spec
     rules = {**good.base.rules, "layers.*.self_attn.q_proj": "packed_colwise"}
     wrong = replace(good, base=replace(good.base, rules=rules, packed={"layers.*.self_attn.q_proj": Packed(2)}))
     mesh = smp.tp_mesh()

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from modelparallel.models import spec_for
+from modelparallel.models import architecture_for
 from modelparallel.tp.plan import SharedInput
 from modelparallel.tp.walker import collect
 
@@ -22,13 +22,13 @@ def llama():
 
 
 def with_shared(model, shared):
-    spec = spec_for(model)
+    spec = architecture_for(model).spec
     return replace(spec, base=replace(spec.base, shared_inputs=shared))
 
 
 def test_llama_plan_shares_attention_and_mlp_inputs():
     model = llama()
-    work = collect(model, spec_for(model), tp=2)
+    work = collect(model, architecture_for(model).spec, tp=2)
     assert not work.problems
     assert {p for p, _, _ in work.shared} == {f"model.layers.{i}.{m}" for i in (0, 1) for m in ("self_attn", "mlp")}
 

@@ -1,6 +1,7 @@
-"""The automatic plan: tensor parallelism for a Hugging Face model with no file in
-``modelparallel/models``, found on a proxy (``plan.derive``) and verified over the TP ranks
-before any weight of the user's model is touched (``verify.verify``).
+"""The automatic plan: tensor parallelism for a Hugging Face model with no architecture record
+(no file in ``modelparallel/models``, none registered): transformers' own ``base_model_tp_plan``
+where it verifies (``hf_plan.candidate``), else one found on a proxy (``plan.derive``), verified
+over the TP ranks before any weight of the user's model is touched (``verify.verify``).
 
 ``plan_for`` is what ``DistributedModel`` and ``transform`` ask: the built-in plan when there is
 one, the automatic plan for an HF model without one, or None for a model that steers tensor
@@ -18,7 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .. import marks
 from ..plan import ArchSpec
-from .plan import AutoPlanError, derive
+from .hf_plan import candidate
+from .plan import AutoPlanError, check_inputs, derive
 from .verify import verify
 
 logger = logging.getLogger("modelparallel")
@@ -45,12 +47,21 @@ def applies(model: nn.Module) -> bool:
 
 
 def automatic_spec(model: nn.Module, tp_mesh: DeviceMesh, parallelize) -> ArchSpec:
-    """Derive ``model``'s plan and verify it over ``tp_mesh`` (a collective). A plan whose shared
+    """``model``'s plan, verified over ``tp_mesh`` (a collective): transformers' own plan where it
+    has one that verifies (``hf_plan.candidate``), else the derived plan. A plan whose shared
     inputs (one ``f`` for several column layers) do not verify is tried once without them.
 
     Raises:
         AutoPlanError: naming the module that cannot be placed or whose output or gradient differs.
     """
+    hf = candidate(model, tp_mesh.size())
+    if hf is not None:
+        check_inputs(model, tp_mesh.size())
+        plain = replace(hf, base=replace(hf.base, shared_inputs={}))
+        for spec in (hf, plain) if hf.base.shared_inputs else (hf,):
+            if verify(model, spec, tp_mesh, parallelize) is None:
+                logger.info("automatic plan of %s: transformers' base_model_tp_plan", type(model).__name__)
+                return spec
     spec = derive(model, tp_mesh.size()).spec
     found = verify(model, spec, tp_mesh, parallelize)
     if found is not None and spec.base.shared_inputs:
@@ -64,12 +75,13 @@ def automatic_spec(model: nn.Module, tp_mesh: DeviceMesh, parallelize) -> ArchSp
     return spec
 
 
-def plan_for(model: nn.Module, builtin: ArchSpec | None, tp_mesh: DeviceMesh, parallelize) -> ArchSpec | None:
-    """The plan ``model`` is sharded with: ``builtin`` if any, else the automatic plan (at a degree
-    above 1, for a model it ``applies`` to), else None."""
+def plan_for(model: nn.Module, record, tp_mesh: DeviceMesh, parallelize) -> ArchSpec | None:
+    """The plan ``model`` is sharded with: its architecture ``record``'s (``models.Architecture``)
+    if any, else the automatic plan (at a degree above 1, for a model it ``applies`` to), else None."""
+    builtin = record.spec if record is not None else None
     if builtin is not None or tp_mesh.size() == 1 or not applies(model):
         return builtin
     spec = automatic_spec(model, tp_mesh, parallelize)
-    logger.info("automatic tensor-parallel plan for %s (no file in modelparallel/models): %s",
+    logger.info("automatic tensor-parallel plan for %s (no architecture record): %s",
                 type(model).__name__, ", ".join(f"{k} -> {v}" for k, v in spec.base.rules.items()))
     return spec

@@ -1,5 +1,5 @@
 """An automatic plan written out: as text for a person, and as a model file for
-``modelparallel/models/`` (the ``SPEC`` and ``TABLE`` an architecture file exports).
+``modelparallel/models/`` (the ``SPEC``, ``TABLE`` and ``ARCHITECTURE`` record an architecture file exports).
 
 The key table is read off the model itself: its state-dict keys with the block index made the
 ``{}`` of a template, split into the base model's and the head's, the packed weights' keys from
@@ -65,6 +65,7 @@ def model_file(model: nn.Module, spec: ArchSpec, tp: int) -> str:
         "",
         "from ._translate import KeyTable",
         "from ..tp.plan import ArchSpec, KVHeads, ModulePlan, Packed, SharedInput  # noqa: F401 - as the plan needs",
+        "from ._architecture import Architecture",
         "",
         "SPEC = ArchSpec(",
         f"    model_type={spec.model_type!r},",
@@ -78,6 +79,8 @@ def model_file(model: nn.Module, spec: ArchSpec, tp: int) -> str:
         "TABLE = KeyTable(",
         *(f"    {k}={v!r}," for k, v in table.items()),
         ")",
+        "",
+        "ARCHITECTURE = Architecture(SPEC, TABLE)",
         "",
     ]
     return "\n".join(lines)

@@ -19,7 +19,8 @@ SAGEMAKER_MODULES = ("bert", "gpt2", "gptj", "gptneo", "llama", "roberta")
 
 def __getattr__(name: str):
     if name == "TABLES":  # model_type -> key table, every built-in architecture
-        return importlib.import_module("modelparallel.models").TABLES
+        built_in = importlib.import_module("modelparallel.models").BUILT_IN
+        return {t: a.table for t, a in built_in.items()}
     if name in SAGEMAKER_MODULES:
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

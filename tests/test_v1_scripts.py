@@ -355,6 +355,7 @@ def test_gpt2_script_via_modelparallel_run(tmp_path):
     # --load_full reads that export back: its first loss is the export's loss on the first batch
     reloaded = harness.run(2, script_losses, str(tmp_path / "sm"),
                            [*argv, "--max_steps", "1", "--checkpoint-dir", str(tmp_path / "c"), "--load_full", "1"])[0]
+    smp.init({})  # the script's data pipeline asks smp for its pipeline stage; alone, this process has no job
     with sagemaker_process(str(tmp_path / "sm")) as script:  # one replica (TP=2, prescaled): all rows
         ids, mask = next(iter(script.create_pretraining_dataloader([str(tmp_path / "sm" / "input" / "data" / "train"
                                                                          / "part0.json")], 4, 12345, 0, 1, True)))

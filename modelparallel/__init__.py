@@ -17,8 +17,9 @@ its tensor-parallel plan, and optionally its state-dict key table, pipeline spli
 expert data (``smp.architecture_for(model)`` shows the record a model gets).
 """
 
-from .checkpoint import (CheckpointError, checkpoint_staging_bytes, last_load_report, load, resume_from_checkpoint,
-                         save, save_checkpoint, wait_for_checkpoints)
+from .checkpoint import (CheckpointError, checkpoint_staging_bytes, last_load_report, resume_from_checkpoint,
+                         save_checkpoint, wait_for_checkpoints)
+from .checkpoint.sagemaker.legacy import load, save  # SageMaker v1's smp.save / smp.load
 from . import delayed_param
 from .activations import set_activation_checkpointing
 from .clip import clip_grad_norm_

@@ -10,8 +10,6 @@ import anything.
 
 A failure names each arrow as ``engine module:line -> surface module``. Move what the engine needs
 down into the engine (the surface re-exports it), or move the importing code up into the surface.
-``PENDING`` lists the arrows known when this test was written, inside ``checkpoint/`` (being
-reorganized by its owner): remove an entry when its arrow goes (the test fails on a stale entry).
 """
 
 import ast
@@ -26,8 +24,6 @@ SURFACE = (r"sagemaker(\..+)?", r"distributed(\..+)?", r"checkpoint\.sagemaker(\
 NEITHER = (r"cli(\..+)?", r"run", r"__main__")
 """Module names below ``modelparallel.``: the surface, and what is neither engine nor surface."""
 
-PENDING = {("modelparallel.checkpoint", "modelparallel.checkpoint.sagemaker.legacy"),
-           ("modelparallel.checkpoint.api", "modelparallel.checkpoint.sagemaker.single_file")}
 
 
 def kind(module: str) -> str | None:
@@ -82,11 +78,8 @@ def arrows(root: Path) -> set[tuple[str, int, str]]:
 
 
 def test_engine_imports_no_surface():
-    found = arrows(PACKAGE)
-    new = sorted(a for a in found if (a[0], a[2]) not in PENDING)
-    assert not new, "engine -> surface imports:\n" + "\n".join(f"  {m}:{line} -> {t}" for m, line, t in new)
-    stale = PENDING - {(m, t) for m, _, t in found}
-    assert not stale, f"arrows gone, remove them from PENDING: {sorted(stale)}"
+    found = sorted(arrows(PACKAGE))
+    assert not found, "engine -> surface imports:\n" + "\n".join(f"  {m}:{line} -> {t}" for m, line, t in found)
 
 
 def test_finds_every_kind_of_import(tmp_path):

@@ -22,7 +22,7 @@ from .load.pending import PendingResume
 from .safety import commit
 from .safety.errors import run_phase
 from .safety.files import CheckpointFiles
-from .sagemaker import single_file
+from . import single_file
 from .save import full, partial as partial_ckpt
 
 

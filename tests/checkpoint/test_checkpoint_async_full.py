@@ -18,7 +18,7 @@ from ckpt_helpers import build, changed, error_of, snapshot
 from faults import WRITES, inject
 from modelparallel.checkpoint.safety import commit
 from modelparallel.checkpoint.save import full
-from modelparallel.checkpoint.sagemaker import single_file
+from modelparallel.checkpoint import single_file
 
 
 def _train_and_touch(model, optimizer) -> None:

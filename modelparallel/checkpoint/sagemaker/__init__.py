@@ -1,4 +1,6 @@
-"""SageMaker's checkpoint formats and helpers, kept apart from the engine (which imports nothing
-from here): v1's ``smp.save`` / ``smp.load`` (``legacy``), the single-file full checkpoint
-``fullmodel.pt`` (``single_file``), and v2's retention helper ``torch.sagemaker.checkpoint.utils``
-(``utils``, also importable as ``modelparallel.checkpoint.utils``, the path SageMaker's name maps to)."""
+"""SageMaker's checkpoint helpers, kept apart from the engine (nothing in ``checkpoint/`` imports
+from here): v1's ``smp.save`` / ``smp.load`` of any object (``legacy``, exported by ``import
+modelparallel``), and v2's retention helper ``torch.sagemaker.checkpoint.utils`` (``utils``, also
+importable as ``modelparallel.checkpoint.utils``, the path SageMaker's name maps to). The
+single-file full checkpoint ``fullmodel.pt`` is a format ``save_checkpoint`` itself writes:
+``checkpoint/single_file.py``."""

@@ -22,21 +22,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ... import runtime
-from ..background import async_full
-from ..format import export_dtype, layouts
-from ..format.layouts import translation
-from ..load import parts
-from ..load.full_load import stage_whole
-from ..load.journal import Policy
-from ..load.pending import PendingResume
-from ..load.staging import agreed
-from ..safety import commit
-from ..safety.errors import cause, run_phase
-from ..safety.files import open_inside, read_from
-from ..safety.lock import job_lock
-from ..safety.safe_load import torch_load
-from ..save import full
+from .. import runtime
+from .background import async_full
+from .format import export_dtype, layouts
+from .format.layouts import translation
+from .load import parts
+from .load.full_load import stage_whole
+from .load.journal import Policy
+from .load.pending import PendingResume
+from .load.staging import agreed
+from .safety import commit
+from .safety.errors import cause, run_phase
+from .safety.files import open_inside, read_from
+from .safety.lock import job_lock
+from .safety.safe_load import torch_load
+from .save import full
 
 
 def is_single_file(path: Path, tag: str) -> bool:

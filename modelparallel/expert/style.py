@@ -59,14 +59,14 @@ class ExpertParallelForward:
         return dispatch(self, hidden_states, top_k_index, top_k_weights, gate_up, down, group)
 
 
-_CLASSES: dict[type, type] = {}
-
-
 def _expert_parallel_class(cls: type) -> type:
-    """``cls`` with the dispatching forward (one subclass per HF experts class, made once)."""
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (ExpertParallelForward, cls), {})
-    return _CLASSES[cls]
+    """``cls`` with the dispatching forward: one subclass per HF experts class, made once and
+    kept on ``cls`` itself (its own ``__dict__``, not inherited), so the library holds no table."""
+    made = cls.__dict__.get("_mp_expert_parallel_class")
+    if made is None:
+        made = type(f"ExpertParallel{cls.__name__}", (ExpertParallelForward, cls), {})
+        setattr(cls, "_mp_expert_parallel_class", made)
+    return made
 
 
 def is_expert_parallel(module: nn.Module) -> bool:

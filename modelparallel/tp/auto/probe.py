@@ -111,20 +111,20 @@ class _ReadingView:
         return value
 
 
-_READING: dict[type, type] = {}
-
-
 def _reading_class(cls: type) -> type:
-    """``cls`` with an ``__getattribute__`` that records integer instance attributes read."""
-    if cls not in _READING:
+    """``cls`` with an ``__getattribute__`` that records integer instance attributes read: one
+    subclass per class, made once and kept on ``cls`` itself (its own ``__dict__``)."""
+    made = cls.__dict__.get("_mp_reading_class")
+    if made is None:
         def __getattribute__(self, name):
             value = object.__getattribute__(self, name)
             own = object.__getattribute__(self, "__dict__")
             if name in own and type(value) is int and "_mp_read_log" in own:
                 own["_mp_read_log"].add(name)
             return value
-        _READING[cls] = type(f"Reading{cls.__name__}", (cls,), {"__getattribute__": __getattribute__})
-    return _READING[cls]
+        made = type(f"Reading{cls.__name__}", (cls,), {"__getattribute__": __getattribute__})
+        setattr(cls, "_mp_reading_class", made)
+    return made
 
 
 def _watch_reads(probe: Probe, paths: list[str]) -> list:

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from modelparallel.checkpoint.safety import commit
-from modelparallel.checkpoint.sagemaker import legacy, single_file
+from modelparallel.checkpoint import single_file
+from modelparallel.checkpoint.sagemaker import legacy
 from modelparallel.checkpoint.load import parts
 from modelparallel.checkpoint.safety.errors import CheckpointError
 from modelparallel.checkpoint.safety.files import CorruptFileError, VerifiedReader

@@ -12,7 +12,7 @@ exactly the value one pass over the whole file gives.
 from __future__ import annotations
 
 import os
-from concurrent.futures import Executor
+from concurrent.futures import Executor, wait
 
 try:  # zlib's CRC-32 with SIMD, same values, about 3x faster (pip install modelparallel[fastcrc])
     from zlib_ng.zlib_ng import crc32
@@ -93,9 +93,10 @@ def read_hashed(fd: int, view: memoryview, offset: int, crc: int, pool: Executor
         return _read_piece(fd, view, offset, crc)
     starts = range(0, len(view), PIECE)
     futures = [pool.submit(_read_piece, fd, view[s:s + PIECE], offset + s) for s in starts]
+    wait(futures)  # all of them, also when one failed: no thread writes into view after the return
     total, short = 0, False
     for s, future in zip(starts, futures):
-        piece_crc, done = future.result()  # every piece waited for: none writes into view later
+        piece_crc, done = future.result()
         if short:
             continue
         crc, total = combine(crc, piece_crc, done), total + done

@@ -173,14 +173,14 @@ def write_token_rows(train_dir: Path, rows: int = 128) -> None:
 @contextlib.contextmanager
 def sagemaker_process(sm_dir: str):
     """What ``modelparallel run`` gives a rank, for the duration of a harness call: SageMaker's
-    environment, ``torch.cuda.set_device`` passing on CPU, the import hook."""
+    environment, the CUDA calls' CPU meaning, the import hook."""
     from modelparallel.sagemaker import sagemaker_imports
     from modelparallel.sagemaker import env
 
-    saved_env, saved_set_device = dict(os.environ), torch.cuda.set_device
+    saved_env = dict(os.environ)
     os.environ[env.DIR_ENV] = sm_dir
     env.apply()
-    env.cpu_set_device()
+    restore_cuda = env.cpu_cuda_calls()
     from transformers.modeling_utils import PreTrainedModel
 
     saved_init = PreTrainedModel.init_weights  # the scripts replace it for the whole process
@@ -192,7 +192,7 @@ def sagemaker_process(sm_dir: str):
             yield v1_script_shape
     finally:
         PreTrainedModel.init_weights = saved_init
-        torch.cuda.set_device = saved_set_device
+        restore_cuda()
         os.environ.clear()
         os.environ.update(saved_env)
 

@@ -18,9 +18,15 @@ default ``./sagemaker``); variables already set are kept, ``--channel NAME=DIR``
 ``SM_CURRENT_HOST``           ``algo-<node rank + 1>``
 ============================  ==========================================================
 
-On a machine without CUDA, ``torch.cuda.set_device(i)`` (which the scripts call with
-``smp.local_rank()``) becomes a no-op for ``0 <= i < ranks per machine``: the rank runs on the CPU,
-as ``smp.init`` chose. Nothing else of ``torch.cuda`` is changed.
+On a machine without CUDA (``cpu_cuda_calls``), the CUDA calls SageMaker's scripts make around
+their training steps do what they mean there: ``torch.cuda.set_device(i)`` (called with
+``smp.local_rank()``) is a no-op for ``0 <= i < ranks per machine`` (the rank runs on the CPU, as
+``smp.init`` chose); ``torch.cuda.synchronize()`` returns at once (no device work is queued, a
+CPU step is done when its call returns); ``torch.cuda.nvtx`` markers mark nothing (no GPU
+profiler is attached); ``torch.cuda.reset_peak_memory_stats()`` resets nothing (the memory
+counters are 0 without CUDA). ``torch.cuda.device_count()`` stays 0, as torch says; a script
+that divides by it fails with ``device_count_hint``'s message, which names the fix. Nothing else
+of ``torch.cuda`` is changed.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 logger = logging.getLogger("modelparallel")
@@ -88,12 +95,19 @@ def apply(environ=None) -> dict[str, str]:
     return added
 
 
-def cpu_set_device() -> None:
-    """On a machine without CUDA, let ``torch.cuda.set_device(local rank)`` pass (see above)."""
+def cpu_cuda_calls() -> Callable[[], None]:
+    """On a machine without CUDA, give the CUDA calls above their CPU meaning (see the module doc).
+
+    Returns:
+        A function putting torch's own calls back (a process that runs more than one script).
+    """
     import torch
 
     if torch.cuda.is_available():
-        return
+        return lambda: None
+    replaced = [(torch.cuda, n) for n in ("set_device", "synchronize", "reset_peak_memory_stats")] + \
+        [(torch.cuda.nvtx, n) for n in ("range_push", "range_pop", "mark", "range_start", "range_end")]
+    saved = [(owner, name, getattr(owner, name)) for owner, name in replaced]
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     real = torch.cuda.set_device
 
@@ -103,5 +117,41 @@ def cpu_set_device() -> None:
             return
         real(device)  # outside the ranks' indices: torch's own error
 
-    torch.cuda.set_device = set_device
+    def nothing(*args, **kwargs) -> None:
+        return None
 
+    def depth(*args, **kwargs) -> int:
+        return 0  # torch's range_push/range_pop return the nesting depth
+
+    torch.cuda.set_device = set_device
+    torch.cuda.synchronize = nothing
+    torch.cuda.reset_peak_memory_stats = nothing
+    for name in ("range_push", "range_pop"):
+        setattr(torch.cuda.nvtx, name, depth)
+    for name in ("mark", "range_start", "range_end"):
+        setattr(torch.cuda.nvtx, name, nothing)
+
+    def restore() -> None:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+    return restore
+
+
+def device_count_hint(error: BaseException) -> str | None:
+    """What to do when a script's ``ZeroDivisionError`` came from dividing by
+    ``torch.cuda.device_count()`` on a machine without CUDA (``rank % torch.cuda.device_count()``),
+    naming its line; None for any other error."""
+    import traceback
+
+    import torch
+
+    if not isinstance(error, ZeroDivisionError) or torch.cuda.is_available():
+        return None
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        if frame.line and "device_count" in frame.line:
+            return (f"{frame.filename}:{frame.lineno}: `{frame.line.strip()}` divides by torch.cuda.device_count(), "
+                    "which is 0 on a machine without CUDA; run the script on GPUs, or take the rank's device "
+                    "index from the LOCAL_RANK environment variable (smp.local_rank()), which this launcher "
+                    "sets on CPU too")
+    return None

@@ -5,7 +5,7 @@ The launching process parses torchrun's own options (``torch.distributed.run``'s
 ``--sagemaker-dir`` and ``--channel``) and runs torchrun's agent in-process (``cli.launch``);
 every rank then starts here again, sees the launcher's ``RANK`` / ``WORLD_SIZE``, and before
 running the script as ``__main__``: sets SageMaker's environment variables it lacks
-(``sagemaker.env``), lets ``torch.cuda.set_device(local_rank)`` pass on a CPU-only machine, and
+(``sagemaker.env``), gives the script's CUDA calls their CPU meaning on a CPU-only machine, and
 installs the import hook (``sagemaker.hook``) for this process only. Started by another
 launcher (``torchrun -m modelparallel.run script.py``) it does the rank part alone.
 
@@ -83,7 +83,7 @@ def run_script(args: argparse.Namespace) -> int:
     """The rank part: environment, import hook, then the script as ``__main__``."""
     os.environ.update(_our_env(args))
     env.apply()
-    env.cpu_set_device()
+    env.cpu_cuda_calls()
     torch_calls.install()
     hook.install()
     script = args.training_script
@@ -99,6 +99,11 @@ def run_script(args: argparse.Namespace) -> int:
                 runpy.run_path(script, run_name="__main__")
         except SystemExit as exc:
             return _exit_code(exc)
+        except ZeroDivisionError as exc:
+            hint = env.device_count_hint(exc)
+            if hint is None:
+                raise
+            raise RuntimeError(hint) from exc
         return 0
 
     return outcome.run_rank(job)

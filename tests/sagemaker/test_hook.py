@@ -112,18 +112,44 @@ def test_channel_flag():
         env.parse_channel("train")
 
 
-def test_cpu_set_device(monkeypatch):
+def test_cpu_cuda_calls(monkeypatch):
+    """Without CUDA, the CUDA calls SageMaker's scripts make around a step do their CPU meaning;
+    the returned function puts torch's own back."""
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    real = torch.cuda.set_device
-    monkeypatch.setattr(torch.cuda, "set_device", real)
-    env.cpu_set_device()
-    if torch.cuda.is_available():
-        assert torch.cuda.set_device is real, "with CUDA nothing is replaced"
+    real = torch.cuda.set_device, torch.cuda.synchronize, torch.cuda.nvtx.range_push
+    restore = env.cpu_cuda_calls()
+    try:
+        if torch.cuda.is_available():
+            assert (torch.cuda.set_device, torch.cuda.synchronize, torch.cuda.nvtx.range_push) == real, \
+                "with CUDA nothing is replaced"
+            return
+        torch.cuda.set_device(1)
+        torch.cuda.set_device(torch.device("cuda", 0))
+        with pytest.raises(Exception):
+            torch.cuda.set_device(2)  # not a rank of this machine: torch's own error
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        assert torch.cuda.nvtx.range_push("forward") == 0 and torch.cuda.nvtx.range_pop() == 0
+        torch.cuda.nvtx.mark("step")
+    finally:
+        restore()
+    assert (torch.cuda.set_device, torch.cuda.synchronize, torch.cuda.nvtx.range_push) == real
+
+
+def test_device_count_division_names_the_fix():
+    def pick_device(rank):
+        return rank % torch.cuda.device_count()
+
+    try:
+        pick_device(1)
+    except ZeroDivisionError as e:
+        error = e
+    else:
+        assert torch.cuda.is_available()
         return
-    torch.cuda.set_device(1)
-    torch.cuda.set_device(torch.device("cuda", 0))
-    with pytest.raises(Exception):
-        torch.cuda.set_device(2)  # not a rank of this machine: torch's own error
+    hint = env.device_count_hint(error)
+    assert hint is not None and "rank % torch.cuda.device_count()" in hint and "LOCAL_RANK" in hint
+    assert env.device_count_hint(ZeroDivisionError("x")) is None  # not from device_count: no hint
 
 
 SMDDP_SCRIPT = """

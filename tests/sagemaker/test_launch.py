@@ -6,6 +6,7 @@ first failing rank's traceback and one block naming it, every traceback in
 launcher, trained, saved and resumed, is in tests/test_v1_scripts.py.)
 """
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -48,3 +49,24 @@ def test_no_python_refused(tmp_path):
     done = subprocess.run([str(cli), "run", "--no-python", "x.py"], cwd=tmp_path, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode != 0 and "--no-python cannot be used" in done.stderr
+
+
+def test_cuda_step_calls_on_cpu(tmp_path):
+    """On a machine without CUDA the calls SageMaker's scripts make around a step (set_device,
+    synchronize, NVTX ranges) pass, and ``rank % torch.cuda.device_count()`` fails with a message
+    naming the line and the fix (not a bare ZeroDivisionError)."""
+    script = tmp_path / "cuda_calls.py"
+    script.write_text("import os, torch, torch.distributed as dist\n"
+                      "dist.init_process_group('smddp')\n"
+                      "torch.cuda.set_device(int(os.environ['LOCAL_RANK']))\n"
+                      "torch.cuda.nvtx.range_push('step')\ntorch.cuda.synchronize()\ntorch.cuda.nvtx.range_pop()\n"
+                      "print('steps passed', flush=True)\n"
+                      "device = dist.get_rank() % torch.cuda.device_count()\n")
+    cli = Path(sys.executable).parent / "modelparallel"
+    done = subprocess.run([str(cli), "run", "--nproc-per-node", "1", "--sagemaker-dir", str(tmp_path / "sm"),
+                           str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert "steps passed" in done.stdout, done.stderr[-3000:]
+    assert done.returncode == 1
+    assert "dist.get_rank() % torch.cuda.device_count()` divides by torch.cuda.device_count()" in done.stderr
+    assert "LOCAL_RANK" in done.stderr

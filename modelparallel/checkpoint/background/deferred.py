@@ -3,12 +3,13 @@
 A tensor whose copy is left to the background thread (``async_save.Stager.defer``) may be
 changed in place before that copy by any means: ``p.data.mul_()`` and numpy views bypass the
 version counter. So the call takes the CRC32 of its bytes (``fingerprint``; ``Early`` reads them
-in a thread while the call does its other work), and the copy is compared with it (``Deferred``).
+in a few threads while the call does its other work), and the copy is compared with it (``Deferred``).
 """
 
 from __future__ import annotations
 
-import threading
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,23 +54,34 @@ def fingerprint(t: torch.Tensor) -> int:
 
 
 class Early:
-    """CRC32s of tensors computed by a thread (zlib releases the GIL while it reads), keyed by
-    the memory they cover."""
+    """CRC32s of tensors computed by a few threads (zlib releases the GIL while it reads), keyed
+    by the memory they cover. Reading the deferred tensors is most of what an asynchronous save's
+    call costs on a CPU, and the tensors are independent: up to ``MAX_THREADS`` of them are read
+    at once, in the order given (the order ``defer`` takes them), and ``take`` waits for one
+    tensor's sum only."""
+
+    MAX_THREADS = 4
 
     def __init__(self, tensors: list[torch.Tensor]):
-        self.sums: dict[tuple, int] = {}
-        self.thread = threading.Thread(target=self._run, args=(tensors,), name="modelparallel-crc", daemon=True)
-        self.thread.start()
+        todo = [t for t in tensors if t.device.type == "cpu" and t.is_contiguous()]
+        threads = max(1, min(self.MAX_THREADS, os.cpu_count() or 1, len(todo)))
+        pool = ThreadPoolExecutor(threads, thread_name_prefix="modelparallel-crc")
+        self.sums: dict[tuple, Future] = {}
+        for t in todo:
+            self.sums.setdefault(self.key(t), pool.submit(fingerprint, t))
+        pool.shutdown(wait=False)  # the threads end when the queue is done
 
     @staticmethod
     def key(t: torch.Tensor) -> tuple:
         return t.data_ptr(), t.numel() * t.element_size(), t.dtype
 
-    def _run(self, tensors: list[torch.Tensor]) -> None:
-        for t in tensors:
-            if t.device.type == "cpu" and t.is_contiguous():
-                self.sums[self.key(t)] = fingerprint(t)
-
     def take(self, t: torch.Tensor) -> int | None:
-        self.thread.join()
-        return self.sums.get(self.key(t))
+        """``t``'s CRC32 taken by the threads (None: not one of theirs, or their read failed,
+        and the caller reads it itself)."""
+        pending = self.sums.get(self.key(t))
+        if pending is None:
+            return None
+        try:
+            return pending.result()
+        except Exception:  # noqa: BLE001 - the caller's own read reports what is wrong
+            return None

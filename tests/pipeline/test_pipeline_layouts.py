@@ -13,15 +13,18 @@ expert gradients only points at the experts left unsharded or averaged over the 
 """
 
 import copy
+import itertools
 
 import pytest
 import torch
+import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
 import harness
 import modelparallel as smp
 from modelparallel.expert import is_expert_parameter
 from reference import NOISE_FACTOR, _fp32_gradient_noise, as_hf, tolerance, training_rtol
+from state_helpers import gathered_state
 
 VOCAB, ROWS, SEQ = 61, 4, 8
 
@@ -160,3 +163,126 @@ def test_auxiliary_loss_across_stages_refused():
     """HF's load-balancing loss is one function of every layer's router logits: the last stage
     alone cannot compute it, so a model that asks for it is refused before anything runs."""
     assert harness.run(2, refuses_the_auxiliary_loss) == [True, True]
+
+
+SAME = {"tp": "DPC", "pp": "DCT", "cp": "DPT", "rdp": "PCT", "dp": "P", "mp": "DC", "dp_cp": "PT"}
+"""Each group: the coordinates its members share (SageMaker's definitions; ``dp_cp`` is what
+``smp.dp_mesh()`` spans: the ranks holding the same parameters)."""
+
+
+def coordinates(order: str, sizes: dict[str, int]) -> dict[int, dict[str, int]]:
+    """Global rank -> its coordinates: ranks count through ``order``, the last letter fastest."""
+    return {rank: dict(zip(order, c)) for rank, c in
+            enumerate(itertools.product(*(range(sizes[letter]) for letter in order)))}
+
+
+def live_groups(config: dict):
+    smp.init(config)
+    got = {}
+    for name in SAME:
+        if name == "dp_cp":
+            got[name] = (smp.dp_mesh().mesh.tolist(), smp.dp_mesh().get_local_rank(), smp.dp_mesh().size(), None)
+            continue
+        members = getattr(smp, f"get_{name}_group")()
+        rank, size = getattr(smp, f"{name}_rank")(), getattr(smp, f"{name}_size")()
+        total = torch.tensor([float(smp.rank())])
+        dist.all_reduce(total, group=getattr(smp, f"get_{name}_process_group")())  # it connects the members
+        got[name] = (members, rank, size, int(total.item()))
+    ep = torch.tensor([float(smp.rank())])
+    dist.all_reduce(ep, group=smp.state.ep_process_group)
+    got["ep"] = (smp.state.ep_rank, smp.state.ep_size, int(ep.item()))
+    got["state"] = (smp.state.cp_rank, smp.state.cp_size, smp.state.pp_rank, smp.cp_mesh().mesh.tolist())
+    return got
+
+
+@pytest.mark.parametrize("placement", ["cluster", "spread"])
+@pytest.mark.parametrize("other", ["context_parallel_degree", "expert_parallel_degree"])
+def test_rank_queries_at_pp2_with_cp2_or_ep2(placement, other):
+    """``smp.cp_rank()``, ``smp.pp_rank()``, every group and ``smp.dp_mesh()`` at pp 2 x cp 2 and
+    pp 2 x ep 2, against each rank's coordinates (context ranks sit just inside "P", outside "T";
+    the expert-parallel ranks are the data-parallel ones here, ep = dp = 2)."""
+    world = 4
+    sizes = {"P": 2, "C": 2 if other == "context_parallel_degree" else 1, "T": 1}
+    sizes["D"] = world // (sizes["P"] * sizes["C"])
+    order = {"cluster": "DPCT", "spread": "CTPD"}[placement]
+    coords = coordinates(order, sizes)
+    out = harness.run(world, live_groups, {"pipeline_parallel_degree": 2, other: 2, "placement_strategy": placement})
+    for rank, got in enumerate(out):
+        for name, shared in SAME.items():
+            want = sorted(r for r, c in coords.items() if all(c[k] == coords[rank][k] for k in shared))
+            members, index, size, total = got[name]
+            assert members == want, (name, rank, members, want)
+            assert (index, size) == (want.index(rank), len(want)) and total in (None, sum(want)), (name, rank)
+        cp_group = got["cp"][0]
+        assert got["state"] == (coords[rank]["C"], sizes["C"], coords[rank]["P"], cp_group), (rank, got["state"])
+        if other == "expert_parallel_degree":  # ep = dp: the expert group is the replicas of this stage
+            assert got["ep"] == (coords[rank]["D"], 2, sum(got["rdp"][0])), (rank, got["ep"])
+
+
+def job(arch: str, layout: dict, seed: int):
+    """A model and AdamW at ``layout`` (short names: pp, cp, ep, tp), one microbatch per stage."""
+    keys = {"pp": "pipeline_parallel_degree", "cp": "context_parallel_degree", "ep": "expert_parallel_degree",
+            "tp": "tensor_parallel_degree"}
+    smp.init({"random_seed": seed, "prescaled_batch": True, "microbatches": layout.get("pp", 1),
+              **{keys[k]: v for k, v in layout.items()}})
+    torch.manual_seed(seed)
+    model = smp.DistributedModel(build(arch))
+    return model, smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
+
+
+def steps(model, opt, first: int, count: int) -> list[float]:
+    losses = []
+    for step in range(first, first + count):
+        losses.append(global_loss(train_step(model, my_part(global_batch(step)))))
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def save_and_go_on(arch: str, layout: dict, path: str):
+    """Two steps, a partial checkpoint, two more steps: (this stage's state as saved, the losses after)."""
+    model, opt = job(arch, layout, seed=0)
+    steps(model, opt, 0, 2)
+    smp.save_checkpoint(path, tag="step2", user_content={"step": 2})
+    saved = gathered_state(model, opt)
+    return saved, steps(model, opt, 2, 2)
+
+
+def resume(arch: str, layout: dict, path: str):
+    """Another seed's model, resumed from the checkpoint, then the same two steps."""
+    model, opt = job(arch, layout, seed=7)
+    fresh = gathered_state(model, opt)
+    content = smp.resume_from_checkpoint(path, tag="step2")
+    return fresh, gathered_state(model, opt), content, steps(model, opt, 2, 2)
+
+
+def merged(states: list[dict]) -> dict:
+    """Every rank's (stage's) tensors by name; ranks holding one name hold it equally."""
+    out = {}
+    for state in states:
+        for key, value in state.items():
+            assert key not in out or torch.equal(out[key], value), f"{key}: two ranks disagree"
+            out[key] = value
+    return out
+
+
+@pytest.mark.parametrize("arch, save_at, resume_at", [
+    ("llama", {"pp": 2, "cp": 2}, {"cp": 2, "tp": 2}),
+    ("llama", {"pp": 2, "tp": 2}, {"pp": 2, "cp": 2}),
+    ("mixtral", {"pp": 2, "ep": 2}, {"ep": 2, "tp": 2}),
+    ("mixtral", {"ep": 4}, {"pp": 2, "ep": 2}),
+], ids=["pp2_cp2-to-cp2_tp2", "pp2_tp2-to-pp2_cp2", "pp2_ep2-to-ep2_tp2", "ep4-to-pp2_ep2"])
+def test_checkpoint_resumes_at_another_layout(tmp_path, arch, save_at, resume_at):
+    """A partial checkpoint saved at one layout resumes at another with every weight and AdamW
+    slot bit-equal, and trains on as the saving job did (within the rounding of two layouts)."""
+    first = harness.run(4, save_and_go_on, arch, save_at, str(tmp_path))
+    second = harness.run(4, resume, arch, resume_at, str(tmp_path))
+    saved, loaded, fresh = (merged([r[0] for r in first]), merged([r[1] for r in second]),
+                            merged([r[0] for r in second]))
+    assert sorted(loaded) == sorted(saved), sorted(set(loaded) ^ set(saved))
+    assert any(not torch.equal(fresh[k], v) for k, v in saved.items()), "the fresh model already equal"
+    for key, want in saved.items():
+        assert torch.equal(loaded[key], want), f"{key}: not bit-equal after resuming at {resume_at}"
+    assert all(r[2] == {"step": 2} for r in second)
+    for step, (got, want) in enumerate(zip(second[0][3], first[0][1])):
+        assert abs(got - want) <= training_rtol(step + 2) * abs(want), (step, got, want)

@@ -9,7 +9,9 @@ a mismatch by a constant factor at the average over the data x context ranks
 (``DistributedModel._finish_backward``, the pipeline's ``finish``). Under pipeline x expert each
 stage's experts are sharded over the expert-parallel ranks of the same stage: a mismatch of
 expert gradients only points at the experts left unsharded or averaged over the wrong ranks
-(parallelize.py step 5, ``DistributedModel._replica_groups``).
+(parallelize.py step 5, ``DistributedModel._replica_groups``). With
+``sharded_data_parallel_degree`` each stage is FSDP2-sharded over its own data x context ranks
+(experts over their replicas).
 """
 
 import copy
@@ -133,6 +135,10 @@ CASES = [  # (world, arch, config, optimizer, steps)
                  id="pp2_ep2_mixtral_sgd"),
     pytest.param(4, "mixtral", {"pipeline_parallel_degree": 2, "expert_parallel_degree": 2}, "adamw", 3,
                  id="pp2_ep2_mixtral_adamw"),
+    pytest.param(4, "llama", {"pipeline_parallel_degree": 2, "context_parallel_degree": 2,
+                              "sharded_data_parallel_degree": 2}, "adamw", 2, id="pp2_cp2_fsdp2_llama"),
+    pytest.param(4, "mixtral", {"pipeline_parallel_degree": 2, "expert_parallel_degree": 2,
+                                "sharded_data_parallel_degree": 2}, "adamw", 2, id="pp2_ep2_fsdp2_mixtral"),
     pytest.param(8, "llama", {"pipeline_parallel_degree": 2, "context_parallel_degree": 2,
                               "tensor_parallel_degree": 2}, "adamw", 2, id="pp2_cp2_tp2_llama"),
 ]

@@ -207,19 +207,12 @@ def _check_pipeline(cfg: Config, problems: list[str]) -> None:
                         f"is {cfg.pipeline_parallel_degree} (partitions 0 .. {cfg.pipeline_parallel_degree - 1})")
 
 
-COMBINED = ("context_parallel_degree", "expert_parallel_degree")
-"""Degrees that pipeline parallelism does not compose with (``unbuilt_combinations``)."""
-
-
 def unbuilt_combinations(cfg: Config, api: str | None = None) -> list[str]:
     """The dimensions ``cfg`` combines that do not compose here, each naming its keys. With
     ``api="v2"`` (a job started by ``transform``) also pipeline parallelism, which runs only
     through the v1 API's ``DistributedModel`` and ``@smp.step``."""
     found = []
     pp, ep, cp = cfg.pipeline_parallel_degree, cfg.expert_parallel_degree, cfg.context_parallel_degree
-    for key in COMBINED:
-        if pp > 1 and getattr(cfg, key) > 1:
-            found.append(f"{key} {getattr(cfg, key)} with pipeline_parallel_degree {pp}; use one of them")
     if ep > 1 and cp > 1:
         found.append(f"expert_parallel_degree {ep} with context_parallel_degree {cp} (experts replicated over "
                      "context-parallel ranks); use one of them")

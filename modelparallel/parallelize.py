@@ -6,8 +6,9 @@ rank-0 load path and FSDP each happen once, here. Each dimension lives in its ow
 takes the model and the mesh it needs, and knows nothing of the others; this module orders them:
 
 1. check: what no plan or weights can fix (an encoder under context parallelism, an unknown
-   ``cp_comm_type``, experts the expert-parallel degree cannot split), refused before any
-   collective. What depends on the config alone was refused by ``smp.init`` already;
+   ``cp_comm_type``, experts the expert-parallel degree cannot split, a MoE auxiliary loss
+   spanning pipeline stages), refused before any collective. What depends on the config
+   alone was refused by ``smp.init`` already;
 2. plan: the architecture's tensor-parallel plan, or the automatic one;
    then where the weights come from (``materialize.weights``): a model real on rank 0 only goes
    to meta, rank 0 keeping its tensors, so that every rank shards alike without communication;
@@ -16,6 +17,7 @@ takes the model and the mesh it needs, and knows nothing of the others; this mod
 4. tensor parallelism (``tp.walker``): shards each layer over the ``tp`` mesh dimension (with
    ``sequence_parallel``, the hidden states between its regions split over it too);
 5. expert parallelism (``expert``): shards each MoE layer's experts over the ``ep`` dimension
+   (under pipeline parallelism, this stage's layers' experts over the ranks of its stage)
    and applies a ``MoEConfig``'s routing options;
 6. context parallelism (``context``): splits every sequence over the ``cp`` mesh dimension;
    whenever the walker ran, every parameter still a plain tensor becomes a ``Replicate()``
@@ -117,6 +119,8 @@ def parallelize(module: nn.Module, topo: Topology, ask: Request) -> Parallelized
                                      _pipeline_split(module))  # 3. pipeline split
         if stage is not None and spec is not None:
             spec = pipeline.stage_spec(spec, module)
+        if stage is not None and experts is not None:
+            experts = experts.within(module)
         replicated = walker.parallelize(module, topo.tp_mesh, spec, cfg.sequence_parallel) \
             if ask.tensor_parallel else []  # 4. tensor parallelism
         apply_experts(experts, topo.ep_mesh)  # 5. expert parallelism
@@ -135,7 +139,8 @@ def parallelize(module: nn.Module, topo: Topology, ask: Request) -> Parallelized
 def check(module: nn.Module, topo: Topology, cp_comm_type: str = "p2p", moe: MoEConfig | None = None):
     """Refuse, before any collective, a model a dimension cannot run whatever its weights (an
     encoder under context parallelism, an unknown ``cp_comm_type``, a MoE model whose experts the
-    expert-parallel degree cannot split or whose layout is unknown).
+    expert-parallel degree cannot split or whose layout is unknown, or whose auxiliary loss would
+    span pipeline stages).
 
     Returns:
         The expert-parallel work to apply (``expert.apply_experts``).
@@ -148,6 +153,8 @@ def check(module: nn.Module, topo: Topology, cp_comm_type: str = "p2p", moe: MoE
                             tuple(t for t, a in BUILT_IN.items() if a.experts))
     if topo.config.context_parallel_degree > 1:
         context.check_model(module, _field(module, "context"))
+    if topo.config.pipeline_parallel_degree > 1:
+        pipeline.check_model(module)
     return experts
 
 

@@ -96,6 +96,13 @@ class ExpertWork:
     routers: list[nn.Module]
     moe: MoEConfig | None
 
+    def within(self, model: nn.Module) -> ExpertWork:
+        """The work on the modules still in ``model``: a pipeline stage keeps its own layers only,
+        and the experts of the others, dropped with their layers, are never sharded."""
+        here = {id(m) for m in model.modules()}
+        return ExpertWork(self.model, [m for m in self.experts if id(m) in here],
+                          [m for m in self.routers if id(m) in here], self.moe)
+
 
 def check_experts(model: nn.Module, ep: int, layout: ExpertLayout | None, moe: MoEConfig | None,
                   known: tuple[str, ...] = ()) -> ExpertWork | None:

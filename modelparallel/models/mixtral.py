@@ -14,6 +14,7 @@ Checkpoints on the Hugging Face hub hold each expert's ``w1`` (gate), ``w3`` (up
 """
 
 from ..expert.layout import ExpertLayout
+from . import llama
 from ._translate import KeyTable
 from ..tp.plan import ArchSpec, ModulePlan, SharedInput
 from ._architecture import Architecture
@@ -52,4 +53,6 @@ TABLE = KeyTable(
     renamed={"layers.{}.block_sparse_moe.gate.weight": "layers.{}.mlp.gate.weight"},
 )
 
-ARCHITECTURE = Architecture(SPEC, TABLE, experts=EXPERTS)
+PIPELINE = llama.PIPELINE  # the same base-model tree: embed_tokens, layers, norm
+
+ARCHITECTURE = Architecture(SPEC, TABLE, pipeline=PIPELINE, experts=EXPERTS)

@@ -13,6 +13,7 @@ on the Hugging Face hub hold each expert's projections separately (``TABLE.stack
 """
 
 from ..expert.layout import ExpertLayout
+from . import llama
 from ._translate import KeyTable
 from ..tp.plan import ArchSpec, ModulePlan, SharedInput
 from ._architecture import Architecture
@@ -59,4 +60,6 @@ TABLE = KeyTable(
              "layers.{}.mlp.experts.down_proj": ("layers.{}.mlp.experts.{}.down_proj.weight",)},
 )
 
-ARCHITECTURE = Architecture(SPEC, TABLE, experts=EXPERTS)
+PIPELINE = llama.PIPELINE  # the same base-model tree: embed_tokens, layers, norm
+
+ARCHITECTURE = Architecture(SPEC, TABLE, pipeline=PIPELINE, experts=EXPERTS)

@@ -26,8 +26,8 @@ from .outputs import StepFailed
 
 logger = logging.getLogger("modelparallel")
 
-__all__ = ["PipelineSplit", "Runner", "Stage", "StepFailed", "partition", "partition_of", "plan_ranges", "set_partition",
-           "split_model", "stage_spec"]
+__all__ = ["PipelineSplit", "Runner", "Stage", "StepFailed", "check_model", "partition", "partition_of", "plan_ranges",
+           "set_partition", "split_model", "stage_spec"]
 
 
 def _rank0() -> bool:
@@ -58,6 +58,22 @@ def plan_ranges(model: nn.Module, split: PipelineSplit, count: int, auto: bool, 
     if marked and _rank0():
         logger.info("auto_partition is true: partition marks ignored on %s", ", ".join(marked[:8]))
     return balanced([param_count(b) for b in blocks], count, *_fixed_costs(model, split))
+
+
+def check_model(model: nn.Module) -> None:
+    """Refuse, before any collective, what no stage can compute from its own layers: a
+    mixture-of-experts model's auxiliary load-balancing loss (``config.output_router_logits``)
+    is one function of every layer's router logits, and those live on every stage; the last
+    stage would compute it from its own layers only.
+
+    Raises:
+        NotImplementedError: naming the model and the config key.
+    """
+    config = getattr(model, "config", None)
+    if getattr(config, "output_router_logits", False):
+        raise NotImplementedError(f"pipeline parallelism of {type(model).__name__} with config.output_router_logits "
+                                  "True (the auxiliary load-balancing loss spans every stage's router logits); "
+                                  "set output_router_logits=False")
 
 
 def split_model(model: nn.Module, config, index: int, split: PipelineSplit | None) -> Stage | None:

@@ -163,13 +163,16 @@ def test_every_pipeline_split_agrees_with_transformers_pp_plan():
         model = _tiny_of(model_type)
         assert hf_pipeline_split(model) == record.pipeline, model_type
         compared.append(model_type)
-    assert {"llama", "mistral"} <= set(compared)
+    assert {"llama", "mistral", "mixtral", "qwen2_moe"} <= set(compared)
 
 
 def _tiny_of(model_type: str):
-    cls = {"llama": T.LlamaForCausalLM, "mistral": T.MistralForCausalLM}[model_type]
+    cls = {"llama": T.LlamaForCausalLM, "mistral": T.MistralForCausalLM, "mixtral": T.MixtralForCausalLM,
+           "qwen2_moe": T.Qwen2MoeForCausalLM}[model_type]
+    moe = {"num_local_experts": 2, "num_experts": 2, "moe_intermediate_size": 16,
+           "shared_expert_intermediate_size": 16} if model_type in ("mixtral", "qwen2_moe") else {}
     config = CONFIG_MAPPING[model_type](hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=2, num_key_value_heads=2, vocab_size=VOCAB)
+                                       num_attention_heads=2, num_key_value_heads=2, vocab_size=VOCAB, **moe)
     return cls(config)
 
 

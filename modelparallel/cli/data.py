@@ -127,9 +127,12 @@ def split_holdout(tokens: torch.Tensor, val_fraction: float, min_val: int) -> tu
 class WindowSampler:
     """Random windows of ``seq_len + 1`` tokens: inputs are the first ``seq_len``, targets the last.
 
-    The generator is seeded by (seed, dp_rank) only, so the tensor-parallel ranks of one
-    data-parallel group draw identical batches (they must: they hold slices of one model) while
-    different data-parallel groups draw different ones.
+    Each step draws one global batch of ``batch_size x dp_size`` windows from a generator seeded
+    by ``seed`` alone, and data-parallel rank r takes its rows ``[r x batch_size, (r+1) x
+    batch_size)``. So the tensor-parallel (and pipeline, context) ranks of one replica get
+    identical batches (they hold parts of one model), different replicas get different rows, and
+    a run at any layout trains on the same global batches as one process given
+    ``--batch-size batch_size x dp_size``: the layouts train to the same losses.
     """
 
     tokens: torch.Tensor
@@ -137,22 +140,30 @@ class WindowSampler:
     batch_size: int
     seed: int
     dp_rank: int = 0
+    dp_size: int = 1
 
     def __post_init__(self) -> None:
         if len(self.tokens) <= self.seq_len + 1:
             raise ValueError(f"{len(self.tokens)} training tokens is too few for --seq-len {self.seq_len}")
-        self._gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.dp_rank)
+        if not 0 <= self.dp_rank < self.dp_size:
+            raise ValueError(f"dp_rank {self.dp_rank} is not one of the {self.dp_size} data-parallel ranks")
+        self._gen = torch.Generator().manual_seed(self.seed * 1_000_003)
+
+    def _starts(self) -> list[int]:
+        """This rank's rows of the next global batch's window starts."""
+        starts = torch.randint(0, len(self.tokens) - self.seq_len, (self.batch_size * self.dp_size,),
+                               generator=self._gen)
+        return starts[self.dp_rank * self.batch_size:(self.dp_rank + 1) * self.batch_size].tolist()
 
     def skip(self, batches: int) -> None:
         """Draw and discard ``batches`` batches, so a resumed run sees the data an uninterrupted
         run would have seen next."""
         for _ in range(batches):
-            torch.randint(0, len(self.tokens) - self.seq_len, (self.batch_size,), generator=self._gen)
+            self._starts()
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), each [batch_size, seq_len]; targets are inputs shifted by one."""
-        starts = torch.randint(0, len(self.tokens) - self.seq_len, (self.batch_size,), generator=self._gen)
-        windows = torch.stack([self.tokens[s:s + self.seq_len + 1] for s in starts.tolist()])
+        windows = torch.stack([self.tokens[s:s + self.seq_len + 1] for s in self._starts()])
         return windows[:, :-1].long(), windows[:, 1:].long()
 
 

@@ -284,7 +284,7 @@ def run_job(args: argparse.Namespace) -> int:
     model = build_distributed(args.model, args.seq_len, args.seed)
     n_params = count_parameters(model)
     opt = make_optimizer(model, args)
-    sampler = WindowSampler(train_tokens, args.seq_len, args.batch_size, args.seed, smp.rdp_rank())
+    sampler = WindowSampler(train_tokens, args.seq_len, args.batch_size, args.seed, smp.rdp_rank(), smp.rdp_size())
     args.start_step, hist = resume_run(args, sampler)
     setup = time.time() - launch.start_time()
     t_train = time.perf_counter()

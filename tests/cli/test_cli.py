@@ -74,7 +74,7 @@ def test_bad_data_paths_are_reported(tmp_path):
 def test_windows_same_for_tp_ranks_different_for_dp_ranks():
     tokens = torch.arange(10_000, dtype=torch.int32)
     def batches(dp_rank):
-        s = WindowSampler(tokens, seq_len=16, batch_size=4, seed=7, dp_rank=dp_rank)
+        s = WindowSampler(tokens, seq_len=16, batch_size=4, seed=7, dp_rank=dp_rank, dp_size=2)
         return [s.next_batch() for _ in range(3)]
     tp0, tp1, other_dp = batches(0), batches(0), batches(1)  # two TP ranks of dp 0, and dp 1
     for (x0, y0), (x1, y1), (xo, _) in zip(tp0, tp1, other_dp):
@@ -82,6 +82,23 @@ def test_windows_same_for_tp_ranks_different_for_dp_ranks():
         assert not torch.equal(x0, xo)
         assert x0.shape == (4, 16) and x0.dtype == torch.long
         assert torch.equal(y0[:, :-1], x0[:, 1:]) and torch.equal(y0[:, -1], x0[:, -1] + 1)
+
+
+def test_data_parallel_ranks_split_one_process_global_batch():
+    """Every layout trains on the same windows: the data-parallel ranks' rows, in rank order, are
+    the batches one process draws at the global batch size (also after skipping on resume)."""
+    tokens = torch.arange(10_000, dtype=torch.int32)
+    whole = WindowSampler(tokens, seq_len=16, batch_size=8, seed=7)
+    parts = [WindowSampler(tokens, seq_len=16, batch_size=4, seed=7, dp_rank=r, dp_size=2) for r in range(2)]
+    whole.skip(2)
+    for p in parts:
+        p.skip(2)
+    for _ in range(3):
+        x, y = whole.next_batch()
+        rows = [p.next_batch() for p in parts]
+        assert torch.equal(x, torch.cat([r[0] for r in rows])) and torch.equal(y, torch.cat([r[1] for r in rows]))
+    with pytest.raises(ValueError, match="dp_rank 2"):
+        WindowSampler(tokens, seq_len=16, batch_size=4, seed=7, dp_rank=2, dp_size=2)
 
 
 def test_eval_batches_split_over_dp_ranks():

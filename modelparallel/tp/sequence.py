@@ -11,6 +11,11 @@ sequence shard (PyTorch's ``SequenceParallel`` style: their weights become repli
 whose gradients, partial per rank, are summed over the ranks), and so does every replicated
 module inside a block; a row-parallel bias is added to the shard, its gradient summed likewise.
 
+The split dimension is the tokens' (a tensor's second-to-last; the sequence, dim 1, of
+[batch, seq, hidden]): a block that flattens its hidden states to [batch x seq, hidden] (OPT's
+feed-forward) holds this rank's tokens in dim 0, which the gather concatenates in rank order and
+the reduce-scatter hands back to the same rank, and token-wise layers do not mind the order.
+
 The split region is the model's repeated blocks: the first block's input is cut (backward:
 all-gathered) and the last block's output gathered (backward: each rank keeps its slice, since
 everything after the blocks runs alike on every TP rank). Where a block's attention or MLP reads
@@ -20,48 +25,55 @@ its own input's shape, the plan's ``SharedInput`` gathers at that module's entry
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard, distribute_module
 from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
 from .layout import base_prefix
 from .plan import block_prefix, glob_match, join
 
 SEQ_DIM = 1
+"""The sequence dimension of the blocks' [batch, seq, hidden] input and output."""
+
+
+def token_dim(x: torch.Tensor) -> int:
+    """The dimension of ``x`` (hidden states, [..., tokens, hidden]) that sequence parallelism splits."""
+    return x.dim() - 2
 
 SEQUENCE_PARALLEL = "_mp_sequence_parallel"
 """Attribute the walker sets on a column or row layer inside the blocks sequence parallelism splits."""
 
 
-def _back(front: torch.Tensor) -> torch.Tensor:
+def _back(front: torch.Tensor, dim: int) -> torch.Tensor:
     """A [S, B, ...] result as a new contiguous [B, S, ...] tensor (never a view: layers add to
     their outputs in place)."""
-    out = front.new_empty(front.movedim(0, SEQ_DIM).shape)
-    return out.copy_(front.movedim(0, SEQ_DIM))
+    out = front.new_empty(front.movedim(0, dim).shape)
+    return out.copy_(front.movedim(0, dim))
 
 
 def _gather(x: torch.Tensor, group) -> torch.Tensor:
-    """[B, S/T, ...] shards -> [B, S, ...] in rank order."""
-    size = torch.distributed.get_world_size(group)
-    front = x.movedim(SEQ_DIM, 0).contiguous()
+    """[B, S/T, H] shards -> [B, S, H] in rank order ([N/T, H] -> [N, H])."""
+    size, dim = torch.distributed.get_world_size(group), token_dim(x)
+    front = x.movedim(dim, 0).contiguous()
     out = torch.ops._c10d_functional.all_gather_into_tensor(front, size, group.group_name)
-    return _back(torch.ops._c10d_functional.wait_tensor(out))
+    return _back(torch.ops._c10d_functional.wait_tensor(out), dim)
 
 
 def _reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
-    """[B, S, ...] partial sums -> this rank's [B, S/T, ...] slice of their sum."""
-    size = torch.distributed.get_world_size(group)
-    front = x.movedim(SEQ_DIM, 0).contiguous()
+    """[B, S, H] partial sums -> this rank's [B, S/T, H] slice of their sum ([N, H] -> [N/T, H])."""
+    size, dim = torch.distributed.get_world_size(group), token_dim(x)
+    front = x.movedim(dim, 0).contiguous()
     out = torch.ops._c10d_functional.reduce_scatter_tensor(front, "sum", size, group.group_name)
-    return _back(torch.ops._c10d_functional.wait_tensor(out))
+    return _back(torch.ops._c10d_functional.wait_tensor(out), dim)
 
 
 def _slice(x: torch.Tensor, group) -> torch.Tensor:
     size, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
-    return x.chunk(size, dim=SEQ_DIM)[rank].contiguous()
+    return x.chunk(size, dim=token_dim(x))[rank].contiguous()
 
 
 class _Regather:
@@ -206,6 +218,25 @@ def _bounds(blocks: list[nn.Module], mesh: DeviceMesh) -> None:
     blocks[-1].register_forward_hook(leave, with_kwargs=True)
 
 
+class TokenShards(SequenceParallel):
+    """PyTorch's ``SequenceParallel`` with the split dimension read from each input: the tokens'
+    (``token_dim``), so a norm applied to flattened [batch x seq, hidden] states (OPT's) and one
+    applied to [batch, seq, hidden] are both sharded where their input is."""
+
+    def __init__(self):
+        super().__init__(use_local_output=True)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def prepare(mod, inputs, mesh):
+            x = inputs[0]
+            if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
+                raise ValueError(f"{type(mod).__name__}: expected a local tensor of hidden states, got {type(x)}")
+            return DTensor.from_local(x, mesh, (Shard(token_dim(x)),), run_check=False)
+
+        return distribute_module(module, device_mesh, self._replicate_module_fn, prepare,
+                                 partial(self._prepare_output_fn, True))
+
+
 def _replicated(module: nn.Module) -> bool:
     return any(p is not None and not isinstance(p, DTensor) for p in module._parameters.values())
 
@@ -245,17 +276,18 @@ def apply(found: list[tuple[str, nn.Module]], mesh: DeviceMesh, layers: list[tup
 
     The column and row layers among ``layers`` (path, module, style name; already sharded) that
     sit inside the blocks gather and reduce-scatter the sequence; replicated modules with
-    parameters inside the blocks (norms) run on the sequence shard. Returns the latter's paths.
+    parameters inside the blocks (norms) and no style of their own run on the sequence shard. Returns the latter's paths.
     The caller installs the blocks' shared inputs (gathering the sequence) afterwards."""
     paths = [p for p, _ in found]
     for path, module, style in layers:
         if style in _SPLIT_STYLES and inside(path, paths):
             setattr(module, SEQUENCE_PARALLEL, True)
+    styled = {id(module) for _, module, _ in layers}  # a style of their own (Qwen3's per-head norms)
     shards = []
     for path, block in found:
         for rel, module in block.named_modules():
-            if _replicated(module):
-                parallelize_module(module, mesh, SequenceParallel(use_local_output=True))
+            if _replicated(module) and id(module) not in styled:
+                parallelize_module(module, mesh, TokenShards())
                 shards.append(join(path, rel))
     _bounds([b for _, b in found], mesh)
     return shards

@@ -7,9 +7,11 @@ holds tokens [r S/T, (r + 1) S/T). The block's column-parallel region gathers th
 way in (Megatron's ``g``: all-gather forward, reduce-scatter backward) in place of ``f``, and its
 row-parallel layer reduce-scatters on its way out (``g-bar``: reduce-scatter forward, all-gather
 backward) in place of the all-reduce: the same bytes as the two all-reduces. Norms run on the
-sequence shard (PyTorch's ``SequenceParallel`` style: their weights become replicated DTensors
-whose gradients, partial per rank, are summed over the ranks), and so does every replicated
-module inside a block; a row-parallel bias is added to the shard, its gradient summed likewise.
+sequence shard, and so does every replicated module inside a block (a MoE router and its
+experts, which route token by token): each computes locally on this rank's tokens and the
+gradients of its parameters, partial per rank, are summed over the ranks (the
+``replicated_grad_sum`` style, Megatron's all-reduce of its sequence-parallel parameters' grads);
+a row-parallel bias is added to the shard, its gradient summed likewise.
 
 The split dimension is the tokens' (a tensor's second-to-last; the sequence, dim 1, of
 [batch, seq, hidden]): a block that flattens its hidden states to [batch x seq, hidden] (OPT's
@@ -25,13 +27,12 @@ its own input's shape, the plan's ``SharedInput`` gathers at that module's entry
 from __future__ import annotations
 
 import contextlib
-from functools import partial
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_module
-from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+from torch.distributed.tensor import DTensor
 
 from .layout import base_prefix
 from .plan import block_prefix, glob_match, join
@@ -218,25 +219,6 @@ def _bounds(blocks: list[nn.Module], mesh: DeviceMesh) -> None:
     blocks[-1].register_forward_hook(leave, with_kwargs=True)
 
 
-class TokenShards(SequenceParallel):
-    """PyTorch's ``SequenceParallel`` with the split dimension read from each input: the tokens'
-    (``token_dim``), so a norm applied to flattened [batch x seq, hidden] states (OPT's) and one
-    applied to [batch, seq, hidden] are both sharded where their input is."""
-
-    def __init__(self):
-        super().__init__(use_local_output=True)
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def prepare(mod, inputs, mesh):
-            x = inputs[0]
-            if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
-                raise ValueError(f"{type(mod).__name__}: expected a local tensor of hidden states, got {type(x)}")
-            return DTensor.from_local(x, mesh, (Shard(token_dim(x)),), run_check=False)
-
-        return distribute_module(module, device_mesh, self._replicate_module_fn, prepare,
-                                 partial(self._prepare_output_fn, True))
-
-
 def _replicated(module: nn.Module) -> bool:
     return any(p is not None and not isinstance(p, DTensor) for p in module._parameters.values())
 
@@ -251,7 +233,8 @@ def blocks(model: nn.Module, spec) -> list[tuple[str, nn.Module]]:
 
 def problems(found: list[tuple[str, nn.Module]]) -> list[str]:
     """Why sequence parallelism cannot split these blocks (none found; a replicated module with
-    parameters whose children hold parameters too, which ``SequenceParallel`` would re-wrap)."""
+    parameters whose children hold parameters too: whether its own meet this rank's tokens or
+    the gathered sequence its children may see is not known)."""
     if not found:
         return ["sequence_parallel: the plan has no repeated blocks (rules with '*') to split"]
     out = []
@@ -271,13 +254,16 @@ def inside(path: str, blocks: list[str]) -> bool:
 _SPLIT_STYLES = ("colwise", "packed_colwise", "rowwise")
 
 
-def apply(found: list[tuple[str, nn.Module]], mesh: DeviceMesh, layers: list[tuple[str, nn.Module, str]]) -> list[str]:
+def apply(found: list[tuple[str, nn.Module]], mesh: DeviceMesh, layers: list[tuple[str, nn.Module, str]],
+          on_shard: Callable[[nn.Module], object]) -> list[str]:
     """Split the hidden states between the TP regions of the blocks ``found`` over ``mesh``.
 
     The column and row layers among ``layers`` (path, module, style name; already sharded) that
     sit inside the blocks gather and reduce-scatter the sequence; replicated modules with
-    parameters inside the blocks (norms) and no style of their own run on the sequence shard. Returns the latter's paths.
-    The caller installs the blocks' shared inputs (gathering the sequence) afterwards."""
+    parameters inside the blocks and no style of their own (norms, a MoE router and its experts)
+    run on the sequence shard, each made so by ``on_shard`` (the ``replicated_grad_sum`` style:
+    a rank's gradient covers its own tokens, the sum over the ranks all of them). Returns their
+    paths. The caller installs the blocks' shared inputs (gathering the sequence) afterwards."""
     paths = [p for p, _ in found]
     for path, module, style in layers:
         if style in _SPLIT_STYLES and inside(path, paths):
@@ -287,7 +273,7 @@ def apply(found: list[tuple[str, nn.Module]], mesh: DeviceMesh, layers: list[tup
     for path, block in found:
         for rel, module in block.named_modules():
             if _replicated(module) and id(module) not in styled:
-                parallelize_module(module, mesh, TokenShards())
+                on_shard(module)
                 shards.append(join(path, rel))
     _bounds([b for _, b in found], mesh)
     return shards

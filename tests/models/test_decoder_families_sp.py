@@ -1,8 +1,10 @@
 """Sequence parallelism (``sequence_parallel``) on the decoder families added with issue 31 and on
 the automatic plan: every family (GPT-NeoX with its parallel and its sequential residual, Qwen2,
 Qwen3 with its per-head norms, Phi-3 with its fused projections, Gemma, Gemma 2, OPT with its
-flattened feed-forward, Falcon; at TP 4 with KV-head replication too) equals one Hugging Face
-process in logits, loss and every gradient with a padded batch. A model on the automatic plan runs
+flattened feed-forward, Falcon, Mistral, Mixtral and Qwen2-MoE with their routers and experts on
+sequence shards; at TP 4 with KV-head replication too) equals one Hugging Face process in logits,
+loss and every gradient with a padded batch; a MoE model's load-balancing loss, a mean over the
+whole sequence, is refused. A model on the automatic plan runs
 under it once a proxy verifies it there (OLMo with transformers' plan; GPT-NeoX with its file
 removed, whose attention needs the sequence gathered at its entry); one that does not reproduce
 under it (a feed-forward that mixes the tokens of the sequence) is refused with
@@ -16,6 +18,8 @@ tp/auto/__init__.py (``with_sequence_parallel``).
 """
 
 import copy
+import sys
+from pathlib import Path
 from types import MappingProxyType
 
 import pytest
@@ -26,18 +30,30 @@ import harness
 import modelparallel as smp
 import modelparallel.models as registry
 from reference import assert_close, assert_grads_match
-from test_decoder_families import FAMILIES, SMALL, _batch, _fp64_finite
+from test_decoder_families import FAMILIES, SMALL, VOCAB, _batch, _fp64_finite
 
-RUNS = [(name, 2) for name in FAMILIES if name != "falcon_mha"] + [("qwen2", 4), ("gemma", 4)]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "expert"))
+from moe_reference import mixtral_config, qwen2_moe_config  # noqa: E402 - the expert tests' tiny MoE models
+
+MOE = {"mixtral": (T.MixtralForCausalLM, mixtral_config), "qwen2_moe": (T.Qwen2MoeForCausalLM, qwen2_moe_config)}
+RUNS = [(name, 2) for name in [*FAMILIES, "mistral", *MOE] if name != "falcon_mha"] + [("qwen2", 4), ("gemma", 4)]
 
 
 def _olmo():
     return T.OlmoForCausalLM(T.OlmoConfig(num_attention_heads=4, intermediate_size=128, **SMALL))
 
 
-def _build(name):
+def _build(name, router_loss=False):
     if name == "olmo":  # no model file: the automatic plan
         return _olmo()
+    if name == "mistral":  # sliding window (4) shorter than the sequence
+        return T.MistralForCausalLM(T.MistralConfig(num_attention_heads=4, num_key_value_heads=2,
+                                                    intermediate_size=128, sliding_window=4, **SMALL))
+    if name in MOE:  # routed token by token on each rank's shard; the load-balancing loss is refused
+        cls, config = MOE[name]
+        config = config()
+        config.vocab_size, config.output_router_logits = VOCAB, router_loss
+        return cls(config)
     cls, config = FAMILIES[name]
     return cls(config())
 
@@ -109,14 +125,22 @@ class _TokenMixingOlmo(T.OlmoForCausalLM):
             layer.mlp.__class__ = _TokenMixingMLP
 
 
-def check_refused():
+def check_refused(name):
     smp.init({"tensor_parallel_degree": 2, "sequence_parallel": True})
+    model = _TokenMixingOlmo(_olmo().config) if name == "token_mixing" else _build(name, router_loss=True)
     with pytest.raises(NotImplementedError) as info:
-        smp.DistributedModel(_TokenMixingOlmo(_olmo().config))
+        smp.DistributedModel(model)
     return str(info.value)
 
 
+@pytest.mark.parametrize("name", list(MOE))
+def test_router_loss_refused_naming_the_feature(name):
+    for msg in harness.run(2, check_refused, name):
+        assert msg.startswith("sequence_parallel for ") and "load-balancing loss (output_router_logits) is not " \
+            "implemented" in msg, msg
+
+
 def test_automatic_plan_not_reproducing_it_refused_naming_the_feature():
-    for msg in harness.run(2, check_refused):
+    for msg in harness.run(2, check_refused, "token_mixing"):
         assert msg.startswith("sequence_parallel for _TokenMixingOlmo on the automatic tensor-parallel plan is not "
                               "implemented"), msg

@@ -4,7 +4,8 @@ Qwen3 with its per-head norms, Phi-3 with its fused projections, Gemma, Gemma 2,
 flattened feed-forward, Falcon, Mistral, Mixtral and Qwen2-MoE with their routers and experts on
 sequence shards; at TP 4 with KV-head replication too) equals one Hugging Face process in logits,
 loss and every gradient with a padded batch; a MoE model's load-balancing loss, a mean over the
-whole sequence, is refused. A model on the automatic plan runs
+whole sequence, is refused, and so is expert parallelism with it (the experts' gradients are not
+summed over the TP ranks' shards). A model on the automatic plan runs
 under it once a proxy verifies it there (OLMo with transformers' plan; GPT-NeoX with its file
 removed, whose attention needs the sequence gathered at its entry); one that does not reproduce
 under it (a feed-forward that mixes the tokens of the sequence) is refused with
@@ -138,6 +139,12 @@ def test_router_loss_refused_naming_the_feature(name):
     for msg in harness.run(2, check_refused, name):
         assert msg.startswith("sequence_parallel for ") and "load-balancing loss (output_router_logits) is not " \
             "implemented" in msg, msg
+
+
+def test_expert_parallelism_refused_naming_both():
+    from modelparallel.config import build_config
+    with pytest.raises(NotImplementedError, match="sequence_parallel with expert_parallel_degree 2"):
+        build_config({"tensor_parallel_degree": 2, "expert_parallel_degree": 2, "sequence_parallel": True}, 4)
 
 
 def test_automatic_plan_not_reproducing_it_refused_naming_the_feature():

@@ -45,6 +45,7 @@ def token_dim(x: torch.Tensor) -> int:
     """The dimension of ``x`` (hidden states, [..., tokens, hidden]) that sequence parallelism splits."""
     return x.dim() - 2
 
+
 SEQUENCE_PARALLEL = "_mp_sequence_parallel"
 """Attribute the walker sets on a column or row layer inside the blocks sequence parallelism splits."""
 

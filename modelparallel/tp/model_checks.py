@@ -27,7 +27,7 @@ def refuse_sequence_parallel(model: nn.Module, spec: ArchSpec | None) -> None:
     not known to run under it (no plan, ``spec.sequence_parallel`` False: an automatic plan not
     verified under it) or of a configuration its plan refuses there (``spec.sequence_unsupported``)."""
     if spec is None or not spec.sequence_parallel:
-        why = "which has no built-in tensor-parallel plan" if spec is None else \
+        why = "which has no tensor-parallel plan" if spec is None else \
             f"whose plan ({spec.model_type!r}) is not known to reproduce it under sequence parallelism"
         raise NotImplementedError(f"sequence_parallel for {type(model).__name__}, {why}, is not implemented")
     config = model.config

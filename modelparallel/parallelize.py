@@ -172,7 +172,8 @@ def _pipeline_split(module: nn.Module):
 def plan(module: nn.Module, topo: Topology, options: creation.CreationOptions | None) -> ArchSpec | None:
     """The tensor-parallel plan: the architecture's own, else the automatic one (a collective
     when derived), without the vocabulary rules where ``model_creation`` keeps embeddings whole."""
-    spec = auto.plan_for(module, architecture_for(module), topo.tp_mesh, walker.parallelize)
+    spec = auto.plan_for(module, architecture_for(module), topo.tp_mesh, walker.parallelize,
+                         topo.config.sequence_parallel)
     if options is not None and not options.distribute_embedding:
         spec = creation.without_vocab(spec)
     return spec

@@ -1,10 +1,16 @@
 """Plan parts several architectures share (not an architecture: the registry skips ``_`` files)."""
 
-from ..tp.plan import ArchSpec, ModulePlan
+from ..tp.plan import ArchSpec, ModulePlan, Unsupported
 
 LM_HEAD = ModulePlan(rules={"lm_head": "vocab_colwise"}, optional_rules=("lm_head",))
 """An ``lm_head`` sharded over the vocabulary (its logits stay sharded for the loss), present
 only in the LM head classes."""
+
+ROUTER_LOSS_ON_SHARDS = Unsupported("the router's load-balancing loss (output_router_logits)",
+                                    when={"output_router_logits": True})
+"""Under sequence parallelism a MoE router routes each rank's tokens alone, which is exact, but
+the load-balancing loss multiplies two means over all the batch's tokens: on a sequence shard
+each rank would take its own."""
 
 
 def column_row(prefix: str, columns: tuple[str, ...], row: str) -> dict[str, str]:

@@ -11,18 +11,19 @@ head is untied by default (``tie_word_embeddings`` ties it); HF stores it as ``e
 and renames it to ``lm_head`` on load, so exports write that name and imports take both.
 """
 
-from dataclasses import replace
-
+from ..tp.plan import SharedInput
 from ._architecture import Architecture
 from ._translate import KeyTable
 from ._parts import decoder_lm
 
-SPEC = replace(decoder_lm(
+SPEC = decoder_lm(
     "gpt_neox", embedding="embed_in",
     attention="layers.*.attention", qkv=("query_key_value",), out="dense",
     mlp="layers.*.mlp", up=("dense_h_to_4h",), down="dense_4h_to_h",
     divisible=("num_attention_heads",),
-), sequence_parallel=False)  # not yet made to run under it (the attention reads its input's shape)
+    # the attention reshapes with its input's [batch, seq]: under sequence parallelism it gathers at its entry
+    shared_inputs={"layers.*.attention": SharedInput(arg="hidden_states")},
+)
 
 _LAYER = ("input_layernorm", "post_attention_layernorm", "attention.query_key_value", "attention.dense",
           "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")

@@ -9,20 +9,18 @@ embedding width and the hidden size) stay whole. The LM head is tied to ``embed_
 weight is fused.
 """
 
-from dataclasses import replace
-
 from ._translate import KeyTable
 from ..tp.plan import SharedInput
 from ._architecture import Architecture
 from ._parts import decoder_lm
 
-SPEC = replace(decoder_lm(
+SPEC = decoder_lm(
     "opt", embedding="decoder.embed_tokens",
     attention="decoder.layers.*.self_attn", qkv=("q_proj", "k_proj", "v_proj"), out="out_proj",
     mlp="decoder.layers.*", up=("fc1",), down="fc2",
     divisible=("num_attention_heads",), per_rank=("num_heads",),
     shared_inputs={"decoder.layers.*.self_attn": SharedInput(arg="hidden_states")},  # q, k, v
-), sequence_parallel=False)  # not yet made to run under it (the MLP runs on [batch x seq, hidden])
+)
 
 _LAYER = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "self_attn_layer_norm",
           "fc1", "fc2", "final_layer_norm")

@@ -14,7 +14,7 @@ Refused at TP > 1: grouped-query attention (``num_key_value_heads`` below
 """
 
 from ._translate import KeyTable
-from ..tp.plan import ArchSpec, ModulePlan, Packed, Unsupported, packed_keys
+from ..tp.plan import ArchSpec, ModulePlan, Packed, SharedInput, Unsupported, packed_keys
 from ._architecture import Architecture
 from ._parts import LM_HEAD
 
@@ -29,13 +29,15 @@ SPEC = ArchSpec(
                "layers.*.mlp.gate_up_proj": "packed_colwise", "layers.*.mlp.down_proj": "rowwise"},
         packed=PACKED,
         per_rank_attrs={"layers.*.self_attn": ("config.num_attention_heads", "num_key_value_heads")},
+        # the attention views its fused output with its input's [batch, seq]: under sequence
+        # parallelism it gathers at its entry
+        shared_inputs={"layers.*.self_attn": SharedInput(arg="hidden_states")},
     ),
     head=LM_HEAD,
     divisible_config=("num_attention_heads", "num_key_value_heads"),
     loss="causal",
     unsupported=(Unsupported("grouped-query attention in a fused qkv_proj (chunks of unequal sizes)",
                              differ=("num_attention_heads", "num_key_value_heads")),),
-    sequence_parallel=False,  # not yet made to run under it (the fused projections' views)
 )
 
 TABLE = KeyTable(

@@ -17,7 +17,7 @@ from . import llama
 from ._translate import KeyTable
 from ..tp.plan import ArchSpec, ModulePlan, SharedInput
 from ._architecture import Architecture
-from ._parts import LM_HEAD, column_row
+from ._parts import LM_HEAD, ROUTER_LOSS_ON_SHARDS, column_row
 
 _DENSE = {**column_row("layers.*.mlp", ("gate_proj", "up_proj"), "down_proj"),
           **column_row("layers.*.mlp.shared_expert", ("gate_proj", "up_proj"), "down_proj")}
@@ -34,6 +34,7 @@ SPEC = ArchSpec(
     head=LM_HEAD,
     divisible_config=("num_attention_heads", "num_key_value_heads"),
     loss="causal",
+    sequence_unsupported=(ROUTER_LOSS_ON_SHARDS,),
 )
 
 EXPERTS = ExpertLayout(experts="layers.*.mlp.experts", router="layers.*.mlp.gate", num_experts="num_experts")

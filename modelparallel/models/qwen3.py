@@ -14,8 +14,7 @@ from ._architecture import Architecture
 
 SPEC = replace(llama.SPEC, model_type="qwen3", base=replace(llama.SPEC.base, rules={
     **llama.SPEC.base.rules,
-    "layers.*.self_attn.q_norm": "replicated_grad_sum", "layers.*.self_attn.k_norm": "replicated_grad_sum"}),
-    sequence_parallel=False)  # not yet made to run under it (its per-head norms are not sequence-split norms)
+    "layers.*.self_attn.q_norm": "replicated_grad_sum", "layers.*.self_attn.k_norm": "replicated_grad_sum"}))
 TABLE = replace(llama.TABLE, arch="qwen3",
                 base_keys=(*llama.TABLE.base_keys, "layers.{}.self_attn.q_norm.weight",
                            "layers.{}.self_attn.k_norm.weight"))

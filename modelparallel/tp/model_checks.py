@@ -24,12 +24,17 @@ def refuse_unsupported(model: nn.Module, spec: ArchSpec, tp: int) -> None:
 
 def refuse_sequence_parallel(model: nn.Module, spec: ArchSpec | None) -> None:
     """Raise ``NotImplementedError`` when sequence parallelism is asked of a model whose plan is
-    not known to run under it (no built-in plan, the automatic plan, ``spec.sequence_parallel``
-    False)."""
+    not known to run under it (no plan, ``spec.sequence_parallel`` False: an automatic plan not
+    verified under it) or of a configuration its plan refuses there (``spec.sequence_unsupported``)."""
     if spec is None or not spec.sequence_parallel:
-        why = "which has no built-in tensor-parallel plan" if spec is None else \
+        why = "which has no tensor-parallel plan" if spec is None else \
             f"whose plan ({spec.model_type!r}) is not known to reproduce it under sequence parallelism"
         raise NotImplementedError(f"sequence_parallel for {type(model).__name__}, {why}, is not implemented")
+    config = model.config
+    for case in spec.sequence_unsupported:
+        if case.applies(config):
+            raise NotImplementedError(f"sequence_parallel for {type(model).__name__} with {case.what} is not "
+                                      f"implemented ({case.describe(config)} in its {type(config).__name__})")
 
 
 def attention_problems(model: nn.Module) -> list[str]:

@@ -150,6 +150,7 @@ class ArchSpec:
         sequence_parallel: whether the plan is known to reproduce the model under sequence
             parallelism (tested against one process); False: ``sequence_parallel`` is refused
             with ``NotImplementedError`` rather than run unchecked.
+        sequence_unsupported: configurations refused under sequence parallelism only.
     """
 
     model_type: str
@@ -160,6 +161,7 @@ class ArchSpec:
     head_losses: dict[str, str] = field(default_factory=dict)
     unsupported: tuple[Unsupported, ...] = ()
     sequence_parallel: bool = True
+    sequence_unsupported: tuple[Unsupported, ...] = ()
 
     def __post_init__(self):
         for kind in (self.loss, *self.head_losses.values()):

@@ -7,9 +7,16 @@ holds tokens [r S/T, (r + 1) S/T). The block's column-parallel region gathers th
 way in (Megatron's ``g``: all-gather forward, reduce-scatter backward) in place of ``f``, and its
 row-parallel layer reduce-scatters on its way out (``g-bar``: reduce-scatter forward, all-gather
 backward) in place of the all-reduce: the same bytes as the two all-reduces. Norms run on the
-sequence shard (PyTorch's ``SequenceParallel`` style: their weights become replicated DTensors
-whose gradients, partial per rank, are summed over the ranks), and so does every replicated
-module inside a block; a row-parallel bias is added to the shard, its gradient summed likewise.
+sequence shard, and so does every replicated module inside a block (a MoE router and its
+experts, which route token by token): each computes locally on this rank's tokens and the
+gradients of its parameters, partial per rank, are summed over the ranks (the
+``replicated_grad_sum`` style, Megatron's all-reduce of its sequence-parallel parameters' grads);
+a row-parallel bias is added to the shard, its gradient summed likewise.
+
+The split dimension is the tokens' (a tensor's second-to-last; the sequence, dim 1, of
+[batch, seq, hidden]): a block that flattens its hidden states to [batch x seq, hidden] (OPT's
+feed-forward) holds this rank's tokens in dim 0, which the gather concatenates in rank order and
+the reduce-scatter hands back to the same rank, and token-wise layers do not mind the order.
 
 The split region is the model's repeated blocks: the first block's input is cut (backward:
 all-gathered) and the last block's output gathered (backward: each rank keeps its slice, since
@@ -20,48 +27,55 @@ its own input's shape, the plan's ``SharedInput`` gathers at that module's entry
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
 from .layout import base_prefix
 from .plan import block_prefix, glob_match, join
 
 SEQ_DIM = 1
+"""The sequence dimension of the blocks' [batch, seq, hidden] input and output."""
+
+
+def token_dim(x: torch.Tensor) -> int:
+    """The dimension of ``x`` (hidden states, [..., tokens, hidden]) that sequence parallelism splits."""
+    return x.dim() - 2
+
 
 SEQUENCE_PARALLEL = "_mp_sequence_parallel"
 """Attribute the walker sets on a column or row layer inside the blocks sequence parallelism splits."""
 
 
-def _back(front: torch.Tensor) -> torch.Tensor:
+def _back(front: torch.Tensor, dim: int) -> torch.Tensor:
     """A [S, B, ...] result as a new contiguous [B, S, ...] tensor (never a view: layers add to
     their outputs in place)."""
-    out = front.new_empty(front.movedim(0, SEQ_DIM).shape)
-    return out.copy_(front.movedim(0, SEQ_DIM))
+    out = front.new_empty(front.movedim(0, dim).shape)
+    return out.copy_(front.movedim(0, dim))
 
 
 def _gather(x: torch.Tensor, group) -> torch.Tensor:
-    """[B, S/T, ...] shards -> [B, S, ...] in rank order."""
-    size = torch.distributed.get_world_size(group)
-    front = x.movedim(SEQ_DIM, 0).contiguous()
+    """[B, S/T, H] shards -> [B, S, H] in rank order ([N/T, H] -> [N, H])."""
+    size, dim = torch.distributed.get_world_size(group), token_dim(x)
+    front = x.movedim(dim, 0).contiguous()
     out = torch.ops._c10d_functional.all_gather_into_tensor(front, size, group.group_name)
-    return _back(torch.ops._c10d_functional.wait_tensor(out))
+    return _back(torch.ops._c10d_functional.wait_tensor(out), dim)
 
 
 def _reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
-    """[B, S, ...] partial sums -> this rank's [B, S/T, ...] slice of their sum."""
-    size = torch.distributed.get_world_size(group)
-    front = x.movedim(SEQ_DIM, 0).contiguous()
+    """[B, S, H] partial sums -> this rank's [B, S/T, H] slice of their sum ([N, H] -> [N/T, H])."""
+    size, dim = torch.distributed.get_world_size(group), token_dim(x)
+    front = x.movedim(dim, 0).contiguous()
     out = torch.ops._c10d_functional.reduce_scatter_tensor(front, "sum", size, group.group_name)
-    return _back(torch.ops._c10d_functional.wait_tensor(out))
+    return _back(torch.ops._c10d_functional.wait_tensor(out), dim)
 
 
 def _slice(x: torch.Tensor, group) -> torch.Tensor:
     size, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
-    return x.chunk(size, dim=SEQ_DIM)[rank].contiguous()
+    return x.chunk(size, dim=token_dim(x))[rank].contiguous()
 
 
 class _Regather:
@@ -220,7 +234,8 @@ def blocks(model: nn.Module, spec) -> list[tuple[str, nn.Module]]:
 
 def problems(found: list[tuple[str, nn.Module]]) -> list[str]:
     """Why sequence parallelism cannot split these blocks (none found; a replicated module with
-    parameters whose children hold parameters too, which ``SequenceParallel`` would re-wrap)."""
+    parameters whose children hold parameters too: whether its own meet this rank's tokens or
+    the gathered sequence its children may see is not known)."""
     if not found:
         return ["sequence_parallel: the plan has no repeated blocks (rules with '*') to split"]
     out = []
@@ -240,22 +255,26 @@ def inside(path: str, blocks: list[str]) -> bool:
 _SPLIT_STYLES = ("colwise", "packed_colwise", "rowwise")
 
 
-def apply(found: list[tuple[str, nn.Module]], mesh: DeviceMesh, layers: list[tuple[str, nn.Module, str]]) -> list[str]:
+def apply(found: list[tuple[str, nn.Module]], mesh: DeviceMesh, layers: list[tuple[str, nn.Module, str]],
+          on_shard: Callable[[nn.Module], object]) -> list[str]:
     """Split the hidden states between the TP regions of the blocks ``found`` over ``mesh``.
 
     The column and row layers among ``layers`` (path, module, style name; already sharded) that
     sit inside the blocks gather and reduce-scatter the sequence; replicated modules with
-    parameters inside the blocks (norms) run on the sequence shard. Returns the latter's paths.
-    The caller installs the blocks' shared inputs (gathering the sequence) afterwards."""
+    parameters inside the blocks and no style of their own (norms, a MoE router and its experts)
+    run on the sequence shard, each made so by ``on_shard`` (the ``replicated_grad_sum`` style:
+    a rank's gradient covers its own tokens, the sum over the ranks all of them). Returns their
+    paths. The caller installs the blocks' shared inputs (gathering the sequence) afterwards."""
     paths = [p for p, _ in found]
     for path, module, style in layers:
         if style in _SPLIT_STYLES and inside(path, paths):
             setattr(module, SEQUENCE_PARALLEL, True)
+    styled = {id(module) for _, module, _ in layers}  # a style of their own (Qwen3's per-head norms)
     shards = []
     for path, block in found:
         for rel, module in block.named_modules():
-            if _replicated(module):
-                parallelize_module(module, mesh, SequenceParallel(use_local_output=True))
+            if _replicated(module) and id(module) not in styled:
+                on_shard(module)
                 shards.append(join(path, rel))
     _bounds([b for _, b in found], mesh)
     return shards

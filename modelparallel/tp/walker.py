@@ -244,7 +244,8 @@ def apply(model: nn.Module, tp_mesh: DeviceMesh, work: Work, split: list[tuple[s
     for a in work.assignments:
         parallelize_module(a.module, tp_mesh, a.prebuilt or build_style(a.style, a.module, a.packed or a.chunks))
     if split:
-        sequence.apply(list(split), tp_mesh, [(a.path, a.module, a.style) for a in work.assignments])
+        sequence.apply(list(split), tp_mesh, [(a.path, a.module, a.style) for a in work.assignments],
+                       lambda m: parallelize_module(m, tp_mesh, build_style("replicated_grad_sum", m)))
     _shared_input_apply(work, tp_mesh, [p for p, _ in split])
     for _, module, attr, value in work.rewrites:
         per_rank.write(module, attr, value)

@@ -53,18 +53,27 @@ def candidate(model: nn.Module, tp: int) -> ArchSpec | None:
     spec = ArchSpec(model_type=model.config.model_type, base=base, head=_head(model, prefix, rules),
                     divisible_config=("num_attention_heads",) if heads else (),
                     loss="masked" if "MaskedLM" in type(model).__name__ else "causal",
-                    sequence_parallel=False)  # verified without it only
+                    sequence_parallel=False)  # under it: auto.with_sequence_parallel
     return None if collect(model, spec, tp).problems else spec
 
 
-def _shared_inputs(base: nn.Module, rules: dict[str, str]) -> dict[str, SharedInput]:
+def gathering_inputs(model: nn.Module, spec: ArchSpec) -> dict[str, SharedInput]:
+    """``spec``'s shared inputs plus one at every module holding a column layer (its first
+    argument): under sequence parallelism the sequence is then gathered where such a module is
+    entered, for one that reads its input's [batch, seq] (a fused qkv's reshape). A wrong guess
+    computes other gradients, which the verification catches."""
+    return {**_shared_inputs(model.base_model, spec.base.rules, least=1), **spec.base.shared_inputs}
+
+
+def _shared_inputs(base: nn.Module, rules: dict[str, str], least: int = 2) -> dict[str, SharedInput]:
     """A guess of the one tensor several column layers read (q, k, v; gate, up): the first
-    argument of the module holding them. It saves one input all-reduce per extra layer; a wrong
-    guess computes other gradients, which the verification catches (then the plan is tried
-    without it)."""
-    parents = Counter(g.rsplit(".", 1)[0] for g, s in rules.items() if s == "colwise" and "." in g)
+    argument of the module holding at least ``least`` of them. It saves one input all-reduce per
+    extra layer; a wrong guess computes other gradients, which the verification catches (then the
+    plan is tried without it)."""
+    columns = ("colwise", "packed_colwise")
+    parents = Counter(g.rsplit(".", 1)[0] for g, s in rules.items() if s in columns and "." in g)
     out = {}
-    for glob in (g for g, n in parents.items() if n > 1):
+    for glob in (g for g, n in parents.items() if n >= least):
         module = next((m for p, m in base.named_modules() if glob_match(glob, p)), None)
         params = list(inspect.signature(module.forward).parameters) if module is not None else []
         if params:

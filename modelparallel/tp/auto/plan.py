@@ -216,7 +216,7 @@ def assemble(model, proxy, probe, pairs: list[Pair], choices: dict, heads: Heads
     return ArchSpec(model_type=model.config.model_type, base=base, head=_head(proxy, prefix, rules),
                     divisible_config=("num_attention_heads",) if heads.heads else (),
                     loss="masked" if "MaskedLM" in type(model).__name__ else "causal",
-                    sequence_parallel=False)  # verified without it only
+                    sequence_parallel=False)  # under it: auto.with_sequence_parallel
 
 
 def _head(proxy, prefix: str, base_rules: dict[str, str]) -> ModulePlan:

@@ -141,14 +141,15 @@ def _first_diverging(reference: nn.Module, sharded: nn.Module, ids: torch.Tensor
 
 
 @on_cpu
-def verify(model: nn.Module, spec: ArchSpec, tp_mesh: DeviceMesh, parallelize) -> Mismatch | None:
+def verify(model: nn.Module, spec: ArchSpec, tp_mesh: DeviceMesh, parallelize, seq: int = 8) -> Mismatch | None:
     """Shard a proxy of ``model`` with ``spec`` (``parallelize(module, tp_mesh, spec)``: the walker)
-    and compare it with the unsharded proxy. A collective over all ranks; the same result on
-    every rank. Returns the first difference, with the module it appears in, or None."""
+    and compare it with the unsharded proxy on a probe batch of ``seq`` tokens a row. A collective
+    over all ranks; the same result on every rank. Returns the first difference, with the module
+    it appears in, or None."""
     reference = build_proxy(model)
     sharded = copy.deepcopy(reference)
     parallelize(sharded, tp_mesh, spec)
-    ids = probe_ids(reference.config)
+    ids = probe_ids(reference.config, seq=seq)
     try:
         found = compare(reference, sharded, ids)
     except Exception as e:  # noqa: BLE001 - a plan whose sharded forward fails is a wrong plan (every rank alike)

@@ -1,7 +1,8 @@
 """Expert tensor parallelism (``expert_tensor_parallel``: each expert's gate/up rows and down
 columns split over the tensor-parallel ranks) equals one Hugging Face process on the same global
 batch: logits, loss, every gradient, SGD and AdamW steps, at T=2 (2 ranks) and E=2 x T=2 (4
-ranks), through v1's ``DistributedModel`` and v2's ``transform`` + FSDP2; each rank holds
+ranks), through v1's ``DistributedModel`` (alone and with FSDP2) and v2's ``transform`` with the
+script's own FSDP2 or FSDP1 call; each rank holds
 1/(E x T) of every experts tensor; a partial checkpoint saved at T=2 resumes bit-exactly at T=1,
 and a full one holds Hugging Face's whole experts.
 
@@ -72,8 +73,7 @@ def v1_training(arch, ep, tp, optimizer, **config):
     train(ref, model, replica_batches(3, smp.rdp_size()), what)
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("arch,optimizer", [("mixtral", "sgd"), ("qwen2_moe", "adamw")])
 def test_v1_tp2_trains_like_one_process(arch, optimizer):
     harness.run(2, v1_training, arch, 1, 2, optimizer)
 
@@ -110,6 +110,25 @@ def v2_fsdp2_training(ep, tp):
 
 def test_v2_transform_fsdp2_tp2_trains_like_one_process():
     harness.run(4, v2_fsdp2_training, 1, 2)
+
+
+def v2_fsdp1_training():
+    """v2's FSDP1 call without a mesh: the experts set apart from it and sharded over their
+    replicas with FSDP2, each shard split over "tp" too."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    smp.init({"tensor_parallel_degree": 2, "prescaled_batch": True, "expert_tensor_parallel": True})
+    ref = reference_model("mixtral")
+    model = smp.transform(copy.deepcopy(ref))
+    _check_shards(model, ref, 1, 2)
+    model = FSDP(model, use_orig_params=True, device_id=torch.device("cpu"))
+    experts = model.module.model.layers[0].mlp.experts.gate_up_proj
+    assert experts.to_local().numel() * 4 == ref.model.layers[0].mlp.experts.gate_up_proj.numel()
+    train_transformed_like_one_process(ref, model, replica_batches(3, smp.rdp_size()), "v2 FSDP1 T=2", grads=False)
+
+
+def test_v2_transform_fsdp1_tp2_trains_like_one_process():
+    harness.run(4, v2_fsdp1_training)
 
 
 def v2_all_gather_dispatcher():

@@ -135,6 +135,21 @@ def _agree(problem: str | None, status: torch.Tensor, group) -> None:
         raise DispatchError(f"expert dispatch failed on rank(s) {ranks} (their error names the cause)")
 
 
+def compute_local(module: nn.Module, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+                  gate_up: torch.Tensor, down: torch.Tensor, ffn=None) -> torch.Tensor:
+    """The dispatchers' result when this rank holds every expert (an expert-parallel group of
+    one, under expert tensor parallelism): the same grouping by expert and combine, no exchange.
+    A bad routing raises here, alike on every rank of a tensor-parallel group (they route the
+    same tokens), before any collective."""
+    problem = _routing_problem(x, index, weights, gate_up.shape[0])
+    if problem is not None:
+        raise ValueError(problem)
+    order = torch.argsort(index.reshape(-1), stable=True)
+    counts = torch.bincount(index.reshape(-1), minlength=gate_up.shape[0]).tolist()
+    y = (ffn or expert_ffn)(module, x[order // index.shape[-1]], counts, gate_up, down)
+    return _combine(x, order // index.shape[-1], y, weights.reshape(-1)[order])
+
+
 def dispatch_all_to_all(module: nn.Module, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
                         gate_up: torch.Tensor, down: torch.Tensor, group, ffn=None) -> torch.Tensor:
     """The MoE layer's output for this rank's tokens ``x [T, H]`` routed to experts ``index [T, k]``

@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from ..tp.layout import distribute
 from ..tp.local import copy_to_tp, reduce_from_tp
-from .dispatch import dispatch_all_gather, dispatch_all_to_all
+from .dispatch import compute_local, dispatch_all_gather, dispatch_all_to_all
 from .tensor_parallel import expert_ffn_tensor_parallel
 
 WEIGHTS = ("gate_up_proj", "down_proj")
@@ -70,8 +70,11 @@ class ExpertParallelForward:
         if tp_mesh is None:
             return dispatch(self, hidden_states, top_k_index, top_k_weights, gate_up, down, ep_mesh.get_group())
         ffn = functools.partial(expert_ffn_tensor_parallel, group=tp_mesh.get_group())
-        out = dispatch(self, copy_to_tp(hidden_states, tp_mesh), top_k_index, copy_to_tp(top_k_weights, tp_mesh),
-                       gate_up, down, ep_mesh.get_group(), ffn)
+        x, weights = copy_to_tp(hidden_states, tp_mesh), copy_to_tp(top_k_weights, tp_mesh)
+        if ep_mesh.size() == 1:
+            out = compute_local(self, x, top_k_index, weights, gate_up, down, ffn)
+        else:
+            out = dispatch(self, x, top_k_index, weights, gate_up, down, ep_mesh.get_group(), ffn)
         return reduce_from_tp(out.contiguous(), tp_mesh)
 
 

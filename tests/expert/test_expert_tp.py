@@ -17,6 +17,7 @@ import copy
 import pytest
 import torch
 from torch.distributed.tensor import DTensor, Shard
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import harness
 import modelparallel as smp
@@ -136,17 +137,54 @@ def v2_all_gather_dispatcher():
     summed over "tp" alike (every gradient checked)."""
     from modelparallel.expert.config import MoEConfig
 
-    smp.init({"tensor_parallel_degree": 2, "prescaled_batch": True, "expert_tensor_parallel": True})
+    smp.init({"tensor_parallel_degree": 2, "expert_parallel_degree": 2, "prescaled_batch": True,
+              "expert_tensor_parallel": True})
     ref = reference_model("qwen2_moe")
     moe = MoEConfig(moe_all_to_all_dispatcher=False, moe_load_balancing="aux_loss", moe_aux_loss_coeff=0.05,
                     moe_z_loss_coeff=0.0)
     model = smp.transform(copy.deepcopy(ref), config=moe)
-    _check_shards(model, ref, 1, 2)
-    train_transformed_like_one_process(ref, model, replica_batches(2, smp.rdp_size()), "v2 all-gather T=2")
+    _check_shards(model, ref, 2, 2)
+    train_transformed_like_one_process(ref, model, replica_batches(2, smp.rdp_size()), "v2 all-gather E=2 T=2")
 
 
-def test_v2_all_gather_dispatcher_tp2():
-    harness.run(2, v2_all_gather_dispatcher)
+def test_v2_all_gather_dispatcher_tp2_ep2():
+    harness.run(4, v2_all_gather_dispatcher)
+
+
+class _Collectives(TorchDispatchMode):
+    """Counts the c10d collectives dispatched (in-place c10d and functional ones alike) by kind.
+    (``CommDebugMode``'s module tracker trips over HF's experts module calling its activation.)"""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = {"all_to_all": 0, "all_reduce": 0}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.name().replace("_", "")
+        if name.startswith(("c10d::", "c10dfunctional::")):
+            for kind in self.counts:
+                self.counts[kind] += kind.replace("_", "") in name
+        return func(*args, **(kwargs or {}))
+
+
+def collectives(etp):
+    """The collectives of one forward and backward of a 2-layer Mixtral at T=2."""
+    smp.init({"tensor_parallel_degree": 2, "prescaled_batch": True, "expert_tensor_parallel": etp})
+    model = smp.transform(reference_model("mixtral"))
+    ids = replica_batches(1, 1)[0][0]
+    with _Collectives() as mode:
+        model(ids, labels=ids).loss.backward()
+    return mode.counts["all_to_all"], mode.counts["all_reduce"]
+
+
+def test_collectives_per_moe_layer():
+    """What docs/parallelism.md states: per MoE layer, expert TP adds one pairing all-to-all and
+    one all-reduce of the output forward, the reverse all-to-all and the all-reduces of the input's
+    and router weights' gradients backward (and no exchange over a one-rank "ep")."""
+    whole = harness.run(2, collectives, False)[0]
+    split = harness.run(2, collectives, True)[0]
+    layers = 2
+    assert (split[0] - whole[0], split[1] - whole[1]) == (2 * layers, 3 * layers), (whole, split)
 
 
 def build(seed, ep=1, tp=1, etp=False):

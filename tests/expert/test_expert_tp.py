@@ -2,9 +2,9 @@
 columns split over the tensor-parallel ranks) equals one Hugging Face process on the same global
 batch: logits, loss, every gradient, SGD and AdamW steps, at T=2 (2 ranks) and E=2 x T=2 (4
 ranks), through v1's ``DistributedModel`` (alone and with FSDP2) and v2's ``transform`` with the
-script's own FSDP2 or FSDP1 call; each rank holds
-1/(E x T) of every experts tensor; a partial checkpoint saved at T=2 resumes bit-exactly at T=1,
-and a full one holds Hugging Face's whole experts.
+script's own FSDP2 or FSDP1 call; each rank holds 1/(E x T) of every experts tensor; the
+collectives per MoE layer are the ones docs/parallelism.md states; a partial checkpoint saved at
+T=2 resumes bit-exactly at T=1 and E=2, and a full one holds Hugging Face's whole experts.
 
 Where to look: logits wrong -> the pairing all-to-all in expert/tensor_parallel.py (gate and up
 features of another rank paired) or the partial-output sum in expert/style.py; only the router's

@@ -223,6 +223,14 @@ def unbuilt_combinations(cfg: Config, api: str | None = None) -> list[str]:
     if ep > 1 and cp > 1:
         found.append(f"expert_parallel_degree {ep} with context_parallel_degree {cp} (experts replicated over "
                      "context-parallel ranks); use one of them")
+    if cfg.expert_tensor_parallel and cfg.tensor_parallel_degree > 1:
+        if pp > 1:
+            found.append(f"expert_tensor_parallel with pipeline_parallel_degree {pp} (pipeline stages holding "
+                         "experts split over tp are not built); use one of them")
+        if cp > 1:
+            found.append(f"expert_tensor_parallel with context_parallel_degree {cp} (experts split over tp would "
+                         "average their gradients over expert replicas that leave out the context ranks); use "
+                         "one of them")
     if api == "v2" and pp > 1:
         found.append(f"transform at pipeline_parallel_degree {pp} (pipeline parallelism runs through "
                      "smp.DistributedModel and @smp.step)")

@@ -249,3 +249,12 @@ def test_refusals_name_the_key_and_the_numbers():
                                          num_attention_heads=4, vocab_size=96))
     with pytest.raises(ValueError, match="expert_tensor_parallel at degree 2, but LlamaForCausalLM"):
         check_experts(dense, 1, None, None, ("mixtral",), tp=2)
+
+
+@pytest.mark.parametrize("key", ["pipeline_parallel_degree", "context_parallel_degree"])
+def test_refused_with_pipeline_and_context_parallelism(key):
+    from modelparallel.config import build_config
+
+    with pytest.raises(NotImplementedError, match=f"expert_tensor_parallel with {key} 2"):
+        build_config({"tensor_parallel_degree": 2, "expert_tensor_parallel": True, key: 2}, 4)
+    build_config({"expert_tensor_parallel": True, key: 2}, 4)  # at TP 1 the key changes nothing

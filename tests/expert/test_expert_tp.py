@@ -258,3 +258,31 @@ def test_refused_with_pipeline_and_context_parallelism(key):
     with pytest.raises(NotImplementedError, match=f"expert_tensor_parallel with {key} 2"):
         build_config({"tensor_parallel_degree": 2, "expert_tensor_parallel": True, key: 2}, 4)
     build_config({"expert_tensor_parallel": True, key: 2}, 4)  # at TP 1 the key changes nothing
+
+
+def shard_on_read(path):
+    """A meta build loaded with ``load_hf_checkpoint``: each rank reads its own block of every
+    experts tensor (gate/up rows, down columns) and the logits are HF's."""
+    from reference import assert_close
+    from transformers import MixtralForCausalLM
+
+    smp.init({"tensor_parallel_degree": 2, "prescaled_batch": True, "expert_tensor_parallel": True})
+    ref = reference_model("mixtral")
+    if smp.rank() == 0:
+        ref.save_pretrained(path)
+    torch.distributed.barrier()
+    with torch.device("meta"):
+        model = MixtralForCausalLM(ref.config)
+    model = smp.DistributedModel(model)
+    smp.load_hf_checkpoint(model, path)
+    t, hf = smp.tp_rank(), dict(ref.named_parameters())
+    for name, p in model.module.named_parameters():
+        if name.endswith(("gate_up_proj", "down_proj")):
+            dim = 1 if name.endswith("gate_up_proj") else 2
+            assert torch.equal(p.to_local(), hf[name].chunk(2, dim)[t]), name
+    ids = replica_batches(1, 1, seed=11)[0][0]
+    assert_close(model(ids).logits, ref(ids).logits, "shard-on-read logits")
+
+
+def test_shard_on_read_reads_each_ranks_block(tmp_path):
+    harness.run(2, shard_on_read, str(tmp_path / "hf"))

@@ -56,8 +56,10 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 class ExpertParallelForward:
-    """Forward of an experts module whose stacked weights are ``Shard(0)`` DTensors: HF's
-    signature and result, the tokens dispatched to the ranks holding their experts."""
+    """Forward of an experts module whose stacked weights are ``Shard(0)`` DTensors over "ep"
+    (with expert tensor parallelism, also split over "tp"): HF's signature and result, the tokens
+    dispatched to the ranks holding their experts (at ep 1, computed in place) and, over "tp",
+    Megatron's ``f`` on the inputs and ``g`` on the partial outputs."""
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:

@@ -286,3 +286,25 @@ def shard_on_read(path):
 
 def test_shard_on_read_reads_each_ranks_block(tmp_path):
     harness.run(2, shard_on_read, str(tmp_path / "hf"))
+
+
+def union_batch():
+    """SageMaker's default ``prescaled_batch`` false: each TP rank brings its own batch and the
+    group computes on their union, which every rank of the group then holds at the MoE layers."""
+    ref = reference_model("mixtral")
+    model = distributed_copy(ref, tensor_parallel_degree=2, expert_tensor_parallel=True)
+    optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step, per_rank in enumerate(replica_batches(2, 2)):
+        want = reference_loss(ref, [torch.cat(per_rank)])
+        loss = model(per_rank[smp.rank()], labels=per_rank[smp.rank()]).loss
+        want.backward()
+        model.backward(loss)
+        for o in (optimizer, opt_ref):
+            o.step()
+            o.zero_grad()
+        assert abs(loss.item() - want.item()) / abs(want.item()) < training_rtol(step), (step, loss.item(), want.item())
+
+
+def test_union_batch_of_the_tensor_parallel_group():
+    harness.run(2, union_batch)

@@ -37,6 +37,7 @@ def _check_shards(module, ref, ep, tp):
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             found += 1
             assert isinstance(p, DTensor) and p.device_mesh.mesh_dim_names[-2:] == ("ep", "tp"), name
+            assert tuple(p.device_mesh.shape[-2:]) == (ep, tp), (name, p.device_mesh)
             want = (Shard(0), Shard(1 if name.endswith("gate_up_proj") else 2))
             assert p.placements[-2:] == want, p.placements
             # FSDP2 on top: its own dimension first, the expert replicas sharding dim 0 further

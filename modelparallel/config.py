@@ -219,6 +219,14 @@ def unbuilt_combinations(cfg: Config, api: str | None = None) -> list[str]:
     if cfg.sequence_parallel and ep > 1 and cfg.tensor_parallel_degree > 1:
         found.append(f"sequence_parallel with expert_parallel_degree {ep} (the experts' gradients from each TP "
                      "rank's sequence shard are not summed over the TP ranks); use one of them")
+    if cfg.expert_tensor_parallel and cfg.tensor_parallel_degree > 1:
+        if pp > 1:
+            found.append(f"expert_tensor_parallel with pipeline_parallel_degree {pp} (pipeline stages holding "
+                         "experts split over tp are not built); use one of them")
+        if cp > 1:
+            found.append(f"expert_tensor_parallel with context_parallel_degree {cp} (experts split over tp would "
+                         "average their gradients over expert replicas that leave out the context ranks); use "
+                         "one of them")
     if api == "v2" and pp > 1:
         found.append(f"transform at pipeline_parallel_degree {pp} (pipeline parallelism runs through "
                      "smp.DistributedModel and @smp.step)")

@@ -84,6 +84,10 @@ KEYS: tuple[Key, ...] = (
     Key("expert_parallel_degree", int, 1, IMPLEMENTED,
         "v2: ranks sharing one copy of each MoE layer's experts, each holding 1/degree of them; "
         "carved out of the data-parallel ranks, so it must divide world / (tp x pp x cp).", "v2", minimum=1),
+    Key("expert_tensor_parallel", bool, False, IMPLEMENTED,
+        "Ours: at tensor_parallel_degree > 1, every MoE layer's experts are split over the "
+        "tensor-parallel ranks too (each expert's gate/up rows and down columns, 1/degree per rank: "
+        "1/(ep x tp) of the expert weights per rank); false: each TP group holds its experts whole.", "ours"),
     Key("sequence_parallel", bool, False, IMPLEMENTED,
         "Ours: inside tensor parallelism, norms, dropout and residual adds run on sequence shards "
         "(Megatron's sequence parallelism); the sequence must divide by the degree.", "ours"),

@@ -17,8 +17,9 @@ takes the model and the mesh it needs, and knows nothing of the others; this mod
 4. tensor parallelism (``tp.walker``): shards each layer over the ``tp`` mesh dimension (with
    ``sequence_parallel``, the hidden states between its regions split over it too);
 5. expert parallelism (``expert``): shards each MoE layer's experts over the ``ep`` dimension
-   (under pipeline parallelism, this stage's layers' experts over the ranks of its stage)
-   and applies a ``MoEConfig``'s routing options;
+   (under pipeline parallelism, this stage's layers' experts over the ranks of its stage; with
+   ``expert_tensor_parallel``, each expert over ``tp`` too) and applies a ``MoEConfig``'s
+   routing options;
 6. context parallelism (``context``): splits every sequence over the ``cp`` mesh dimension;
    whenever the walker ran, every parameter still a plain tensor becomes a ``Replicate()``
    DTensor on the ``tp`` mesh, so torch's ``foreach`` and ``fused`` optimizers never see plain
@@ -123,7 +124,8 @@ def parallelize(module: nn.Module, topo: Topology, ask: Request) -> Parallelized
             experts = experts.within(module)
         replicated = walker.parallelize(module, topo.tp_mesh, spec, cfg.sequence_parallel) \
             if ask.tensor_parallel else []  # 4. tensor parallelism
-        apply_experts(experts, topo.ep_mesh)  # 5. expert parallelism
+        apply_experts(experts, topo.ep_mesh, _ep_tp_mesh(topo, experts))  # 5. expert parallelism
+        replicated = experts.still_replicated(replicated) if experts is not None else replicated
         if cfg.context_parallel_degree > 1:  # 6. context parallelism
             context.parallelize(module, topo.cp_mesh, _field(module, "context"), ask.cp_comm_type)
         if ask.tensor_parallel:  # one kind of parameter for torch's foreach and fused optimizers
@@ -149,13 +151,20 @@ def check(module: nn.Module, topo: Topology, cp_comm_type: str = "p2p", moe: MoE
         ValueError, NotImplementedError: naming the model type or the value at fault.
     """
     context.check_comm_type(cp_comm_type)
-    experts = check_experts(module, topo.config.expert_parallel_degree, _field(module, "experts"), moe,
-                            tuple(t for t, a in BUILT_IN.items() if a.experts))
+    cfg = topo.config
+    experts = check_experts(module, cfg.expert_parallel_degree, _field(module, "experts"), moe,
+                            tuple(t for t, a in BUILT_IN.items() if a.experts),
+                            cfg.tensor_parallel_degree if cfg.expert_tensor_parallel else 1, cfg.sequence_parallel)
     if topo.config.context_parallel_degree > 1:
         context.check_model(module, _field(module, "context"))
     if topo.config.pipeline_parallel_degree > 1:
         pipeline.check_model(module)
     return experts
+
+
+def _ep_tp_mesh(topo: Topology, experts):
+    """The 2-D ``("ep", "tp")`` mesh expert tensor parallelism shards the experts over, or None."""
+    return topo.expert_mesh["ep", "tp"] if experts is not None and experts.tp > 1 else None
 
 
 def _field(module: nn.Module, name: str):

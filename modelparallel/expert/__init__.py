@@ -6,6 +6,9 @@ experts, and tokens travel to their experts' ranks and back (dropless all-to-all
 - ``style``: ``ExpertParallel``, the parallel style sharding an experts module on the expert
   dimension, and its dispatching forward.
 - ``dispatch``: the token dispatchers and their autograd collectives.
+- ``tensor_parallel``: expert tensor parallelism (``expert_tensor_parallel``): each expert's
+  weights split over the tensor-parallel ranks too, and the all-to-all pairing its gate and up
+  features.
 - ``routing``: ``MoEConfig``'s routing options (auxiliary loss, Sinkhorn, z-loss).
 - ``parallelize``: checks a model against its layout and applies all of the above.
 """

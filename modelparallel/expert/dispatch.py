@@ -135,11 +135,28 @@ def _agree(problem: str | None, status: torch.Tensor, group) -> None:
         raise DispatchError(f"expert dispatch failed on rank(s) {ranks} (their error names the cause)")
 
 
+def compute_local(module: nn.Module, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+                  gate_up: torch.Tensor, down: torch.Tensor, ffn=None) -> torch.Tensor:
+    """The dispatchers' result when this rank holds every expert (an expert-parallel group of
+    one, under expert tensor parallelism): the same grouping by expert and combine, no exchange.
+    A bad routing raises here, alike on every rank of a tensor-parallel group (they route the
+    same tokens), before any collective."""
+    problem = _routing_problem(x, index, weights, gate_up.shape[0])
+    if problem is not None:
+        raise ValueError(problem)
+    order = torch.argsort(index.reshape(-1), stable=True)
+    counts = torch.bincount(index.reshape(-1), minlength=gate_up.shape[0]).tolist()
+    y = (ffn or expert_ffn)(module, x[order // index.shape[-1]], counts, gate_up, down)
+    return _combine(x, order // index.shape[-1], y, weights.reshape(-1)[order])
+
+
 def dispatch_all_to_all(module: nn.Module, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
-                        gate_up: torch.Tensor, down: torch.Tensor, group) -> torch.Tensor:
+                        gate_up: torch.Tensor, down: torch.Tensor, group, ffn=None) -> torch.Tensor:
     """The MoE layer's output for this rank's tokens ``x [T, H]`` routed to experts ``index [T, k]``
     with ``weights [T, k]``, the experts sharded over ``group`` (this rank's: ``gate_up``,
-    ``down``), by all-to-all."""
+    ``down``), by all-to-all. ``ffn``: the experts' feed-forward, ``expert_ffn``'s signature
+    (default: ``expert_ffn``; expert tensor parallelism passes its own)."""
+    ffn = ffn or expert_ffn
     size, n_local = dist.get_world_size(group), gate_up.shape[0]
     problem = _routing_problem(x, index, weights, size * n_local)
     flat = index.reshape(-1) if problem is None else index.new_empty(0, dtype=torch.long)
@@ -156,15 +173,16 @@ def dispatch_all_to_all(module: nn.Module, x: torch.Tensor, index: torch.Tensor,
     arrived = _AllToAll.apply(x[token], send, recv, group)
     expert_of_row = torch.arange(n_local, device=x.device).repeat(size).repeat_interleave(arrived_counts.flatten())
     by_expert = torch.argsort(expert_of_row, stable=True)
-    y = expert_ffn(module, arrived[by_expert], arrived_counts.sum(0).tolist(), gate_up, down)
+    y = ffn(module, arrived[by_expert], arrived_counts.sum(0).tolist(), gate_up, down)
     back = _AllToAll.apply(y[_inverse(by_expert)], recv, send, group)
     return _combine(x, token, back, weights.reshape(-1)[order])
 
 
 def dispatch_all_gather(module: nn.Module, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
-                        gate_up: torch.Tensor, down: torch.Tensor, group) -> torch.Tensor:
+                        gate_up: torch.Tensor, down: torch.Tensor, group, ffn=None) -> torch.Tensor:
     """The same output as ``dispatch_all_to_all``, by all-gathering every rank's tokens (padded to
     the longest rank's count) and reduce-scattering the experts' weighted outputs."""
+    ffn = ffn or expert_ffn
     size, n_local, k = dist.get_world_size(group), gate_up.shape[0], index.shape[-1]
     problem = _routing_problem(x, index, weights, size * n_local)
     sizes = torch.empty((size, 2), dtype=torch.long, device=x.device)
@@ -181,6 +199,6 @@ def dispatch_all_gather(module: nn.Module, x: torch.Tensor, index: torch.Tensor,
     expert = ids.reshape(-1)[local] - first
     order = torch.argsort(expert, stable=True)
     pairs = local[order]
-    y = expert_ffn(module, xs[pairs // k], torch.bincount(expert, minlength=n_local).tolist(), gate_up, down)
+    y = ffn(module, xs[pairs // k], torch.bincount(expert, minlength=n_local).tolist(), gate_up, down)
     part = _combine(xs, pairs // k, y, ws.reshape(-1)[pairs])
     return _ReduceScatter.apply(part, group)[:x.shape[0]]

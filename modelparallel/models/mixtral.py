@@ -7,7 +7,8 @@ Each layer's MoE block (``mlp``) holds a router (``gate``, a ``[num_experts, hid
 and the experts stacked in two tensors (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj
 [E, H, I]``): neither is an ``nn.Linear``, so the TP walker leaves them whole on every TP rank
 (every TP rank of a group holds the same tokens there); expert parallelism shards the experts on
-their first dimension (``EXPERTS``) and the router stays whole on every rank. No weight is fused
+their first dimension (``EXPERTS``), with ``expert_tensor_parallel`` each expert over the TP
+ranks too (``expert/tensor_parallel.py``), and the router stays whole on every rank. No weight is fused
 in a way that depends on a degree: the distributed state dict is HF's, experts indexed globally.
 Checkpoints on the Hugging Face hub hold each expert's ``w1`` (gate), ``w3`` (up) and ``w2``
 (down) separately under ``block_sparse_moe``: ``TABLE.stacked`` / ``renamed`` read them.

@@ -8,7 +8,8 @@ sparse layer's ``mlp.shared_expert`` (gate and up column parallel, down row para
 the two a model has depends on its config, so those rules may match nothing. The shared expert's
 scalar gate (``shared_expert_gate``, hidden -> 1) stays whole on every rank. The router (``gate``)
 and the stacked experts are not ``nn.Linear``: the TP walker leaves them whole; expert
-parallelism shards the experts (``EXPERTS``). The distributed state dict is HF's; checkpoints
+parallelism shards the experts (``EXPERTS``), and with ``expert_tensor_parallel`` each expert
+over the TP ranks too (``expert/tensor_parallel.py``). The distributed state dict is HF's; checkpoints
 on the Hugging Face hub hold each expert's projections separately (``TABLE.stacked`` reads them).
 """
 

@@ -11,7 +11,11 @@ differentiated one at a time too and nothing quadratic in the sequence is kept.
 Which pairs are computed depends only on the chunks' global positions: a key chunk after the
 query chunk is skipped, the same chunk is causal, an earlier one is fully visible; a sliding
 window (Mistral, GPT-Neo's local layers: position q sees k when 0 <= q - k < window) can turn a
-pair into an explicit mask or skip it.
+pair into an explicit mask or skip it. Bidirectional attention (encoders) sees every pair whole.
+Padding (a [B, S] key mask, False for a padding token) turns a block into an explicit [B, 1, n, m]
+mask: the block's own pattern and the key chunk's padding. A query row that sees no key in a
+block gets output 0 and log-sum-exp -inf there; one that sees no key anywhere (a left-padding
+token under causal attention) keeps output 0, as PyTorch's scaled-dot-product attention gives it.
 
 Kernels: PyTorch's fused CPU attention (``compat.flash_attention_cpu``, which returns the
 log-sum-exp and has a matching backward) on CPU; elsewhere an fp32 matrix form with the same
@@ -36,9 +40,12 @@ class Kind(Enum):
     MASKED = "masked"  # a sliding window cuts through the block: an explicit mask
 
 
-def pair_kind(q_chunk: int, k_chunk: int, length: int, window: int | None) -> Kind:
+def pair_kind(q_chunk: int, k_chunk: int, length: int, window: int | None, causal: bool = True) -> Kind:
     """The ``Kind`` of query chunk ``q_chunk`` against key chunk ``k_chunk`` (chunks of
-    ``length`` tokens, in global chunk order), under causal attention limited to ``window``."""
+    ``length`` tokens, in global chunk order), under causal attention limited to ``window``
+    (``causal`` False: bidirectional, every pair whole)."""
+    if not causal:
+        return Kind.FULL
     if k_chunk > q_chunk:
         return Kind.NONE
     if q_chunk == k_chunk:
@@ -58,6 +65,20 @@ def window_mask(q_chunk: int, k_chunk: int, length: int, window: int, device=Non
     j = torch.arange(length, device=device).unsqueeze(0)
     distance = (q_chunk - k_chunk) * length + i - j
     return (distance >= 0) & (distance < window)
+
+
+def block_mask(kind: Kind, q_chunk: int, k_chunk: int, length: int, window: int | None,
+               keys: torch.Tensor | None, device=None) -> tuple[Kind, torch.Tensor | None]:
+    """The (kind, mask) a block is computed with: ``window_mask`` for ``Kind.MASKED``; with
+    ``keys`` ([B, length] bool, the key chunk's tokens, False for padding) a [B, 1, n, m] mask
+    of the block's pattern and the padding, and kind ``Kind.MASKED``."""
+    mask = window_mask(q_chunk, k_chunk, length, window, device) if kind is Kind.MASKED else None
+    if keys is None:
+        return kind, mask
+    if kind is Kind.CAUSAL:
+        mask = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    padded = keys[:, None, None, :].expand(-1, -1, length, -1)
+    return Kind.MASKED, padded if mask is None else padded & mask
 
 
 def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

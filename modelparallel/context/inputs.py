@@ -7,8 +7,13 @@ the forward:
    found in one small all-gather, so a problem on one rank (padding in its chunks only) stops
    every rank with the same error instead of leaving the others waiting in attention.
 2. ``position_ids``, when the caller gives none, become the tokens' global positions, so rotary
-   and learned position embeddings see the whole-sequence positions.
-3. ``labels`` become ``shift_labels``: the label of each local token's successor in the whole
+   and learned position embeddings see the whole-sequence positions. HF's forward numbers the
+   tokens 0..S-1 whatever the padding (GPT-2, Llama, BERT alike; only ``generate`` derives
+   positions from the mask), so padded batches get the same.
+3. ``attention_mask`` (a [B, L] padding mask, left or right padding alike) becomes the whole
+   sequences' [B, S] bool mask, gathered once: attention masks each key chunk's padding with it
+   (``attention``); None when nothing is padded.
+4. ``labels`` become ``shift_labels``: the label of each local token's successor in the whole
    sequence, found by gathering the labels (small integers) once. The successor of a chunk's
    last token sits in another chunk, maybe on another rank; this way no target is dropped or
    counted twice. ``num_items_in_batch`` becomes the whole sequences' target count over C, so
@@ -31,14 +36,14 @@ from .layout import merge, positions
 IGNORE_INDEX = -100
 
 # One small int64 header per rank: (problem code, detail, batch, local length).
-OK, NO_TOKENS, ODD_LENGTH, PADDING, CACHE, LABEL_SHAPE = range(6)
+OK, NO_TOKENS, ODD_LENGTH, MASK_SHAPE, CACHE, LABEL_SHAPE, MASK_DIMS = range(7)
 _PROBLEMS = {
     NO_TOKENS: (ValueError, "neither input_ids nor inputs_embeds was given"),
     ODD_LENGTH: (ValueError, "its sequence part has {L} tokens, an odd number: each context-parallel rank holds "
                              "two equal chunks, so the whole sequence must divide by 2 x context_parallel_degree"),
-    PADDING: (NotImplementedError, "its attention_mask holds {detail} padding zeros; padded batches under "
-                                   "context parallelism are not implemented (pack sequences, or pad at the "
-                                   "end without a mask and set the padding labels to -100)"),
+    MASK_SHAPE: (ValueError, "its attention_mask has {detail} tokens per row where its inputs have {L}"),
+    MASK_DIMS: (NotImplementedError, "its attention_mask has {detail} dimensions; under context parallelism "
+                                     "only a 2-D [batch, tokens] padding mask is implemented"),
     CACHE: (NotImplementedError, "past_key_values was given; a key/value cache (incremental decoding) under "
                                  "context parallelism is not implemented"),
     LABEL_SHAPE: (ValueError, "its labels have {detail} tokens per row where its inputs have {L}"),
@@ -70,8 +75,10 @@ def _local_problem(kw: dict) -> tuple[int, int]:
     if tokens.shape[1] % 2:
         return ODD_LENGTH, 0
     mask = kw.get("attention_mask")
-    if mask is not None and mask.dim() == 2 and not bool(mask.all()):
-        return PADDING, int((mask == 0).sum())
+    if mask is not None and mask.dim() != 2:
+        return MASK_DIMS, mask.dim()
+    if mask is not None and mask.shape[-1] != tokens.shape[1]:
+        return MASK_SHAPE, mask.shape[-1]
     if kw.get("past_key_values") is not None:
         return CACHE, 0
     labels = kw.get("labels")
@@ -138,15 +145,24 @@ def _shift(ring: Ring, kw: dict, where: torch.Tensor) -> None:
     kw["num_items_in_batch"] = (given if given is not None else count) / ring.size
 
 
+def _whole_mask(ring: Ring, mask: torch.Tensor) -> torch.Tensor | None:
+    """The whole sequences' [B, S] bool padding mask from every rank's [B, L] part; None when no
+    token is padded (every rank finds the same)."""
+    whole = _gather_tokens(ring, mask.ne(0).to(torch.uint8)).bool()
+    return None if bool(whole.all()) else whole
+
+
 def prepare(ring: Ring, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The forward pre-hook of a context-parallel model (see the module doc): check, then global
-    positions, shifted labels and the loss share; no key/value cache."""
+    positions, the whole padding mask, shifted labels and the loss share; no key/value cache."""
     kw = as_kwargs(module, args, kwargs)
     agree(ring, kw)
     length = _tokens(kw).shape[1]
     where = positions(length, ring.size, ring.rank, device=_device(kw))
     if kw.get("position_ids") is None:
         kw["position_ids"] = where.unsqueeze(0)
+    if kw.get("attention_mask") is not None:
+        kw["attention_mask"] = _whole_mask(ring, kw["attention_mask"])
     if kw.get("labels") is not None:
         _shift(ring, kw, where)
     kw["use_cache"] = False

@@ -2,8 +2,8 @@
 never a hang.
 
 Configuration problems (a degree that does not divide the world, an unknown ``cp_comm_type``, an
-encoder) are refused before any collective. Problems in a batch (padding, an odd or disagreeing
-length, a key/value cache) are found by each rank and agreed in one small all-gather, so a batch
+encoder) are refused before any collective. Problems in a batch (a mask of another shape, an odd or
+disagreeing length, a key/value cache) are found by each rank and agreed in one small all-gather, so a batch
 that is wrong on one rank only stops every rank with that rank's problem. A failure here means
 context/inputs.py (``agree``) or context/__init__.py (``check_model``) let a bad input through,
 or raised on one rank only (the other ranks would then wait in attention until the timeout).
@@ -39,11 +39,10 @@ def check_batch_problem(case: str):
     model = smp.transform(_llama())
     ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(smp.rank()))
     kwargs = {}
-    if case == "padding_on_one_rank":
-        mask = torch.ones_like(ids)
-        if smp.cp_rank() == 1:
-            mask[1, :3] = 0
-        kwargs["attention_mask"] = mask
+    if case == "mask_shape_on_one_rank":
+        kwargs["attention_mask"] = torch.ones_like(ids) if smp.cp_rank() == 0 else torch.ones(2, 6)
+    elif case == "mask_4d":
+        kwargs["attention_mask"] = torch.ones(2, 1, 8, 16)
     elif case == "odd_length":
         ids = ids[:, :7]
     elif case == "different_lengths":
@@ -56,7 +55,9 @@ def check_batch_problem(case: str):
 
 
 @pytest.mark.parametrize("case, kind, fragment", [
-    ("padding_on_one_rank", "NotImplementedError", "context-parallel rank 1: its attention_mask holds 3 padding zeros"),
+    ("mask_shape_on_one_rank", "ValueError",
+     "context-parallel rank 1: its attention_mask has 6 tokens per row where its inputs have 8"),
+    ("mask_4d", "NotImplementedError", "its attention_mask has 4 dimensions"),
     ("odd_length", "ValueError", "context-parallel rank 0: its sequence part has 7 tokens, an odd number"),
     ("different_lengths", "ValueError", "rank 0 2 x 6, rank 1 2 x 8"),
     ("cache", "NotImplementedError", "past_key_values was given"),

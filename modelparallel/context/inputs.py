@@ -18,7 +18,10 @@ the forward:
    last token sits in another chunk, maybe on another rank; this way no target is dropped or
    counted twice. ``num_items_in_batch`` becomes the whole sequences' target count over C, so
    each rank returns its share of the loss: the mean over the group of the ranks' losses is one
-   process's loss on the whole sequences, and so are the averaged gradients.
+   process's loss on the whole sequences, and so are the averaged gradients. An encoder's labels
+   (masked-LM, token classification) belong to their own positions: nothing is shifted, only the
+   count is global, and ``token_loss`` divides this rank's summed loss by that share (HF's
+   encoder heads take the mean over the rank's own tokens, which the share replaces).
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ import inspect
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..compat import all_gather_single
 from .attention import Ring
 from .layout import merge, positions
+from .spec import ContextSpec
 
 IGNORE_INDEX = -100
 
@@ -145,6 +150,37 @@ def _shift(ring: Ring, kw: dict, where: torch.Tensor) -> None:
     kw["num_items_in_batch"] = (given if given is not None else count) / ring.size
 
 
+def _count(ring: Ring, kw: dict) -> None:
+    """An encoder's ``num_items_in_batch``: the whole sequences' labelled tokens over C (labels
+    stay where they are)."""
+    ignore = kw.get("ignore_index", IGNORE_INDEX)
+    given = kw.get("num_items_in_batch")
+    count = given if given is not None else (_gather_tokens(ring, kw["labels"]) != ignore).sum()
+    kw["num_items_in_batch"] = count / ring.size
+
+
+def token_loss(module: nn.Module, args: tuple, kwargs: dict, output):
+    """An encoder's forward hook: this rank's share of a per-token loss (labels at their own
+    positions), the summed cross-entropy of its tokens over ``num_items_in_batch``. Logits left
+    vocab-sharded (a DTensor) mean tensor parallelism computed the loss already, with that share."""
+    labels, logits = kwargs.get("labels"), getattr(output, "logits", None)
+    if labels is None or logits is None or isinstance(logits, DTensor) or getattr(output, "loss", None) is None:
+        return output
+    ignore = kwargs.get("ignore_index", IGNORE_INDEX)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1).to(logits.device),
+                           ignore_index=ignore, reduction="sum") / kwargs["num_items_in_batch"]
+    return type(output)(loss=loss, **{k: v for k, v in output.items() if k != "loss"})
+
+
+def _positions(ring: Ring, spec: ContextSpec, module: nn.Module, kw: dict, where: torch.Tensor) -> torch.Tensor:
+    """The local tokens' position ids as HF's forward computes them for the whole sequences."""
+    if spec.positions is None:
+        return where.unsqueeze(0)
+    ids = kw.get("input_ids")
+    whole = _gather_tokens(ring, ids) if ids is not None else None
+    return spec.positions(module.config, whole, where.numel() * ring.size).to(where.device)[:, where]
+
+
 def _whole_mask(ring: Ring, mask: torch.Tensor) -> torch.Tensor | None:
     """The whole sequences' [B, S] bool padding mask from every rank's [B, L] part; None when no
     token is padded (every rank finds the same)."""
@@ -152,18 +188,20 @@ def _whole_mask(ring: Ring, mask: torch.Tensor) -> torch.Tensor | None:
     return None if bool(whole.all()) else whole
 
 
-def prepare(ring: Ring, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def prepare(ring: Ring, spec: ContextSpec, causal: bool, module: nn.Module, args: tuple,
+            kwargs: dict) -> tuple[tuple, dict]:
     """The forward pre-hook of a context-parallel model (see the module doc): check, then global
-    positions, the whole padding mask, shifted labels and the loss share; no key/value cache."""
+    positions, the whole padding mask, the labels (shifted when ``causal``) and the loss share;
+    no key/value cache."""
     kw = as_kwargs(module, args, kwargs)
     agree(ring, kw)
     length = _tokens(kw).shape[1]
     where = positions(length, ring.size, ring.rank, device=_device(kw))
     if kw.get("position_ids") is None:
-        kw["position_ids"] = where.unsqueeze(0)
+        kw["position_ids"] = _positions(ring, spec, module, kw, where)
     if kw.get("attention_mask") is not None:
         kw["attention_mask"] = _whole_mask(ring, kw["attention_mask"])
     if kw.get("labels") is not None:
-        _shift(ring, kw, where)
+        _shift(ring, kw, where) if causal else _count(ring, kw)
     kw["use_cache"] = False
     return (), kw

@@ -2,7 +2,7 @@
 never a hang.
 
 Configuration problems (a degree that does not divide the world, an unknown ``cp_comm_type``, an
-encoder) are refused before any collective. Problems in a batch (a mask of another shape, an odd or
+encoder head that pools the sequence) are refused before any collective. Problems in a batch (a mask of another shape, an odd or
 disagreeing length, a key/value cache) are found by each rank and agreed in one small all-gather, so a batch
 that is wrong on one rank only stops every rank with that rank's problem. A failure here means
 context/inputs.py (``agree``) or context/__init__.py (``check_model``) let a bad input through,
@@ -13,7 +13,7 @@ import copy
 
 import pytest
 import torch
-from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import harness
 import modelparallel as smp
@@ -71,7 +71,7 @@ def test_a_bad_batch_stops_every_rank(case, kind, fragment):
 
 def check_refused_models():
     smp.init({"context_parallel_degree": 2})
-    bert = BertForMaskedLM(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+    bert = BertForSequenceClassification(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                                       intermediate_size=64, vocab_size=64))
     gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64, attn_pdrop=0.1))
     trained = smp.transform(copy.deepcopy(gpt2))
@@ -89,7 +89,8 @@ def test_refused_models_and_values():
     assert out[0] == out[1]
     info = out[0]
     for api in ("bert_v2", "bert_v1"):
-        assert info[api][0] == "NotImplementedError" and "BertForMaskedLM (model_type 'bert'" in info[api][1]
+        assert info[api][0] == "NotImplementedError" and "BertForSequenceClassification is not implemented: " \
+            "its head needs the whole sequence" in info[api][1]
     assert info["comm"] == ("ValueError", "cp_comm_type='ring': expected one of ('p2p', 'all_gather')")
     assert info["dropout"][0] == "NotImplementedError" and "attention dropout 0.1" in info["dropout"][1]
     assert info["evaluated"] == (1, 4, 64)

@@ -15,7 +15,8 @@ keys and values of every earlier chunk, so they travel:
 
 Padding travels as the whole sequences' [B, S] key mask, which every rank holds (``inputs``
 gathers it once per forward: S booleans a row, against the keys and values' S x H x D numbers),
-so each block masks its key chunk's padding without another message.
+so each block masks its key chunk's padding without another message. Attention dropout drops
+each block's probabilities with a mask recomputed in backward from its seed (``dropout``).
 
 Either way each rank computes only its own queries' blocks, merged in fp32 by their log-sum-exp
 (``blocks``), and keeps for backward only its queries, keys, values, output and log-sum-exp: no
@@ -31,6 +32,7 @@ import torch.distributed as dist
 
 from ..compat import all_gather_single, reduce_scatter_single
 from .blocks import Kind, Merger, block_backward, block_forward, block_mask, pair_kind
+from .dropout import draw_seed, keep_scale
 from .layout import chunks_of
 
 COMM_TYPES = ("p2p", "all_gather")
@@ -54,16 +56,27 @@ class Ring:
 class Pattern:
     """Which keys a query sees: ``causal`` (else bidirectional), a sliding ``window`` (causal
     only; None: none), ``keys`` the whole sequences' [B, S] bool key mask in global order (False:
-    padding; None: no padding)."""
+    padding; None: no padding); and attention ``dropout`` with the ``seed`` of its mask."""
 
     causal: bool = True
     window: int | None = None
     keys: torch.Tensor | None = None
+    dropout: float = 0.0
+    seed: int = 0
+
+
+def _drop(pattern: Pattern, ring: Ring, q, x: int, y: int, length: int):
+    """The dropout scale of block (query chunk ``x``, key chunk ``y``), or None without dropout."""
+    if pattern.dropout == 0:
+        return None
+    base = torch.arange(length, device=q.device)
+    return keep_scale(pattern.seed, pattern.dropout, q.shape[0], q.shape[1], base + x * length, base + y * length,
+                      2 * ring.size * length)
 
 
 def _pairs(ring: Ring, source: int, length: int, pattern: Pattern, device):
-    """(query rows, key rows, kind, mask) of every block this rank computes against ``source``'s
-    keys (``length`` tokens per chunk, rows local to each side)."""
+    """(query rows, key rows, kind, mask, query chunk, key chunk) of every block this rank
+    computes against ``source``'s keys (``length`` tokens per chunk, rows local to each side)."""
     for xi, x in enumerate(chunks_of(ring.rank, ring.size)):
         for yi, y in enumerate(chunks_of(source, ring.size)):
             kind = pair_kind(x, y, length, pattern.window, pattern.causal)
@@ -71,14 +84,15 @@ def _pairs(ring: Ring, source: int, length: int, pattern: Pattern, device):
                 continue
             keys = None if pattern.keys is None else pattern.keys[:, y * length:(y + 1) * length]
             kind, mask = block_mask(kind, x, y, length, pattern.window, keys, device)
-            yield slice(xi * length, (xi + 1) * length), slice(yi * length, (yi + 1) * length), kind, mask
+            yield slice(xi * length, (xi + 1) * length), slice(yi * length, (yi + 1) * length), kind, mask, x, y
 
 
 def _forward_source(merger: Merger, q, kv, split: int, ring: Ring, source: int, pattern, scale) -> None:
     k, v = kv[..., :split], kv[..., split:]
     length = q.shape[2] // 2
-    for rows, cols, kind, mask in _pairs(ring, source, length, pattern, q.device):
-        out, lse = block_forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], kind, mask, scale)
+    for rows, cols, kind, mask, x, y in _pairs(ring, source, length, pattern, q.device):
+        out, lse = block_forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], kind, mask, scale,
+                                 drop=_drop(pattern, ring, q, x, y, length))
         merger.add(rows, out, lse)
 
 
@@ -87,9 +101,10 @@ def _backward_source(dq, dkv, dout, q, kv, split, out, lse, ring: Ring, source: 
     (this rank's queries) and ``dkv`` (``source``'s keys | values, fp32)."""
     k, v = kv[..., :split], kv[..., split:]
     length = q.shape[2] // 2
-    for rows, cols, kind, mask in _pairs(ring, source, length, pattern, q.device):
+    for rows, cols, kind, mask, x, y in _pairs(ring, source, length, pattern, q.device):
         gq, gk, gv = block_backward(dout[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols],
-                                    out[:, :, rows], lse[:, :, rows], kind, mask, scale)
+                                    out[:, :, rows], lse[:, :, rows], kind, mask, scale,
+                                    drop=_drop(pattern, ring, q, x, y, length))
         dq[:, :, rows] += gq
         dkv[:, :, cols, :split] += gk
         dkv[:, :, cols, split:] += gv
@@ -203,7 +218,8 @@ class _ContextAttention(torch.autograd.Function):
 
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scale: float,
                       window: int | None = None, *, causal: bool = True,
-                      keys: torch.Tensor | None = None) -> torch.Tensor:
+                      keys: torch.Tensor | None = None, dropout: float = 0.0,
+                      seed: int | None = None) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence.
 
     Args:
@@ -214,6 +230,8 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: R
         window: a sliding window (query position p sees keys p - window + 1 .. p), or None.
         causal: causal (a decoder) or bidirectional (an encoder) attention.
         keys: the whole sequences' [B, S] bool key mask in global order (False: padding), or None.
+        dropout: attention dropout probability (``dropout``'s mask, the same for any layout).
+        seed: the dropout mask's seed; None: drawn from PyTorch's default generator.
 
     Returns:
         [B, H, L, D] in ``q``'s dtype.
@@ -223,4 +241,6 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: R
     """
     if window is not None and not causal:
         raise NotImplementedError("a sliding window on bidirectional attention under context parallelism")
-    return _ContextAttention.apply(q, k, v, ring, Pattern(causal, window, keys), scale)
+    if dropout and seed is None:
+        seed = draw_seed()
+    return _ContextAttention.apply(q, k, v, ring, Pattern(causal, window, keys, dropout, seed or 0), scale)

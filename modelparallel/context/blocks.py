@@ -101,10 +101,12 @@ def _repeat_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
 
 
-def _math_forward(q, k, v, causal, mask, scale):
+def _math_forward(q, k, v, causal, mask, scale, drop=None):
     s = _scores(q, _repeat_kv(k, q.shape[1]), causal, mask, scale)
-    lse = torch.logsumexp(s, dim=-1)
+    lse = torch.logsumexp(s, dim=-1)  # of the undropped scores: the merge's weights
     p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num_(0.0)
+    if drop is not None:
+        p = p * drop
     return torch.matmul(p, _repeat_kv(v, q.shape[1]).float()).to(q.dtype), lse
 
 
@@ -113,12 +115,16 @@ def _grouped(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return grad if h == kv_heads else grad.view(b, kv_heads, h // kv_heads, n, d).sum(2)
 
 
-def _math_backward(dout, q, k, v, out, lse, causal, mask, scale):
+def _math_backward(dout, q, k, v, out, lse, causal, mask, scale, drop=None):
+    """With dropout (``drop``: the kept probabilities' scale, 0 where dropped) the gradient of a
+    probability is dropout's too, and the row term stays dout . out of the dropped output."""
     kr, vr = _repeat_kv(k, q.shape[1]).float(), _repeat_kv(v, q.shape[1]).float()
     p = torch.exp(_scores(q, kr, causal, mask, scale) - lse.unsqueeze(-1))
     dout = dout.float()
-    dv = torch.matmul(p.transpose(-1, -2), dout)
+    dv = torch.matmul(p.transpose(-1, -2) if drop is None else (p * drop).transpose(-1, -2), dout)
     dp = torch.matmul(dout, vr.transpose(-1, -2))
+    if drop is not None:
+        dp = dp * drop
     ds = p * (dp - (dout * out.float()).sum(-1, keepdim=True))
     dq = torch.matmul(ds, kr) * scale
     dk = torch.matmul(ds.transpose(-1, -2), q.float()) * scale
@@ -129,14 +135,17 @@ def _fused(q: torch.Tensor, fused: bool | None) -> bool:
     return q.device.type == "cpu" if fused is None else fused
 
 
-def block_forward(q, k, v, kind: Kind, mask: torch.Tensor | None, scale: float, fused: bool | None = None):
+def block_forward(q, k, v, kind: Kind, mask: torch.Tensor | None, scale: float, fused: bool | None = None,
+                  drop: torch.Tensor | None = None):
     """(output in ``q``'s dtype, fp32 log-sum-exp) of queries ``q`` [B, H, n, D] over keys and
     values [B, H_kv, m, D] (H a multiple of H_kv), for a block of ``kind`` (``mask``: [n, m]
     bool for ``Kind.MASKED``). A query row that sees no key gets output 0 and lse -inf.
-    ``fused``: the fused CPU kernel (default on CPU) or the matrix form."""
+    ``fused``: the fused CPU kernel (default on CPU) or the matrix form; ``drop`` ([B, H, n, m],
+    ``dropout.keep_scale``) applies attention dropout, in the matrix form (the fused kernel draws
+    its own masks, which backward could not recompute)."""
     causal = kind is Kind.CAUSAL
-    if not _fused(q, fused):
-        return _math_forward(q, k, v, causal, mask, scale)
+    if drop is not None or not _fused(q, fused):
+        return _math_forward(q, k, v, causal, mask, scale, drop)
     out, lse = flash_attention_cpu(q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal,
                                    attn_mask=_additive(mask, q.dtype), scale=scale)
     if mask is not None:  # the kernel reports lse 0 for a row that sees nothing
@@ -145,12 +154,13 @@ def block_forward(q, k, v, kind: Kind, mask: torch.Tensor | None, scale: float, 
 
 
 def block_backward(dout, q, k, v, out, lse, kind: Kind, mask: torch.Tensor | None, scale: float,
-                   fused: bool | None = None):
+                   fused: bool | None = None, drop: torch.Tensor | None = None):
     """fp32 gradients (dq, dk, dv) of one block, given the merged ``out`` (``q``'s dtype) and
-    ``lse`` of its query rows: the block's share of the full attention's gradient."""
+    ``lse`` of its query rows: the block's share of the full attention's gradient (``drop``: the
+    forward's dropout, recomputed)."""
     causal = kind is Kind.CAUSAL
-    if not _fused(q, fused):
-        return _math_backward(dout, q, k, v, out, lse, causal, mask, scale)
+    if drop is not None or not _fused(q, fused):
+        return _math_backward(dout, q, k, v, out, lse, causal, mask, scale, drop)
     grads = flash_attention_cpu_backward(dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
                                          out.contiguous(), lse.contiguous(), 0.0, causal,
                                          attn_mask=_additive(mask, q.dtype), scale=scale)

@@ -8,6 +8,9 @@ Two ways in, chosen by the architecture's ``ContextSpec``:
 - Models with their own attention method (GPT-J's and GPT-Neo's ``_attn``) get that method
   replaced on each attention module by one that runs the same computation context-parallel.
 
+Attention dropout (HF passes the probability in training, 0 in eval; a method adapter reads it
+from the ``ContextSpec``) is ``dropout``'s: the same distribution as HF's, other draws.
+
 Either way no mask is built for the local chunk: causality and windows follow the chunks' global
 positions. The ``AttentionMaskInterface`` entry hands the 2-D padding mask through as it came
 (``inputs`` has replaced the rank's [B, L] mask by the whole sequences' [B, S] one, or by None
@@ -42,13 +45,6 @@ def ring_of(module: nn.Module) -> Ring:
     return ring
 
 
-def _refuse_dropout(module: nn.Module, p: float) -> None:
-    if p > 0:
-        raise NotImplementedError(
-            f"{type(module).__name__}: attention dropout {p} under context parallelism is not implemented; "
-            "set the config's attention dropout to 0 (or call model.eval())")
-
-
 def _key_mask(module: nn.Module, mask) -> torch.Tensor | None:
     """The whole sequences' [B, S] bool key mask handed through by ``_padding_mask``, or None."""
     if mask is None:
@@ -63,13 +59,13 @@ def _key_mask(module: nn.Module, mask) -> torch.Tensor | None:
 def _interface_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                          sliding_window=None, softcap=None, **kwargs):
     """HF's attention-interface contract: q [B, H, L, D], k/v [B, H_kv, L, D] -> ([B, L, H, D], None)."""
-    _refuse_dropout(module, dropout)
     if softcap is not None:
         raise NotImplementedError(f"{type(module).__name__}: attention logit soft-capping under context "
                                   "parallelism is not implemented")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = context_attention(query, key, value, ring_of(module), scale, sliding_window,
-                            causal=getattr(module, "is_causal", True), keys=_key_mask(module, attention_mask))
+                            causal=getattr(module, "is_causal", True), keys=_key_mask(module, attention_mask),
+                            dropout=dropout)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -87,10 +83,9 @@ def register() -> None:
 
 def _method(spec: ContextSpec):
     def attend(self, query, key, value, attention_mask=None, *args, **kwargs):
-        if self.training:
-            _refuse_dropout(self, spec.dropout(self))
+        dropout = spec.dropout(self) if self.training else 0.0
         return context_attention(query, key, value, ring_of(self), spec.scale(self), spec.window(self),
-                                 keys=_key_mask(self, attention_mask)), None
+                                 keys=_key_mask(self, attention_mask), dropout=dropout), None
     return attend
 
 

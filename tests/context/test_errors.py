@@ -92,7 +92,7 @@ def test_refused_models_and_values():
         assert info[api][0] == "NotImplementedError" and "BertForSequenceClassification is not implemented: " \
             "its head needs the whole sequence" in info[api][1]
     assert info["comm"] == ("ValueError", "cp_comm_type='ring': expected one of ('p2p', 'all_gather')")
-    assert info["dropout"][0] == "NotImplementedError" and "attention dropout 0.1" in info["dropout"][1]
+    assert info["dropout"] == ("none", ""), info["dropout"]  # attention dropout in training runs (test_cp_dropout)
     assert info["evaluated"] == (1, 4, 64)
     assert info["split"][0] == "ValueError" and "sequence length 10 is not divisible by" in info["split"][1]
 

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..tp.layout import base_prefix
 from ..tp.plan import glob_match, join
-from . import hf, inputs
+from . import decode, hf, inputs
 from .attention import COMM_TYPES, Ring
 from .layout import check_split, merge, positions, split
 from .spec import ContextSpec
@@ -104,3 +104,4 @@ def parallelize(model: nn.Module, cp_mesh: DeviceMesh, spec: ContextSpec | None,
     model.register_forward_pre_hook(partial(inputs.prepare, ring, spec, causal), with_kwargs=True, prepend=True)
     if not causal:
         model.register_forward_hook(inputs.token_loss, with_kwargs=True)
+    model.register_forward_hook(partial(decode.finish_prefill, ring), with_kwargs=True)

@@ -27,6 +27,7 @@ from torch import nn
 from transformers import AttentionInterface, AttentionMaskInterface
 
 from .attention import Ring, context_attention
+from .decode import decode_attention
 from .spec import ContextSpec
 
 ATTENTION = "modelparallel_context_parallel"
@@ -56,6 +57,15 @@ def _key_mask(module: nn.Module, mask) -> torch.Tensor | None:
     return mask.bool()
 
 
+def _attend(module, query, key, value, scale, window, causal, keys, dropout):
+    """Context-parallel attention, or, when the keys outnumber the queries (a decode step over the
+    whole gathered cache, ``decode``), plain attention on every rank alike."""
+    if key.shape[2] != query.shape[2]:
+        return decode_attention(query, key, value, scale, window, causal, keys, dropout)
+    return context_attention(query, key, value, ring_of(module), scale, window, causal=causal, keys=keys,
+                             dropout=dropout)
+
+
 def _interface_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                          sliding_window=None, softcap=None, **kwargs):
     """HF's attention-interface contract: q [B, H, L, D], k/v [B, H_kv, L, D] -> ([B, L, H, D], None)."""
@@ -63,9 +73,8 @@ def _interface_attention(module, query, key, value, attention_mask, scaling=None
         raise NotImplementedError(f"{type(module).__name__}: attention logit soft-capping under context "
                                   "parallelism is not implemented")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = context_attention(query, key, value, ring_of(module), scale, sliding_window,
-                            causal=getattr(module, "is_causal", True), keys=_key_mask(module, attention_mask),
-                            dropout=dropout)
+    out = _attend(module, query, key, value, scale, sliding_window, getattr(module, "is_causal", True),
+                  _key_mask(module, attention_mask), dropout)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -84,8 +93,8 @@ def register() -> None:
 def _method(spec: ContextSpec):
     def attend(self, query, key, value, attention_mask=None, *args, **kwargs):
         dropout = spec.dropout(self) if self.training else 0.0
-        return context_attention(query, key, value, ring_of(self), spec.scale(self), spec.window(self),
-                                 keys=_key_mask(self, attention_mask), dropout=dropout), None
+        return _attend(self, query, key, value, spec.scale(self), spec.window(self), True,
+                       _key_mask(self, attention_mask), dropout), None
     return attend
 
 

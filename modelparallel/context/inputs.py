@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..compat import all_gather_single
+from . import decode
 from .attention import Ring
 from .layout import merge, positions
 from .spec import ContextSpec
@@ -41,7 +42,7 @@ from .spec import ContextSpec
 IGNORE_INDEX = -100
 
 # One small int64 header per rank: (problem code, detail, batch, local length).
-OK, NO_TOKENS, ODD_LENGTH, MASK_SHAPE, CACHE, LABEL_SHAPE, MASK_DIMS = range(7)
+OK, NO_TOKENS, ODD_LENGTH, MASK_SHAPE, LABEL_SHAPE, MASK_DIMS = range(6)
 _PROBLEMS = {
     NO_TOKENS: (ValueError, "neither input_ids nor inputs_embeds was given"),
     ODD_LENGTH: (ValueError, "its sequence part has {L} tokens, an odd number: each context-parallel rank holds "
@@ -49,8 +50,6 @@ _PROBLEMS = {
     MASK_SHAPE: (ValueError, "its attention_mask has {detail} tokens per row where its inputs have {L}"),
     MASK_DIMS: (NotImplementedError, "its attention_mask has {detail} dimensions; under context parallelism "
                                      "only a 2-D [batch, tokens] padding mask is implemented"),
-    CACHE: (NotImplementedError, "past_key_values was given; a key/value cache (incremental decoding) under "
-                                 "context parallelism is not implemented"),
     LABEL_SHAPE: (ValueError, "its labels have {detail} tokens per row where its inputs have {L}"),
 }
 
@@ -84,8 +83,6 @@ def _local_problem(kw: dict) -> tuple[int, int]:
         return MASK_DIMS, mask.dim()
     if mask is not None and mask.shape[-1] != tokens.shape[1]:
         return MASK_SHAPE, mask.shape[-1]
-    if kw.get("past_key_values") is not None:
-        return CACHE, 0
     labels = kw.get("labels")
     if labels is not None and labels.shape[-1] != tokens.shape[1]:
         return LABEL_SHAPE, labels.shape[-1]
@@ -192,8 +189,13 @@ def prepare(ring: Ring, spec: ContextSpec, causal: bool, module: nn.Module, args
             kwargs: dict) -> tuple[tuple, dict]:
     """The forward pre-hook of a context-parallel model (see the module doc): check, then global
     positions, the whole padding mask, the labels (shifted when ``causal``) and the loss share;
-    no key/value cache."""
+    with a key/value cache, ``generate``'s steps (``decode``)."""
     kw = as_kwargs(module, args, kwargs)
+    if kw.get("past_key_values") is not None:  # generate(): the whole prompt, then decode steps
+        if decode.prepare(ring, kw) and kw.get("position_ids") is None:
+            length = _tokens(kw).shape[1]
+            kw["position_ids"] = positions(length, ring.size, ring.rank, device=_device(kw)).unsqueeze(0)
+        return (), kw
     agree(ring, kw)
     length = _tokens(kw).shape[1]
     where = positions(length, ring.size, ring.rank, device=_device(kw))

@@ -60,7 +60,7 @@ def check_batch_problem(case: str):
     ("mask_4d", "NotImplementedError", "its attention_mask has 4 dimensions"),
     ("odd_length", "ValueError", "context-parallel rank 0: its sequence part has 7 tokens, an odd number"),
     ("different_lengths", "ValueError", "rank 0 2 x 6, rank 1 2 x 8"),
-    ("cache", "NotImplementedError", "past_key_values was given"),
+    ("cache", "NotImplementedError", "a key/value cache of object under context parallelism is not implemented"),
     ("label_shape", "ValueError", "its labels have 4 tokens per row where its inputs have 8"),
 ])
 def test_a_bad_batch_stops_every_rank(case, kind, fragment):

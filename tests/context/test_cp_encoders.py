@@ -2,7 +2,8 @@
 BERT and RoBERTa masked-LM (and BERT token classification), bidirectional attention over the
 sequence split in the same two-chunk layout as decoders, with padding: logits (gathered back), the
 loss (the mean of the ranks' shares; labels on the masked tokens only, not shifted) and every
-gradient, at C=2 with both communication types. RoBERTa counts positions from its padding id
+gradient, at C=2 with both communication types, and BERT at C=2 x T=2 (the vocab-parallel loss
+taking the same share). RoBERTa counts positions from its padding id
 over non-padding tokens, from the whole sequences' ids; BERT counts 0..S-1.
 
 Where to look: logits wrong -> context/blocks.py (``pair_kind`` with ``causal`` False) or the
@@ -21,7 +22,7 @@ from transformers import (BertConfig, BertForMaskedLM, BertForSequenceClassifica
 import harness
 import modelparallel as smp
 from reference import _assert_module_grads_match, assert_close
-from test_models import average_grads, cp_mean
+from test_models import average_grads, cp_mean, full_logits
 
 VOCAB, SEQ, PAD = 64, 16, 1
 SIZES = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=VOCAB,
@@ -48,8 +49,8 @@ def batch(classes: int | None = None):
     return ids, mask, labels
 
 
-def check_encoder(name: str, comm: str):
-    smp.init({"context_parallel_degree": 2})
+def check_encoder(name: str, comm: str, tp: int = 1):
+    smp.init({"context_parallel_degree": 2, "tensor_parallel_degree": tp})
     cls, config = MODELS[name]
     torch.manual_seed(0)
     ref = cls(config(**SIZES, **({"num_labels": 5} if name == "bert_tokens" else {})))
@@ -58,7 +59,7 @@ def check_encoder(name: str, comm: str):
     want = ref(ids, attention_mask=mask, labels=labels)
     mine = smp.get_batch_for_cp_rank((ids, mask, labels))
     got = model(input_ids=mine[0], attention_mask=mine[1], labels=mine[2])
-    assert_close(smp.gather_sequence(got.logits), want.logits, f"{name} logits", terms=SEQ)
+    assert_close(full_logits(got.logits), want.logits, f"{name} logits", terms=SEQ)
     assert_close(cp_mean(got.loss), want.loss, f"{name} loss")
     want.loss.backward()
     got.loss.backward()
@@ -66,10 +67,11 @@ def check_encoder(name: str, comm: str):
     _assert_module_grads_match(ref, model, rerun=lambda m: m(ids, attention_mask=mask, labels=labels).loss)
 
 
-@pytest.mark.parametrize("name, comm", [("bert", "p2p"), ("bert", "all_gather"), ("roberta", "p2p"),
-                                        ("roberta", "all_gather"), ("bert_tokens", "p2p")])
-def test_encoder_equals_one_process(name, comm):
-    harness.run(2, check_encoder, name, comm)
+@pytest.mark.parametrize("name, comm, tp", [("bert", "p2p", 1), ("bert", "all_gather", 1), ("roberta", "p2p", 1),
+                                            ("roberta", "all_gather", 1), ("bert_tokens", "p2p", 1),
+                                            ("bert", "all_gather", 2)])
+def test_encoder_equals_one_process(name, comm, tp):
+    harness.run(2 * tp, check_encoder, name, comm, tp)
 
 
 def check_refused_head():

@@ -11,7 +11,11 @@ differentiated one at a time too and nothing quadratic in the sequence is kept.
 Which pairs are computed depends only on the chunks' global positions: a key chunk after the
 query chunk is skipped, the same chunk is causal, an earlier one is fully visible; a sliding
 window (Mistral, GPT-Neo's local layers: position q sees k when 0 <= q - k < window) can turn a
-pair into an explicit mask or skip it.
+pair into an explicit mask or skip it. Bidirectional attention (encoders) sees every pair whole.
+Padding (a [B, S] key mask, False for a padding token) turns a block into an explicit [B, 1, n, m]
+mask: the block's own pattern and the key chunk's padding. A query row that sees no key in a
+block gets output 0 and log-sum-exp -inf there; one that sees no key anywhere (a left-padding
+token under causal attention) keeps output 0, as PyTorch's scaled-dot-product attention gives it.
 
 Kernels: PyTorch's fused CPU attention (``compat.flash_attention_cpu``, which returns the
 log-sum-exp and has a matching backward) on CPU; elsewhere an fp32 matrix form with the same
@@ -36,9 +40,12 @@ class Kind(Enum):
     MASKED = "masked"  # a sliding window cuts through the block: an explicit mask
 
 
-def pair_kind(q_chunk: int, k_chunk: int, length: int, window: int | None) -> Kind:
+def pair_kind(q_chunk: int, k_chunk: int, length: int, window: int | None, causal: bool = True) -> Kind:
     """The ``Kind`` of query chunk ``q_chunk`` against key chunk ``k_chunk`` (chunks of
-    ``length`` tokens, in global chunk order), under causal attention limited to ``window``."""
+    ``length`` tokens, in global chunk order), under causal attention limited to ``window``
+    (``causal`` False: bidirectional, every pair whole)."""
+    if not causal:
+        return Kind.FULL
     if k_chunk > q_chunk:
         return Kind.NONE
     if q_chunk == k_chunk:
@@ -58,6 +65,20 @@ def window_mask(q_chunk: int, k_chunk: int, length: int, window: int, device=Non
     j = torch.arange(length, device=device).unsqueeze(0)
     distance = (q_chunk - k_chunk) * length + i - j
     return (distance >= 0) & (distance < window)
+
+
+def block_mask(kind: Kind, q_chunk: int, k_chunk: int, length: int, window: int | None,
+               keys: torch.Tensor | None, device=None) -> tuple[Kind, torch.Tensor | None]:
+    """The (kind, mask) a block is computed with: ``window_mask`` for ``Kind.MASKED``; with
+    ``keys`` ([B, length] bool, the key chunk's tokens, False for padding) a [B, 1, n, m] mask
+    of the block's pattern and the padding, and kind ``Kind.MASKED``."""
+    mask = window_mask(q_chunk, k_chunk, length, window, device) if kind is Kind.MASKED else None
+    if keys is None:
+        return kind, mask
+    if kind is Kind.CAUSAL:
+        mask = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    padded = keys[:, None, None, :].expand(-1, -1, length, -1)
+    return Kind.MASKED, padded if mask is None else padded & mask
 
 
 def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -80,10 +101,12 @@ def _repeat_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
 
 
-def _math_forward(q, k, v, causal, mask, scale):
+def _math_forward(q, k, v, causal, mask, scale, drop=None):
     s = _scores(q, _repeat_kv(k, q.shape[1]), causal, mask, scale)
-    lse = torch.logsumexp(s, dim=-1)
+    lse = torch.logsumexp(s, dim=-1)  # of the undropped scores: the merge's weights
     p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num_(0.0)
+    if drop is not None:
+        p = p * drop
     return torch.matmul(p, _repeat_kv(v, q.shape[1]).float()).to(q.dtype), lse
 
 
@@ -92,12 +115,16 @@ def _grouped(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return grad if h == kv_heads else grad.view(b, kv_heads, h // kv_heads, n, d).sum(2)
 
 
-def _math_backward(dout, q, k, v, out, lse, causal, mask, scale):
+def _math_backward(dout, q, k, v, out, lse, causal, mask, scale, drop=None):
+    """With dropout (``drop``: the kept probabilities' scale, 0 where dropped) the gradient of a
+    probability is dropout's too, and the row term stays dout . out of the dropped output."""
     kr, vr = _repeat_kv(k, q.shape[1]).float(), _repeat_kv(v, q.shape[1]).float()
     p = torch.exp(_scores(q, kr, causal, mask, scale) - lse.unsqueeze(-1))
     dout = dout.float()
-    dv = torch.matmul(p.transpose(-1, -2), dout)
+    dv = torch.matmul(p.transpose(-1, -2) if drop is None else (p * drop).transpose(-1, -2), dout)
     dp = torch.matmul(dout, vr.transpose(-1, -2))
+    if drop is not None:
+        dp = dp * drop
     ds = p * (dp - (dout * out.float()).sum(-1, keepdim=True))
     dq = torch.matmul(ds, kr) * scale
     dk = torch.matmul(ds.transpose(-1, -2), q.float()) * scale
@@ -108,14 +135,17 @@ def _fused(q: torch.Tensor, fused: bool | None) -> bool:
     return q.device.type == "cpu" if fused is None else fused
 
 
-def block_forward(q, k, v, kind: Kind, mask: torch.Tensor | None, scale: float, fused: bool | None = None):
+def block_forward(q, k, v, kind: Kind, mask: torch.Tensor | None, scale: float, fused: bool | None = None,
+                  drop: torch.Tensor | None = None):
     """(output in ``q``'s dtype, fp32 log-sum-exp) of queries ``q`` [B, H, n, D] over keys and
     values [B, H_kv, m, D] (H a multiple of H_kv), for a block of ``kind`` (``mask``: [n, m]
     bool for ``Kind.MASKED``). A query row that sees no key gets output 0 and lse -inf.
-    ``fused``: the fused CPU kernel (default on CPU) or the matrix form."""
+    ``fused``: the fused CPU kernel (default on CPU) or the matrix form; ``drop`` ([B, H, n, m],
+    ``dropout.keep_scale``) applies attention dropout, in the matrix form (the fused kernel draws
+    its own masks, which backward could not recompute)."""
     causal = kind is Kind.CAUSAL
-    if not _fused(q, fused):
-        return _math_forward(q, k, v, causal, mask, scale)
+    if drop is not None or not _fused(q, fused):
+        return _math_forward(q, k, v, causal, mask, scale, drop)
     out, lse = flash_attention_cpu(q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal,
                                    attn_mask=_additive(mask, q.dtype), scale=scale)
     if mask is not None:  # the kernel reports lse 0 for a row that sees nothing
@@ -124,12 +154,13 @@ def block_forward(q, k, v, kind: Kind, mask: torch.Tensor | None, scale: float, 
 
 
 def block_backward(dout, q, k, v, out, lse, kind: Kind, mask: torch.Tensor | None, scale: float,
-                   fused: bool | None = None):
+                   fused: bool | None = None, drop: torch.Tensor | None = None):
     """fp32 gradients (dq, dk, dv) of one block, given the merged ``out`` (``q``'s dtype) and
-    ``lse`` of its query rows: the block's share of the full attention's gradient."""
+    ``lse`` of its query rows: the block's share of the full attention's gradient (``drop``: the
+    forward's dropout, recomputed)."""
     causal = kind is Kind.CAUSAL
-    if not _fused(q, fused):
-        return _math_backward(dout, q, k, v, out, lse, causal, mask, scale)
+    if drop is not None or not _fused(q, fused):
+        return _math_backward(dout, q, k, v, out, lse, causal, mask, scale, drop)
     grads = flash_attention_cpu_backward(dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
                                          out.contiguous(), lse.contiguous(), 0.0, causal,
                                          attn_mask=_additive(mask, q.dtype), scale=scale)

@@ -8,18 +8,26 @@ Two ways in, chosen by the architecture's ``ContextSpec``:
 - Models with their own attention method (GPT-J's and GPT-Neo's ``_attn``) get that method
   replaced on each attention module by one that runs the same computation context-parallel.
 
-Either way the attention mask HF would build for the local chunk is skipped (``AttentionMask
-Interface`` entry returning None): masking follows the chunks' global positions instead.
+Attention dropout (HF passes the probability in training, 0 in eval; a method adapter reads it
+from the ``ContextSpec``) is ``dropout``'s: the same distribution as HF's, other draws.
+
+Either way no mask is built for the local chunk: causality and windows follow the chunks' global
+positions. The ``AttentionMaskInterface`` entry hands the 2-D padding mask through as it came
+(``inputs`` has replaced the rank's [B, L] mask by the whole sequences' [B, S] one, or by None
+when nothing is padded), so it reaches the attention as its ``attention_mask``. Whether attention
+is causal is the module's ``is_causal`` (BERT's self-attention: False unless a decoder).
 """
 
 from __future__ import annotations
 
 import types
 
+import torch
 from torch import nn
 from transformers import AttentionInterface, AttentionMaskInterface
 
 from .attention import Ring, context_attention
+from .decode import decode_attention
 from .spec import ContextSpec
 
 ATTENTION = "modelparallel_context_parallel"
@@ -38,41 +46,55 @@ def ring_of(module: nn.Module) -> Ring:
     return ring
 
 
-def _refuse_dropout(module: nn.Module, p: float) -> None:
-    if p > 0:
-        raise NotImplementedError(
-            f"{type(module).__name__}: attention dropout {p} under context parallelism is not implemented; "
-            "set the config's attention dropout to 0 (or call model.eval())")
+def _key_mask(module: nn.Module, mask) -> torch.Tensor | None:
+    """The whole sequences' [B, S] bool key mask handed through by ``_padding_mask``, or None."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        raise NotImplementedError(f"{type(module).__name__}: an attention mask other than a 2-D padding mask "
+                                  f"({getattr(mask, 'shape', type(mask).__name__)}) under context parallelism "
+                                  "is not implemented")
+    return mask.bool()
+
+
+def _attend(module, query, key, value, scale, window, causal, keys, dropout):
+    """Context-parallel attention, or, when the keys outnumber the queries (a decode step over the
+    whole gathered cache, ``decode``), plain attention on every rank alike."""
+    if key.shape[2] != query.shape[2]:
+        return decode_attention(query, key, value, scale, window, causal, keys, dropout)
+    return context_attention(query, key, value, ring_of(module), scale, window, causal=causal, keys=keys,
+                             dropout=dropout)
 
 
 def _interface_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                          sliding_window=None, softcap=None, **kwargs):
     """HF's attention-interface contract: q [B, H, L, D], k/v [B, H_kv, L, D] -> ([B, L, H, D], None)."""
-    _refuse_dropout(module, dropout)
     if softcap is not None:
         raise NotImplementedError(f"{type(module).__name__}: attention logit soft-capping under context "
                                   "parallelism is not implemented")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = context_attention(query, key, value, ring_of(module), scale, sliding_window)
+    out = _attend(module, query, key, value, scale, sliding_window, getattr(module, "is_causal", True),
+                  _key_mask(module, attention_mask), dropout)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _no_mask(*args, **kwargs):
-    """No mask for the local chunk: context-parallel attention masks by global position itself."""
-    return None
+def _padding_mask(*args, attention_mask=None, **kwargs):
+    """The 2-D padding mask as given (the whole sequences', or None): context-parallel attention
+    masks causality by global position itself, and padding per key chunk."""
+    return attention_mask
 
 
 def register() -> None:
     """Make ``ATTENTION`` known to HF's attention and mask interfaces (idempotent)."""
     AttentionInterface.register(ATTENTION, _interface_attention)
-    AttentionMaskInterface.register(ATTENTION, _no_mask)
+    AttentionMaskInterface.register(ATTENTION, _padding_mask)
 
 
 def _method(spec: ContextSpec):
     def attend(self, query, key, value, attention_mask=None, *args, **kwargs):
-        if self.training:
-            _refuse_dropout(self, spec.dropout(self))
-        return context_attention(query, key, value, ring_of(self), spec.scale(self), spec.window(self)), None
+        dropout = spec.dropout(self) if self.training else 0.0
+        return _attend(self, query, key, value, spec.scale(self), spec.window(self), True,
+                       _key_mask(self, attention_mask), dropout), None
     return attend
 
 

@@ -7,13 +7,21 @@ the forward:
    found in one small all-gather, so a problem on one rank (padding in its chunks only) stops
    every rank with the same error instead of leaving the others waiting in attention.
 2. ``position_ids``, when the caller gives none, become the tokens' global positions, so rotary
-   and learned position embeddings see the whole-sequence positions.
-3. ``labels`` become ``shift_labels``: the label of each local token's successor in the whole
+   and learned position embeddings see the whole-sequence positions. HF's forward numbers the
+   tokens 0..S-1 whatever the padding (GPT-2, Llama, BERT alike; only ``generate`` derives
+   positions from the mask), so padded batches get the same.
+3. ``attention_mask`` (a [B, L] padding mask, left or right padding alike) becomes the whole
+   sequences' [B, S] bool mask, gathered once: attention masks each key chunk's padding with it
+   (``attention``); None when nothing is padded.
+4. ``labels`` become ``shift_labels``: the label of each local token's successor in the whole
    sequence, found by gathering the labels (small integers) once. The successor of a chunk's
    last token sits in another chunk, maybe on another rank; this way no target is dropped or
    counted twice. ``num_items_in_batch`` becomes the whole sequences' target count over C, so
    each rank returns its share of the loss: the mean over the group of the ranks' losses is one
-   process's loss on the whole sequences, and so are the averaged gradients.
+   process's loss on the whole sequences, and so are the averaged gradients. An encoder's labels
+   (masked-LM, token classification) belong to their own positions: nothing is shifted, only the
+   count is global, and ``token_loss`` divides this rank's summed loss by that share (HF's
+   encoder heads take the mean over the rank's own tokens, which the share replaces).
 """
 
 from __future__ import annotations
@@ -23,24 +31,25 @@ import inspect
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..compat import all_gather_single
+from . import decode
 from .attention import Ring
 from .layout import merge, positions
+from .spec import ContextSpec
 
 IGNORE_INDEX = -100
 
 # One small int64 header per rank: (problem code, detail, batch, local length).
-OK, NO_TOKENS, ODD_LENGTH, PADDING, CACHE, LABEL_SHAPE = range(6)
+OK, NO_TOKENS, ODD_LENGTH, MASK_SHAPE, LABEL_SHAPE, MASK_DIMS = range(6)
 _PROBLEMS = {
     NO_TOKENS: (ValueError, "neither input_ids nor inputs_embeds was given"),
     ODD_LENGTH: (ValueError, "its sequence part has {L} tokens, an odd number: each context-parallel rank holds "
                              "two equal chunks, so the whole sequence must divide by 2 x context_parallel_degree"),
-    PADDING: (NotImplementedError, "its attention_mask holds {detail} padding zeros; padded batches under "
-                                   "context parallelism are not implemented (pack sequences, or pad at the "
-                                   "end without a mask and set the padding labels to -100)"),
-    CACHE: (NotImplementedError, "past_key_values was given; a key/value cache (incremental decoding) under "
-                                 "context parallelism is not implemented"),
+    MASK_SHAPE: (ValueError, "its attention_mask has {detail} tokens per row where its inputs have {L}"),
+    MASK_DIMS: (NotImplementedError, "its attention_mask has {detail} dimensions; under context parallelism "
+                                     "only a 2-D [batch, tokens] padding mask is implemented"),
     LABEL_SHAPE: (ValueError, "its labels have {detail} tokens per row where its inputs have {L}"),
 }
 
@@ -70,10 +79,10 @@ def _local_problem(kw: dict) -> tuple[int, int]:
     if tokens.shape[1] % 2:
         return ODD_LENGTH, 0
     mask = kw.get("attention_mask")
-    if mask is not None and mask.dim() == 2 and not bool(mask.all()):
-        return PADDING, int((mask == 0).sum())
-    if kw.get("past_key_values") is not None:
-        return CACHE, 0
+    if mask is not None and mask.dim() != 2:
+        return MASK_DIMS, mask.dim()
+    if mask is not None and mask.shape[-1] != tokens.shape[1]:
+        return MASK_SHAPE, mask.shape[-1]
     labels = kw.get("labels")
     if labels is not None and labels.shape[-1] != tokens.shape[1]:
         return LABEL_SHAPE, labels.shape[-1]
@@ -138,16 +147,63 @@ def _shift(ring: Ring, kw: dict, where: torch.Tensor) -> None:
     kw["num_items_in_batch"] = (given if given is not None else count) / ring.size
 
 
-def prepare(ring: Ring, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def _count(ring: Ring, kw: dict) -> None:
+    """An encoder's ``num_items_in_batch``: the whole sequences' labelled tokens over C (labels
+    stay where they are)."""
+    ignore = kw.get("ignore_index", IGNORE_INDEX)
+    given = kw.get("num_items_in_batch")
+    count = given if given is not None else (_gather_tokens(ring, kw["labels"]) != ignore).sum()
+    kw["num_items_in_batch"] = count / ring.size
+
+
+def token_loss(module: nn.Module, args: tuple, kwargs: dict, output):
+    """An encoder's forward hook: this rank's share of a per-token loss (labels at their own
+    positions), the summed cross-entropy of its tokens over ``num_items_in_batch``. Logits left
+    vocab-sharded (a DTensor) mean tensor parallelism computed the loss already, with that share."""
+    labels, logits = kwargs.get("labels"), getattr(output, "logits", None)
+    if labels is None or logits is None or isinstance(logits, DTensor) or getattr(output, "loss", None) is None:
+        return output
+    ignore = kwargs.get("ignore_index", IGNORE_INDEX)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1).to(logits.device),
+                           ignore_index=ignore, reduction="sum") / kwargs["num_items_in_batch"]
+    return type(output)(loss=loss, **{k: v for k, v in output.items() if k != "loss"})
+
+
+def _positions(ring: Ring, spec: ContextSpec, module: nn.Module, kw: dict, where: torch.Tensor) -> torch.Tensor:
+    """The local tokens' position ids as HF's forward computes them for the whole sequences."""
+    if spec.positions is None:
+        return where.unsqueeze(0)
+    ids = kw.get("input_ids")
+    whole = _gather_tokens(ring, ids) if ids is not None else None
+    return spec.positions(module.config, whole, where.numel() * ring.size).to(where.device)[:, where]
+
+
+def _whole_mask(ring: Ring, mask: torch.Tensor) -> torch.Tensor | None:
+    """The whole sequences' [B, S] bool padding mask from every rank's [B, L] part; None when no
+    token is padded (every rank finds the same)."""
+    whole = _gather_tokens(ring, mask.ne(0).to(torch.uint8)).bool()
+    return None if bool(whole.all()) else whole
+
+
+def prepare(ring: Ring, spec: ContextSpec, causal: bool, module: nn.Module, args: tuple,
+            kwargs: dict) -> tuple[tuple, dict]:
     """The forward pre-hook of a context-parallel model (see the module doc): check, then global
-    positions, shifted labels and the loss share; no key/value cache."""
+    positions, the whole padding mask, the labels (shifted when ``causal``) and the loss share;
+    with a key/value cache, ``generate``'s steps (``decode``)."""
     kw = as_kwargs(module, args, kwargs)
+    if kw.get("past_key_values") is not None:  # generate(): the whole prompt, then decode steps
+        if decode.prepare(ring, kw) and kw.get("position_ids") is None:
+            length = _tokens(kw).shape[1]
+            kw["position_ids"] = positions(length, ring.size, ring.rank, device=_device(kw)).unsqueeze(0)
+        return (), kw
     agree(ring, kw)
     length = _tokens(kw).shape[1]
     where = positions(length, ring.size, ring.rank, device=_device(kw))
     if kw.get("position_ids") is None:
-        kw["position_ids"] = where.unsqueeze(0)
+        kw["position_ids"] = _positions(ring, spec, module, kw, where)
+    if kw.get("attention_mask") is not None:
+        kw["attention_mask"] = _whole_mask(ring, kw["attention_mask"])
     if kw.get("labels") is not None:
-        _shift(ring, kw, where)
+        _shift(ring, kw, where) if causal else _count(ring, kw)
     kw["use_cache"] = False
     return (), kw

@@ -29,7 +29,7 @@ class Architecture:
             checkpoints hold the model's own keys and no HF export is offered.
         pipeline: where the model cuts into pipeline stages, or None: pipeline parallelism is
             refused for it.
-        context: the attention modules context parallelism replaces (a causal decoder), or None:
+        context: the attention modules context parallelism replaces (a decoder or an encoder), or None:
             context parallelism is refused for it.
         experts: a mixture-of-experts model's experts and routers, or None (a dense model).
         sagemaker: where SageMaker's module names (``seq_layers``...) fall in it, or None.

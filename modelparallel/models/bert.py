@@ -21,6 +21,7 @@ and head names.
 
 import torch
 
+from ..context.spec import ContextSpec
 from ._translate import KeyTable
 from ..pipeline.split import PipelineSplit
 from ..tp.plan import ArchSpec, ModulePlan, SharedInput
@@ -53,6 +54,18 @@ ENCODER_KEYS = (
 def position_ids(max_seq_len: int, layer: int, config=None) -> torch.Tensor:
     """The [1, n] position ids older checkpoints stored."""
     return torch.arange(max_seq_len).unsqueeze(0)
+
+
+ENCODER_HEADS = ("ForMaskedLM", "ForTokenClassification")
+"""The heads context parallelism runs: per-token outputs (the base model's pooler, classification and
+question-answering heads need the whole sequence on one rank)."""
+
+
+def encoder_context(family: str, positions=None) -> ContextSpec:
+    """A BERT-family encoder's ``ContextSpec``: the self-attention modules (HF's attention
+    interface; bidirectional unless the config makes a decoder), the heads of ``ENCODER_HEADS``."""
+    return ContextSpec(attention="encoder.layer.*.attention.self", positions=positions,
+                       heads=tuple(family + h for h in ENCODER_HEADS))
 
 
 def encoder_arch(model_type: str, prefix: str, mlm: str, head_keys: tuple[str, ...],
@@ -99,5 +112,6 @@ SPEC, TABLE = encoder_arch(
     causal_head="BertLMHeadModel",
 )
 PIPELINE = ENCODER_PIPELINE
+CONTEXT = encoder_context("Bert")  # HF's forward counts positions 0..S-1
 
-ARCHITECTURE = Architecture(SPEC, TABLE, pipeline=PIPELINE)
+ARCHITECTURE = Architecture(SPEC, TABLE, pipeline=PIPELINE, context=CONTEXT)

@@ -8,8 +8,20 @@ decoder's tied bias. The classification head (``classifier.dense``, ``classifier
 replicated.
 """
 
-from .bert import ENCODER_PIPELINE, encoder_arch
+import torch
+
+from .bert import ENCODER_PIPELINE, encoder_arch, encoder_context
 from ._architecture import Architecture
+
+
+def positions(config, input_ids, length):
+    """RoBERTa's position ids: counted from ``pad_token_id`` + 1 over non-padding tokens (padding
+    keeps ``pad_token_id``), from the whole sequences' ids, as ``RobertaEmbeddings`` counts them."""
+    if input_ids is None:
+        return torch.arange(config.pad_token_id + 1, length + config.pad_token_id + 1).unsqueeze(0)
+    real = input_ids.ne(config.pad_token_id).int()
+    return (torch.cumsum(real, dim=1) * real).long() + config.pad_token_id
+
 
 SPEC, TABLE = encoder_arch(
     "roberta", "roberta", "lm_head",
@@ -19,5 +31,6 @@ SPEC, TABLE = encoder_arch(
     causal_head="RobertaForCausalLM",
 )
 PIPELINE = ENCODER_PIPELINE
+CONTEXT = encoder_context("Roberta", positions)
 
-ARCHITECTURE = Architecture(SPEC, TABLE, pipeline=PIPELINE)
+ARCHITECTURE = Architecture(SPEC, TABLE, pipeline=PIPELINE, context=CONTEXT)

@@ -79,6 +79,43 @@ def test_forward_only_step_gives_hf_logits(schedule):
         torch.testing.assert_close(got, want, rtol=0, atol=tolerance(want))
 
 
+def _failing_stage(fail: bool):
+    """A step whose last stage (on rank 1, its second stage) raises; then the model called
+    outside a step. Returns both errors seen on this rank."""
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "random_seed": 1, **V})
+    model = smp.DistributedModel(build("gpt2"))
+
+    @smp.step
+    def step(ids):
+        out = model(ids, labels=ids)
+        if fail:
+            raise KeyError("the loss went missing")
+        model.backward(out.loss)
+        return out.loss
+
+    errors = []
+    try:
+        step(global_batch(0))
+        errors.append(None)
+    except smp.pipeline.StepFailed as e:
+        errors.append(str(e))
+    try:
+        model(global_batch(0))
+        errors.append(None)
+    except RuntimeError as e:
+        errors.append(str(e))
+    return errors
+
+
+def test_failure_on_a_virtual_stage_ends_every_rank():
+    """The code after the model call runs on the last stage only: its error reaches both ranks,
+    which then still run a healthy step; a call outside ``@smp.step`` is refused on both."""
+    for failed, outside in harness.run(2, _failing_stage, True):
+        assert failed and "pipeline stage 1): KeyError: 'the loss went missing'" in failed, failed
+        assert outside and "runs inside an @smp.step function" in outside, outside
+    assert [e[0] for e in harness.run(2, _failing_stage, False)] == [None, None], "the ranks went on"
+
+
 @pytest.mark.parametrize("extra, error, words", [
     ({"microbatches": 5}, ValueError, ["microbatches 5", "pipeline_parallel_degree 2", "2 equal rounds"]),
     ({"microbatches": 8, "active_microbatches": 5}, ValueError, ["a schedule of 5 microbatches"]),

@@ -152,8 +152,8 @@ def _next_loss(model, opt):
     return sum(smp.allgather(loss, smp.DP_GROUP)).item() / smp.dp_size()
 
 
-def _resume(path, pp, tag):
-    smp.init({"pipeline_parallel_degree": pp, "microbatches": 2, "random_seed": 7})
+def _resume(path, pp, virtual, tag):
+    smp.init({"pipeline_parallel_degree": pp, "microbatches": 2, "random_seed": 7, "pipeline_virtual_stages": virtual})
     torch.manual_seed(7)
     model = smp.DistributedModel(build("gpt2"))
     opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
@@ -162,14 +162,14 @@ def _resume(path, pp, tag):
     return loaded, _next_loss(model, opt)  # the loss comes before the optimizer's step
 
 
-@pytest.mark.parametrize("load_pp", [2, 1])
-def test_checkpoint_with_virtual_stages_resumes_without(tmp_path, load_pp):
+@pytest.mark.parametrize("load_pp, load_virtual", [(2, 1), (1, 1), (2, 2)])
+def test_checkpoint_with_virtual_stages_resumes_without(tmp_path, load_pp, load_virtual):
     """Saved at pp 2 x 2 virtual stages on 2 ranks (ranks hold layers {0, 2} and {1, 3}); resumed
-    at pp 2 without virtual stages ({0, 1}, {2, 3}) and at pp 1 (data parallelism): the same
-    weights, the same next step (partial), the same weights from the full checkpoint."""
+    at pp 2 without virtual stages ({0, 1}, {2, 3}), at pp 1 (data parallelism) and with them
+    again: the same weights and the same next step, from the partial and the full checkpoint."""
     saved, want = harness.run(2, _save, str(tmp_path), 2, 2)[0]
     assert torch.equal(saved["lm_head.weight"], saved["transformer.wte.weight"])
     for tag in ("p", "f"):
-        loaded, loss = harness.run(2, _resume, str(tmp_path), load_pp, tag)[0]
+        loaded, loss = harness.run(2, _resume, str(tmp_path), load_pp, load_virtual, tag)[0]
         assert set(loaded) == set(saved) and all(torch.equal(saved[k], loaded[k]) for k in saved), tag
         assert abs(loss - want) <= training_rtol(2) * abs(want), (tag, loss, want)

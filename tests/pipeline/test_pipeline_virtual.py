@@ -10,8 +10,8 @@ P - 1) stay identical. A checkpoint saved with virtual stages resumes without th
 pipeline degree 1, with the same weights.
 
 A gradient mismatch with right stage ranges means a stage ran another stage's blocks or the
-wrong activation (modelparallel/pipeline/stage.py ``Boundary.running``); a wrong owner of a key
-(pipeline/split.py ``describe``) shows in the checkpoint test as a missing or unexpected key.
+wrong activation (modelparallel/pipeline/stage.py ``Boundary.running``); a layer held twice or
+by no rank, that pipeline/split.py's ``apply`` kept the wrong blocks.
 """
 
 import pytest

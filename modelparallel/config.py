@@ -207,6 +207,41 @@ def _check_pipeline(cfg: Config, problems: list[str]) -> None:
                         f"is {cfg.pipeline_parallel_degree} (partitions 0 .. {cfg.pipeline_parallel_degree - 1})")
 
 
+def virtual_round_problem(cfg: Config, microbatches: int | None = None) -> str | None:
+    """Why the interleaved schedule over virtual stages cannot run ``microbatches`` (default: the
+    config's) in rounds of ``active_microbatches``; None when it can. PyTorch's interleaved 1F1B
+    cuts a schedule's M microbatches into max(1, M // pipeline_parallel_degree) equal rounds."""
+    pp, virtual = cfg.pipeline_parallel_degree, cfg.pipeline_virtual_stages
+    if pp == 1 or virtual == 1 or cfg.pipeline != "interleaved":
+        return None
+    m = microbatches or cfg.microbatches
+    size = cfg.active_microbatches or m
+    for count in sorted({min(size, m), m % size} - {0}):
+        rounds = max(1, count // pp)
+        if count % rounds:
+            what = f"microbatches {m}" if count == m else \
+                f"a schedule of {count} microbatches (microbatches {m} in rounds of active_microbatches {size})"
+            return (f"pipeline_virtual_stages {virtual} with pipeline 'interleaved' at pipeline_parallel_degree {pp} "
+                    f"runs {what} in {rounds} equal rounds, and {count} is not a multiple of {rounds}; use a "
+                    f"multiple of {pp}")
+    return None
+
+
+def _check_virtual(cfg: Config, problems: list[str]) -> None:
+    if cfg.pipeline_virtual_stages > 1 and cfg.pipeline_parallel_degree == 1:
+        problems.append(f"pipeline_virtual_stages {cfg.pipeline_virtual_stages} needs pipeline_parallel_degree > 1")
+    problem = virtual_round_problem(cfg)
+    if problem:
+        problems.append(problem)
+
+
+def _unbuilt_virtual(cfg: Config) -> list[str]:
+    if cfg.pipeline_virtual_stages > 1 and not cfg.auto_partition:
+        return [f"pipeline_virtual_stages {cfg.pipeline_virtual_stages} with auto_partition false (partition marks "
+                "name one stage per pipeline rank)"]
+    return []
+
+
 def unbuilt_combinations(cfg: Config, api: str | None = None) -> list[str]:
     """The dimensions ``cfg`` combines that do not compose here, each naming its keys. With
     ``api="v2"`` (a job started by ``transform``) also pipeline parallelism, which runs only
@@ -259,7 +294,8 @@ def build_config(config: dict | str | os.PathLike | None, world_size: int, api: 
     _check_placement(cfg.placement_strategy, problems)
     _check_degrees(cfg, problems)
     _check_pipeline(cfg, problems)
-    refused = _unbuilt(known) + unbuilt_combinations(cfg, api)
+    _check_virtual(cfg, problems)
+    refused = _unbuilt(known) + _unbuilt_virtual(cfg) + unbuilt_combinations(cfg, api)
     if problems:
         raise ValueError("invalid modelparallel config:\n  - " + "\n  - ".join(
             problems + [f"not implemented: {r}" for r in refused]))

@@ -120,6 +120,10 @@ KEYS: tuple[Key, ...] = (
     Key("pipeline", str, "interleaved", IMPLEMENTED,
         "Pipeline schedule: \"interleaved\" = one forward, one backward (1F1B; with fewer microbatches "
         "than stages, GPipe), \"simple\" = all forwards, then all backwards (GPipe)."),
+    Key("pipeline_virtual_stages", int, 1, IMPLEMENTED,
+        "Ours: pipeline stages per pipeline rank (virtual stages): the layers are cut into "
+        "pipeline_parallel_degree x this many stages and rank r runs stages r, r + degree, ... "
+        "(the interleaved schedule's smaller bubble); 1: one stage per rank.", "ours", minimum=1),
     Key("active_microbatches", int, 0, IMPLEMENTED,
         "Pipeline in-flight limit: the step's microbatches run through the schedule in rounds of "
         "this many (0: all at once).", minimum=0),

@@ -48,16 +48,17 @@ def _fixed_costs(model: nn.Module, split: PipelineSplit) -> tuple[int, int]:
             sum(param_count(model.get_submodule(p)) for p in last))
 
 
-def plan_ranges(model: nn.Module, split: PipelineSplit, count: int, auto: bool, default: int):
-    """The block range of every stage (see ``partition``)."""
+def plan_ranges(model: nn.Module, split: PipelineSplit, count: int, auto: bool, default: int, virtual: int = 1):
+    """The block range of every stage (see ``partition``): ``count x virtual`` stages (manual
+    marks name ``count`` partitions, so ``virtual`` is 1 there)."""
     path, blocks = blocks_of(model, split)
-    check_count(len(blocks), count, f"{type(model).__name__} ({path})")
+    check_count(len(blocks), count, f"{type(model).__name__} ({path})", virtual)
     if not auto:
         return manual(model, path, len(blocks), count, default)
     marked = ignored_marks(model)
     if marked and _rank0():
         logger.info("auto_partition is true: partition marks ignored on %s", ", ".join(marked[:8]))
-    return balanced([param_count(b) for b in blocks], count, *_fixed_costs(model, split))
+    return balanced([param_count(b) for b in blocks], count * virtual, *_fixed_costs(model, split))
 
 
 def check_model(model: nn.Module) -> None:
@@ -77,7 +78,8 @@ def check_model(model: nn.Module) -> None:
 
 
 def split_model(model: nn.Module, config, index: int, split: PipelineSplit | None) -> Stage | None:
-    """Cut ``model`` down to pipeline stage ``index`` in place (nothing at degree 1).
+    """Cut ``model`` down to pipeline rank ``index``'s stages in place (nothing at degree 1):
+    one, or ``pipeline_virtual_stages`` of them (stages ``index``, ``index + P``, ...).
 
     Raises:
         NotImplementedError: for a model whose architecture has no ``PipelineSplit``.
@@ -91,8 +93,9 @@ def split_model(model: nn.Module, config, index: int, split: PipelineSplit | Non
         raise NotImplementedError(f"pipeline parallelism of {type(model).__name__} (model_type {model_type!r}): "
                                   "its architecture record has no PipelineSplit (Architecture.pipeline, "
                                   "modelparallel/models/) and transformers gives it no base_model_pp_plan")
-    ranges = plan_ranges(model, split, count, config.auto_partition, config.default_partition)
-    stage = describe(model, split, ranges, index)
+    virtual = config.pipeline_virtual_stages
+    ranges = plan_ranges(model, split, count, config.auto_partition, config.default_partition, virtual)
+    stage = describe(model, split, ranges, index, count)
     if not config.auto_partition:
         _, blocks = blocks_of(model, split)
         for s, (lo, hi) in enumerate(ranges):
@@ -100,7 +103,8 @@ def split_model(model: nn.Module, config, index: int, split: PipelineSplit | Non
                 blocks[b]._mp_stage_of = s
     apply(model, split, stage, _hidden_size(model, split))
     if _rank0():
-        logger.info("pipeline: %d stages, layers %s", count, " ".join(f"[{lo}, {hi})" for lo, hi in ranges))
+        logger.info("pipeline: %d stages on %d ranks, layers %s", len(ranges), count,
+                    " ".join(f"[{lo}, {hi})" for lo, hi in ranges))
     return stage
 
 

@@ -1,6 +1,7 @@
 """Which blocks each pipeline stage runs: balanced by cost, or as the user's marks say.
 
-Automatic partitioning (``auto_partition`` true) gives each stage a contiguous range of blocks.
+Automatic partitioning (``auto_partition`` true) gives each stage a contiguous range of blocks
+(with virtual stages, each of the ``P x V`` stages).
 A block's cost is its parameter count: memory, and for a transformer block also its compute
 (each weight is used in one multiply-add per token). The ranges minimize, in this order, the
 largest stage's block cost, then maximize the smallest one (so uniform blocks end up within one
@@ -65,10 +66,12 @@ def balanced(costs: list[int], count: int, first: int = 0, last: int = 0) -> Ran
     return tuple(zip(starts, ends))
 
 
-def check_count(n_blocks: int, count: int, what: str) -> None:
-    """Raise if ``count`` stages cannot each get a block."""
-    if count > n_blocks:
-        raise ValueError(f"pipeline_parallel_degree {count} is more than the {n_blocks} layers of {what}: every "
+def check_count(n_blocks: int, count: int, what: str, virtual: int = 1) -> None:
+    """Raise if ``count x virtual`` stages cannot each get a block."""
+    if count * virtual > n_blocks:
+        stages = f"pipeline_parallel_degree {count}" if virtual == 1 else \
+            f"pipeline_parallel_degree {count} x pipeline_virtual_stages {virtual} = {count * virtual} stages"
+        raise ValueError(f"{stages} is more than the {n_blocks} layers of {what}: every "
                          "pipeline stage needs at least one layer")
 
 

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from ..config import virtual_round_problem
 from . import ties
 from .inputs import from_first_stage
 from .outputs import Failure, StepFailed, agree, pack, unpack
@@ -93,6 +94,9 @@ class Runner:
         """Run ``f`` on every microbatch (``pieces``: per-microbatch ``(args, kwargs)``) through
         the pipeline; return its per-microbatch results, on every stage. A collective of the
         whole job (each pipeline group runs its schedule, then every rank agrees on failures)."""
+        problem = virtual_round_problem(self.rt.config, len(pieces))
+        if problem:  # before any collective; every rank raises it
+            raise ValueError(problem)
         st = self._step = _StepState(f, pieces, ctx)
         train = torch.is_grad_enabled()
         try:
@@ -121,7 +125,7 @@ class Runner:
         box = [None]
         if self.stage.is_first:
             try:
-                out = self._step.cache[0] = self._call(0, None)
+                out = self._step.cache[(0, 0)] = self._call(0, 0, None)
                 box[0] = (tuple(out.shape), out.dtype)
             except Exception as e:  # noqa: BLE001 - every stage must hear that there is no schedule
                 self._fail(e)
@@ -148,34 +152,32 @@ class Runner:
 
     # ---- one microbatch ----------------------------------------------------------------------
 
-    def _forward(self, i: int, activation: torch.Tensor | None) -> torch.Tensor:
-        """Microbatch ``i``'s output on this stage (its activation, or on the last stage its
+    def _forward(self, s: int, i: int, activation: torch.Tensor | None) -> torch.Tensor:
+        """Microbatch ``i``'s output on stage ``s`` (its activation, or on the last stage its
         loss); after a failure, zeros of the expected shape."""
         st = self._step
-        if i in st.cache:
-            return st.cache.pop(i)
+        if (s, i) in st.cache:
+            return st.cache.pop((s, i))
         if st.failure is None:
             try:
-                return self._call(i, activation)
+                return self._call(s, i, activation)
             except Exception as e:  # noqa: BLE001 - recorded, raised on every rank at the step's end
                 self._fail(e)
-        if self.stage.is_last:
+        if s == len(self.stage.ranges) - 1:
             return torch.zeros((), device=self.rt.device, requires_grad=True)
         shape, dtype = st.activation
         return torch.zeros(shape, dtype=dtype, device=self.rt.device, requires_grad=True)
 
-    def _call(self, i: int, activation: torch.Tensor | None) -> torch.Tensor:
+    def _call(self, s: int, i: int, activation: torch.Tensor | None) -> torch.Tensor:
         st = self._step
         args, kwargs = st.pieces[i]
         st.ctx.microbatch = i
-        self.boundary.pending, self.boundary.active = activation, True
         try:
-            value = st.f(*args, **kwargs)
+            with self.boundary.running(s, activation):
+                value = st.f(*args, **kwargs)
         except StageExit as done:
             return self._checked(done.hidden, i)
-        finally:
-            self.boundary.active, self.boundary.pending = False, None
-        if not self.stage.is_last:
+        if s != len(self.stage.ranges) - 1:
             raise RuntimeError(f"the @smp.step function returned without calling the model (microbatch {i}); at "
                                "pipeline_parallel_degree > 1 it must call the DistributedModel once per microbatch")
         st.results[i] = value
@@ -187,7 +189,7 @@ class Runner:
     def _checked(self, hidden: torch.Tensor, i: int) -> torch.Tensor:
         if isinstance(hidden, DTensor):
             if not all(isinstance(p, Replicate) for p in hidden.placements):
-                raise RuntimeError(f"stage {self.stage.index}'s output is sharded ({hidden.placements}); a stage "
+                raise RuntimeError(f"pipeline rank {self.stage.index}'s output is sharded ({hidden.placements}); a stage "
                                    "sends a whole activation")
             hidden = hidden.to_local()
         want = self._step.activation

@@ -2,10 +2,12 @@
 
 An architecture says where its repeated blocks are and which base-model modules run before
 them (embeddings) and after them (final norm, pooler): ``PipelineSplit`` in
-``models/<arch>.py``. Stage ``s`` of ``P`` keeps a contiguous range of blocks; the first stage
+``models/<arch>.py``. Stage ``s`` of ``S`` keeps a contiguous range of blocks; the first stage
 also the embeddings, the last the final modules and everything of the head model outside the
 base model (LM head, classifier). Parameter-free base-model modules (rotary tables, dropout)
-stay on every stage.
+stay on every stage. With ``V`` virtual stages per rank (``pipeline_virtual_stages``) there are
+``S = P x V`` stages on ``P`` pipeline ranks and rank ``r`` runs stages ``r, r + P, ...``: the
+first stage is on rank 0 and the last on rank ``P - 1``, as without them.
 
 Nothing is traced and the HF forward is not rewritten: every stage runs the model's own
 ``forward`` on the microbatch's inputs (masks, position ids and rotary tables are computed
@@ -64,27 +66,41 @@ def hf_pipeline_split(model: nn.Module) -> PipelineSplit | None:
 
 @dataclass
 class Stage:
-    """This rank's stage of a split model (kept on the model as ``_mp_stage``).
+    """This rank's part of a split model (kept on the model as ``_mp_stage``): one stage, or
+    with virtual stages several.
 
     Attributes:
-        index, count: this stage and the number of stages.
-        ranges: the blocks ``[start, stop)`` of every stage.
-        blocks: this stage's blocks, in order.
-        owner: every key of the whole model's state dict -> the stage holding it (a tensor
-            every stage holds, such as a rotary buffer: -1).
-        ties: a key whose tensor is also held, under another key, by an earlier stage (GPT-2's
-            ``lm_head.weight`` on the last stage) -> that key (``transformer.wte.weight``): the
+        index, count: this rank's place in the pipeline and the number of pipeline ranks.
+        ranges: the blocks ``[start, stop)`` of every stage (``count x virtual`` of them; stage
+            ``s`` runs on rank ``s % count``).
+        blocks: the blocks of each of this rank's stages (``stages``), in order.
+        owner: every key of the whole model's state dict -> the pipeline rank holding it (a
+            tensor every rank holds, such as a rotary buffer: -1).
+        ties: a key whose tensor is also held, under another key, by an earlier rank (GPT-2's
+            ``lm_head.weight`` on the last rank) -> that key (``transformer.wte.weight``): the
             two are one weight, stored once, their gradients summed.
         shapes: every key -> (shape, dtype) in the whole model, before tensor parallelism.
+        block_list: the model's ``ModuleList`` of blocks (this rank's blocks only, after the split).
     """
 
     index: int
     count: int
     ranges: tuple[tuple[int, int], ...]
-    blocks: list[nn.Module] = field(repr=False)
+    blocks: list[list[nn.Module]] = field(repr=False)
     owner: dict[str, int] = field(repr=False)
     ties: dict[str, str] = field(repr=False)
     shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(repr=False)
+    block_list: nn.ModuleList | None = field(default=None, repr=False)
+
+    @property
+    def virtual(self) -> int:
+        """Stages per rank (1: no virtual stages)."""
+        return len(self.ranges) // self.count
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        """This rank's stages, in order: ``index``, ``index + count``, ..."""
+        return tuple(range(self.index, len(self.ranges), self.count))
 
     @property
     def is_first(self) -> bool:
@@ -95,7 +111,7 @@ class Stage:
         return self.index == self.count - 1
 
     def holds(self, key: str) -> bool:
-        """Whether this stage holds ``key`` (its own, shared by every stage, or a tie's copy)."""
+        """Whether this rank holds ``key`` (its own, shared by every stage, or a tie's copy)."""
         return self.owner.get(key) in (self.index, -1) or key in self.ties
 
 
@@ -162,9 +178,9 @@ def regions(model: nn.Module, split: PipelineSplit) -> tuple[list[str], list[str
     return first, last
 
 
-def _stage_of_key(key: str, block_path: str, block_stage: dict[int, int], first, last, count: int) -> int:
+def _rank_of_key(key: str, block_path: str, block_rank: dict[int, int], first, last, count: int) -> int:
     if key.startswith(block_path + "."):
-        return block_stage[int(key[len(block_path) + 1:].split(".")[0])]
+        return block_rank[int(key[len(block_path) + 1:].split(".")[0])]
     if any(key.startswith(p + ".") for p in first):
         return 0
     if any(key.startswith(p + ".") for p in last):
@@ -172,18 +188,22 @@ def _stage_of_key(key: str, block_path: str, block_stage: dict[int, int], first,
     return -1
 
 
-def describe(model: nn.Module, split: PipelineSplit, ranges: tuple[tuple[int, int], ...], index: int) -> Stage:
-    """The stage record of the whole (not yet split) ``model``, with nothing changed.
+def describe(model: nn.Module, split: PipelineSplit, ranges: tuple[tuple[int, int], ...], index: int,
+             count: int | None = None) -> Stage:
+    """Rank ``index``'s record of the whole (not yet split) ``model``, with nothing changed:
+    ``ranges`` are every stage's blocks, run by ``count`` pipeline ranks (default: one stage
+    each; fewer: stage ``s`` on rank ``s % count``).
 
     Raises:
         ValueError: naming a parameter outside the blocks, the first and the last modules (it
             would have to live on every stage).
     """
+    count = count or len(ranges)
     block_path, blocks = blocks_of(model, split)
-    block_stage = {b: s for s, (lo, hi) in enumerate(ranges) for b in range(lo, hi)}
+    block_rank = {b: s % count for s, (lo, hi) in enumerate(ranges) for b in range(lo, hi)}
     first, last = regions(model, split)
     entries = model.state_dict(keep_vars=True)
-    owner = {k: _stage_of_key(k, block_path, block_stage, first, last, len(ranges)) for k in entries}
+    owner = {k: _rank_of_key(k, block_path, block_rank, first, last, count) for k in entries}
     params = {k for k, _ in model.named_parameters(remove_duplicate=False)}
     stray = sorted(k for k, s in owner.items() if s == -1 and k in params)
     if stray:
@@ -195,8 +215,8 @@ def describe(model: nn.Module, split: PipelineSplit, ranges: tuple[tuple[int, in
         keep = keys[stages.index(min(stages))]
         ties.update({k: keep for k, s in zip(keys, stages) if s != owner[keep]})
     shapes = {k: (tuple(t.shape), t.dtype) for k, t in entries.items()}
-    local = [blocks[i] for i in range(*ranges[index])]
-    return Stage(index, len(ranges), ranges, local, owner, ties, shapes)
+    local = [[blocks[i] for i in range(*ranges[s])] for s in range(index, len(ranges), count)]
+    return Stage(index, count, ranges, local, owner, ties, shapes, blocks)
 
 
 def _floating_dtype(module: nn.Module) -> torch.dtype:
@@ -204,12 +224,12 @@ def _floating_dtype(module: nn.Module) -> torch.dtype:
 
 
 def apply(model: nn.Module, split: PipelineSplit, stage: Stage, hidden_size: int) -> None:
-    """Cut ``model`` down to ``stage`` in place: other stages' blocks removed, their embeddings
+    """Cut ``model`` down to ``stage`` in place: other ranks' blocks removed, their embeddings
     and final modules replaced by ``Elsewhere`` stubs; ``model._mp_stage`` records the stage."""
     _, blocks = blocks_of(model, split)
-    lo, hi = stage.ranges[stage.index]
+    mine = {i for s in stage.stages for i in range(*stage.ranges[s])}
     for i in range(len(blocks)):
-        if not lo <= i < hi:
+        if i not in mine:
             del blocks._modules[str(i)]
     first, last = regions(model, split)
     if not stage.is_first:
@@ -219,7 +239,7 @@ def apply(model: nn.Module, split: PipelineSplit, stage: Stage, hidden_size: int
             _replace(model, path, Elsewhere(path, 0, "embedding", dim, _floating_dtype(module)))
     if not stage.is_last:
         for path in last:
-            _replace(model, path, Elsewhere(path, stage.count - 1, "final"))
+            _replace(model, path, Elsewhere(path, len(stage.ranges) - 1, "final"))
     model._mp_stage = stage
 
 
@@ -229,16 +249,16 @@ def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
 
 
 def saved_names(module: nn.Module) -> dict[str, str]:
-    """This stage's keys that a checkpoint stores under another key: a weight tied across stages
-    is stored once, under its first stage's key (GPT-2's ``lm_head.weight`` on the last stage
+    """This rank's keys that a checkpoint stores under another key: a weight tied across ranks
+    is stored once, under its first rank's key (GPT-2's ``lm_head.weight`` on the last stage
     -> ``transformer.wte.weight``). Empty for a model that is not split."""
     stage = getattr(module, "_mp_stage", None)
     return dict(stage.ties) if stage is not None else {}
 
 
 def elsewhere(module: nn.Module) -> set[str]:
-    """Keys of the whole model that other stages hold: a checkpoint's entries for them are
-    expected, not unexpected, and this stage does not read them."""
+    """Keys of the whole model that other pipeline ranks hold: a checkpoint's entries for them
+    are expected, not unexpected, and this rank does not read them."""
     stage = getattr(module, "_mp_stage", None)
     if stage is None:
         return set()

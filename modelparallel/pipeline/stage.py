@@ -5,31 +5,40 @@ previous stage replaces the first block's hidden-states input, and the last bloc
 the forward by raising ``StageExit`` (a ``BaseException``, so a user's ``except Exception``
 does not swallow it), which also ends the user's step function on that stage for the
 microbatch. The hooks act only while the runner is running a microbatch (``active``); a forward
-outside ``@smp.step`` is refused.
+outside ``@smp.step`` is refused. With virtual stages a rank holds the blocks of several stages
+in one ``ModuleList``; while one of them runs, the list holds only that stage's blocks (the
+model's forward loops over the list), so the others neither run nor see its activation.
 
 ``build_schedule`` makes a ``PipelineStage`` (one that survives a failing backward) with static
 tensor metadata (the activation is one
 ``[batch, sequence, hidden]`` tensor between every pair of stages; the last stage's output is
 the microbatch's scalar loss) and wraps it in ``ScheduleGPipe`` ("simple") or ``Schedule1F1B``
 ("interleaved"), with an identity loss function: the loss is what the user's function passed to
-``model.backward``, already scaled.
+``model.backward``, already scaled. With virtual stages (``pipeline_virtual_stages`` > 1) it
+makes one ``PipelineStage`` per stage of the rank and runs them with ``ScheduleLoopedBFS``
+("simple": each stage runs all its forwards, then all its backwards) or
+``ScheduleInterleaved1F1B`` ("interleaved").
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                          ScheduleLoopedBFS)
 
 from .split import Stage
 
 logger = logging.getLogger("modelparallel")
 
 SCHEDULES = {"simple": ScheduleGPipe, "interleaved": Schedule1F1B}
+VIRTUAL_SCHEDULES = {"simple": ScheduleLoopedBFS, "interleaved": ScheduleInterleaved1F1B}
 
 
 class StageExit(BaseException):
@@ -45,16 +54,35 @@ NOT_IN_STEP = ("at pipeline_parallel_degree > 1 the model runs inside an @smp.st
 
 
 class Boundary:
-    """The hooks at a stage's two ends (see the module docstring)."""
+    """The hooks at the two ends of each of the rank's stages (see the module docstring)."""
 
     def __init__(self, stage: Stage, hidden_arg: str = "hidden_states"):
         self.stage, self.hidden_arg = stage, hidden_arg
         self.active = False
         self.pending: torch.Tensor | None = None
-        if not stage.is_first:
-            stage.blocks[0].register_forward_pre_hook(self._enter, with_kwargs=True)
-        if not stage.is_last:
-            stage.blocks[-1].register_forward_hook(self._exit)
+        last = len(stage.ranges) - 1
+        for s, blocks in zip(stage.stages, stage.blocks):
+            if s != 0:
+                blocks[0].register_forward_pre_hook(self._enter, with_kwargs=True)
+            if s != last:
+                blocks[-1].register_forward_hook(self._exit)
+
+    @contextmanager
+    def running(self, s: int, activation: torch.Tensor | None) -> Iterator[None]:
+        """Stage ``s`` runs one microbatch (``activation``: its input from the previous stage)."""
+        modules = self.stage.block_list._modules if self.stage.virtual > 1 else None
+        held = dict(modules) if modules is not None else None
+        if modules is not None:  # the blocks' own entries, whatever wraps them now
+            modules.clear()
+            modules.update((str(i), held[str(i)]) for i in range(*self.stage.ranges[s]))
+        self.pending, self.active = activation, True
+        try:
+            yield
+        finally:
+            self.active, self.pending = False, None
+            if modules is not None:
+                modules.clear()
+                modules.update(held)
 
     def _enter(self, module, args, kwargs):
         if not self.active:
@@ -127,19 +155,23 @@ def build_schedule(stage: Stage, run, activation: tuple[tuple[int, ...], torch.d
                    kind: str, group: dist.ProcessGroup, device: torch.device,
                    on_error: Callable[[BaseException], None]):
     """A schedule for ``microbatches`` microbatches whose activations have ``activation``'s
-    (shape, dtype). ``kind`` "interleaved" with fewer microbatches than stages runs GPipe
-    (1F1B needs one microbatch per stage to fill the pipeline; with fewer it is GPipe anyway)."""
+    (shape, dtype); ``run(s, i, activation)`` runs microbatch ``i`` on stage ``s``. ``kind``
+    "interleaved" with fewer microbatches than stages (and no virtual stages) runs GPipe (1F1B
+    needs one microbatch per stage to fill the pipeline; with fewer it is GPipe anyway)."""
     act = _meta(*activation)
     first = torch.empty(1, dtype=torch.long, device="meta")
     loss = _meta((), torch.float32)
-    pipe_stage = _KeepGoing(_Microbatch(run, stage.is_first), stage.index, stage.count, device,
-                            input_args=(first,) if stage.is_first else (act,),
-                            output_args=(loss,) if stage.is_last else (act,), group=group, on_error=on_error,
-                            activation=activation)
+    n = len(stage.ranges)
+    pipe_stages = [_KeepGoing(_Microbatch(partial(run, s), s == 0), s, n, device,
+                              input_args=(first,) if s == 0 else (act,),
+                              output_args=(loss,) if s == n - 1 else (act,), group=group, on_error=on_error,
+                              activation=activation) for s in stage.stages]
+    if stage.virtual > 1:
+        return VIRTUAL_SCHEDULES[kind](pipe_stages, microbatches, loss_fn=_identity, scale_grads=False)
     cls = SCHEDULES[kind]
     if cls is Schedule1F1B and microbatches < stage.count:
         cls = ScheduleGPipe
-    return cls(pipe_stage, microbatches, loss_fn=_identity, scale_grads=False)
+    return cls(pipe_stages[0], microbatches, loss_fn=_identity, scale_grads=False)
 
 
 def _identity(output, target):

@@ -35,8 +35,8 @@ def checkpoints(tmp_path_factory):
 CLASSES = {"gpt2": GPT2LMHeadModel, "llama": LlamaForCausalLM}
 
 
-def _load(path, arch, pp, tp):
-    smp.init({"pipeline_parallel_degree": pp, "tensor_parallel_degree": tp, "microbatches": 2})
+def _load(path, arch, pp, tp, **extra):
+    smp.init({"pipeline_parallel_degree": pp, "tensor_parallel_degree": tp, "microbatches": 2, **extra})
     ref = CLASSES[arch].from_pretrained(path)
     with torch.device("meta"):
         model = CLASSES[arch](copy.deepcopy(ref.config))
@@ -60,6 +60,13 @@ def test_shard_on_read_loads_only_the_stage(checkpoints, arch, world, pp, tp):
     for held, _ in out:
         # a stage's blocks plus, on the first and last stage, the embeddings or the head
         assert held < 0.75 * total, (held, total)
+
+
+def test_shard_on_read_with_virtual_stages(checkpoints):
+    """Rank 0 holds layers 0 and 2 with the embeddings, rank 1 layers 1 and 3 with the head: each
+    reads only those, and trains with HF's gradients."""
+    out = harness.run(2, _load, checkpoints["gpt2"], "gpt2", 2, 1, pipeline_virtual_stages=2)
+    assert all(held < 0.75 * total for held, total in out), out
 
 
 def _delayed(pp):

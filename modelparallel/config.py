@@ -220,9 +220,6 @@ def unbuilt_combinations(cfg: Config, api: str | None = None) -> list[str]:
     for key in COMBINED:
         if pp > 1 and getattr(cfg, key) > 1:
             found.append(f"{key} {getattr(cfg, key)} with pipeline_parallel_degree {pp}; use one of them")
-    if ep > 1 and cp > 1:
-        found.append(f"expert_parallel_degree {ep} with context_parallel_degree {cp} (experts replicated over "
-                     "context-parallel ranks); use one of them")
     if api == "v2" and pp > 1:
         found.append(f"transform at pipeline_parallel_degree {pp} (pipeline parallelism runs through "
                      "smp.DistributedModel and @smp.step)")

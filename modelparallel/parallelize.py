@@ -128,7 +128,7 @@ def parallelize(module: nn.Module, topo: Topology, ask: Request) -> Parallelized
                                   delayed=options is not None and options.delayed, equalize=ask.v1)
     sharded = ask.v1 and fsdp.shard_data_parallel(  # 8. data parallelism
         module, topo.replica_mesh, spec, cfg.shard_degree, fsdp.mixed_precision(ask.dtype),
-        keep_gathered=cfg.keep_params_gathered, expert_replicas=topo.edp_mesh)
+        keep_gathered=cfg.keep_params_gathered, expert_replicas=topo.expert_replica_mesh)
     return Parallelized(spec, replicated, pending, sharded)
 
 

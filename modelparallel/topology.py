@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from . import meshes
 from .compat import default_group_timeout, flatten_mesh
 from .config import Config
-from .meshes import DIMS, GROUP_DIMS, CommGroup, members, spanned
+from .meshes import DIMS, GROUP_DIMS, REPLICA_DIMS, CommGroup, members, spanned
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,15 @@ class Topology:
     def edp_mesh(self) -> DeviceMesh:
         """The ranks holding this rank's experts (expert replicas), as a 1-D mesh."""
         return self.expert_mesh["edp"]
+
+    @property
+    def expert_replica_mesh(self) -> DeviceMesh:
+        """The 1-D mesh of the ranks holding this rank's experts, over which expert gradients are
+        averaged and FSDP shards experts: the "edp" ranks, times the context-parallel ones when
+        context parallelism is on (they split sequences, not experts: ``REPLICA_DIMS``)."""
+        if self.world_mesh.size(DIMS.index("cp")) == 1:
+            return self.edp_mesh
+        return flatten_mesh(self.expert_mesh[REPLICA_DIMS["experts"]], "edp_cp")
 
     def _mesh_of(self, dims: tuple[str, ...]) -> DeviceMesh:
         return self.world_mesh if set(dims) <= set(DIMS) else self.expert_mesh

@@ -45,15 +45,23 @@ def set_apart(args: dict, hybrid_shard_degree: int, dp_size: int, ep_size: int) 
     return experts
 
 
+def shard_degree(dense_shard_degree: int, ep: int) -> int:
+    """Ranks per shard group of the experts when the dense parameters' groups have
+    ``dense_shard_degree`` (every replica's count when fully sharded): the same share of the
+    experts' replicas, ``dense_shard_degree / ep``, at least one (replicated). The one rule that
+    FSDP's expert meshes and the replication groups (``training.replication``) both follow."""
+    return max(1, dense_shard_degree // ep)
+
+
 def replica_mesh(replicas: DeviceMesh, hybrid_shard_degree: int, dp_size: int) -> DeviceMesh:
     """The mesh the experts are sharded over, as ``hybrid_shard_degree`` shards the dense
-    parameters: all their replicas (0 or the data-parallel degree), or a 2-D (replicate, shard)
-    mesh whose shard groups hold ``hybrid_shard_degree / ep`` replicas each (one, replicated
-    everywhere, for degree 1 or ep), FSDP2's hybrid sharding."""
+    parameters over their ``dp_size`` replicas (data x context parallel ranks): all the experts'
+    replicas (0 or ``dp_size``), or a 2-D (replicate, shard) mesh whose shard groups hold
+    ``shard_degree`` consecutive replicas each (one, replicated everywhere, for degree 1 or ep),
+    FSDP2's hybrid sharding."""
     if hybrid_shard_degree in (0, dp_size):
         return replicas
-    ep = dp_size // replicas.size()
-    shard = max(1, hybrid_shard_degree // ep)
+    shard = shard_degree(hybrid_shard_degree, dp_size // replicas.size())
     return unflatten_mesh(replicas, replicas.mesh_dim_names[0], (replicas.size() // shard, shard),
                           ("edp_replicate", "edp_shard"))
 

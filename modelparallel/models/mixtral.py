@@ -11,6 +11,8 @@ their first dimension (``EXPERTS``) and the router stays whole on every rank. No
 in a way that depends on a degree: the distributed state dict is HF's, experts indexed globally.
 Checkpoints on the Hugging Face hub hold each expert's ``w1`` (gate), ``w3`` (up) and ``w2``
 (down) separately under ``block_sparse_moe``: ``TABLE.stacked`` / ``renamed`` read them.
+Context parallelism reaches the attention as Llama's (HF's attention interface); the MoE block
+routes each token on its own, so it runs on a sequence's part unchanged.
 """
 
 from ..expert.layout import ExpertLayout
@@ -18,6 +20,7 @@ from ._translate import KeyTable
 from ..tp.plan import ArchSpec, ModulePlan, SharedInput
 from ._architecture import Architecture
 from ._parts import LM_HEAD, column_row
+from .llama import CONTEXT
 
 SPEC = ArchSpec(
     model_type="mixtral",
@@ -52,4 +55,4 @@ TABLE = KeyTable(
     renamed={"layers.{}.block_sparse_moe.gate.weight": "layers.{}.mlp.gate.weight"},
 )
 
-ARCHITECTURE = Architecture(SPEC, TABLE, experts=EXPERTS)
+ARCHITECTURE = Architecture(SPEC, TABLE, experts=EXPERTS, context=CONTEXT)

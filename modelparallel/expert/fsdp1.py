@@ -33,16 +33,25 @@ def set_apart(args: dict, hybrid_shard_degree: int, dp_size: int, ep_size: int) 
     experts = [m for m in args["module"].modules() if is_expert_parallel(m)]
     if not experts:
         return []
-    if hybrid_shard_degree not in (0, 1, dp_size) and hybrid_shard_degree % ep_size:
-        raise NotImplementedError(
-            f"hybrid_shard_degree={hybrid_shard_degree} with expert_parallel_degree={ep_size} under FSDP1: a "
-            f"shard group that splits expert-parallel groups is not implemented; use 0, 1, {dp_size} or a "
-            f"multiple of {ep_size}")
+    check_shard_degree(hybrid_shard_degree, dp_size, ep_size, "hybrid_shard_degree", "FSDP1")
     if args.get("ignored_states") is not None:
         args["ignored_states"] = [*args["ignored_states"], *experts]
     else:
         args["ignored_modules"] = [*(args.get("ignored_modules") or ()), *experts]
     return experts
+
+
+def check_shard_degree(n: int, dp_size: int, ep: int, key: str, where: str) -> None:
+    """Refuse a shard degree ``n`` of ``dp_size`` replicas whose shard groups split
+    expert-parallel groups (neither 0, 1, ``dp_size`` nor a multiple of ``ep``).
+
+    Raises:
+        NotImplementedError: naming ``key`` and the degrees.
+    """
+    if ep > 1 and n not in (0, 1, dp_size) and n % ep:
+        raise NotImplementedError(
+            f"{key}={n} with expert_parallel_degree={ep} under {where}: a shard group that splits "
+            f"expert-parallel groups is not implemented; use 0, 1, {dp_size} or a multiple of {ep}")
 
 
 def shard_degree(dense_shard_degree: int, ep: int) -> int:

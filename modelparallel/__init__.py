@@ -41,8 +41,8 @@ from .runtime import (
     mp_rank, mp_size, pp_rank, pp_size, rank, rdp_rank, rdp_size, size, tp_rank, tp_size,
 )
 from .comm import (
-    RankType, allgather, barrier, broadcast, cp_mesh, dp_barrier, dp_mesh, get_cp_group, get_dp_group, get_mp_group,
-    get_pp_group, get_rdp_group, get_tp_group, get_world_group, mp_barrier, recv_from, send, tp_mesh,
+    RankType, allgather, barrier, broadcast, cp_mesh, dp_barrier, dp_mesh, expert_dp_mesh, get_cp_group, get_dp_group,
+    get_mp_group, get_pp_group, get_rdp_group, get_tp_group, get_world_group, mp_barrier, recv_from, send, tp_mesh,
 )
 from .sagemaker.state import state
 from .step import StepOutput, is_tracing, num_microbatches, step
@@ -61,9 +61,9 @@ __version__ = "0.1.0"
 __all__ = [
     "Architecture", "ArchSpec", "CheckpointError", "Config", "DistributedModel", "DistributedOptimizer", "ModulePlan",
     "DP_GROUP", "MP_GROUP", "PP_GROUP", "RDP_GROUP", "TP_GROUP", "WORLD", "CommGroup", "RankType",
-    "StepOutput", "allgather", "dp_barrier", "dp_mesh", "get_dp_group", "get_mp_group", "get_pp_group",
-    "get_pp_process_group", "get_rdp_group", "get_tp_group", "get_world_group", "is_tracing", "mp_barrier",
-    "num_microbatches", "recv_from", "send", "state", "step", "tp_mesh",
+    "StepOutput", "allgather", "dp_barrier", "dp_mesh", "expert_dp_mesh", "get_dp_group", "get_mp_group",
+    "get_pp_group", "get_pp_process_group", "get_rdp_group", "get_tp_group", "get_world_group", "is_tracing",
+    "mp_barrier", "num_microbatches", "recv_from", "send", "state", "step", "tp_mesh",
     "barrier", "broadcast", "dp_rank", "dp_size", "get_dp_process_group", "get_mp_process_group",
     "get_rdp_process_group", "get_tp_process_group", "get_world_process_group", "init",
     "is_initialized", "local_rank", "local_size", "mp_rank", "mp_size", "pp_rank", "pp_size", "rank",

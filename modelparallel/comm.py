@@ -60,6 +60,13 @@ def dp_mesh() -> DeviceMesh:
     return current().replica_mesh
 
 
+def expert_dp_mesh() -> DeviceMesh:
+    """The 1-D DeviceMesh of the ranks holding this rank's experts (same ep rank), which FSDP
+    shards an expert-parallel experts module over: the expert-data-parallel ranks, times the
+    context-parallel ones when ``context_parallel_degree`` > 1. ``dp_mesh()`` at expert degree 1."""
+    return current().expert_replica_mesh
+
+
 def cp_mesh() -> DeviceMesh:
     """The 1-D context-parallel DeviceMesh of this rank (the ranks splitting its sequences)."""
     return current().cp_mesh

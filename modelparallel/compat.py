@@ -46,6 +46,15 @@ from torch.distributed.fsdp import _state_dict_utils as fsdp_state_dict_utils
 from torch.distributed.fsdp._state_dict_utils import (  # noqa: F401 - checked, patched on the module
     _full_post_state_dict_hook, _replace_with_full_state_dict_type)
 
+# FSDP1's sharded state dict of a TP DTensor parameter is made by this module's ``_chunk_dtensor``
+# (looked up on the module at each call): it shards the TP-local block over the root mesh's
+# next-to-last dimension as a plain ``Shard``, which DTensor reads as split *before* TP. The v2
+# recipe wraps it to say "after TP" with ``_StridedShard`` (FSDP2's placement for the same
+# layout), so each TP rank's FSDP group holds one whole TP block; PyTorch exposes no public name.
+from torch.distributed.tensor.parallel import fsdp as tp_fsdp_extension
+from torch.distributed.tensor.parallel.fsdp import _chunk_dtensor  # noqa: F401 - checked, patched on the module
+from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
+
 # FSDP1 flattens each unit's parameters in ``FlatParamHandle`` and then keeps this rank's chunk
 # (``shard``); between the two the unit's original tensors are dead on ranks other than 0. The
 # v2 recipe frees them there so a rank never holds its shards plus a whole unit twice; PyTorch
@@ -187,5 +196,5 @@ __all__ = ["FlatParamHandle", "ShardedTensor", "SharedParamInfo", "StorageInfo",
            "default_group_timeout", "default_store", "flash_attention_cpu", "flash_attention_cpu_backward",
            "flatten_mesh", "flatten_state_dict", "fsdp_init_utils", "fsdp_optim_utils", "fsdp_state_dict_utils",
            "get_tensor_metadata", "mesh_group_config", "reduce_scatter_single", "set_element",
-           "set_fsdp_flattened", "storage_alignment",
+           "set_fsdp_flattened", "storage_alignment", "StridedShard", "tp_fsdp_extension",
            "torch_checkpoint_wrappers", "unflatten_mesh"]

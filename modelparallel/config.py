@@ -248,9 +248,6 @@ def unbuilt_combinations(cfg: Config, api: str | None = None) -> list[str]:
     through the v1 API's ``DistributedModel`` and ``@smp.step``."""
     found = []
     pp, ep, cp = cfg.pipeline_parallel_degree, cfg.expert_parallel_degree, cfg.context_parallel_degree
-    if ep > 1 and cp > 1:
-        found.append(f"expert_parallel_degree {ep} with context_parallel_degree {cp} (experts replicated over "
-                     "context-parallel ranks); use one of them")
     if cfg.sequence_parallel and ep > 1 and cfg.tensor_parallel_degree > 1:
         found.append(f"sequence_parallel with expert_parallel_degree {ep} (the experts' gradients from each TP "
                      "rank's sequence shard are not summed over the TP ranks); use one of them")

@@ -76,6 +76,14 @@ EXPERT_DIMS = ("pp", "edp", "ep", "cp", "tp")
 """The expert mesh's dimensions: ``DIMS`` with "dp" split into replicas of one expert ("edp")
 and the ranks sharing the experts between them ("ep", the inner part: consecutive dp ranks)."""
 
+REPLICA_DIMS = {"dense": ("edp", "ep", "cp"), "experts": ("edp", "cp")}
+"""Along which ``EXPERT_DIMS`` the ranks holding the same unsharded tensor differ, per kind of
+parameter: a dense one is replicated over every data-parallel and context-parallel rank of its
+pipeline stage and tensor-parallel rank; an expert-parallel expert only over those of its
+expert-parallel rank (context-parallel ranks split sequences, not experts, so they hold the same
+experts). FSDP shards each kind over these ranks; ``training.replication`` reads replication
+groups from them."""
+
 GROUP_DIMS: dict[CommGroup, tuple[str, ...]] = {
     WORLD: DIMS,
     TP_GROUP: ("tp",),
@@ -160,9 +168,17 @@ def spanned(dims: tuple[str, ...], mesh: DeviceMesh) -> tuple[str, ...]:
 def members(grid: torch.Tensor, dims: tuple[str, ...], rank: int, names: tuple[str, ...] = DIMS) -> list[int]:
     """Global ranks of ``grid`` (axes named ``names``: the ``[pp, dp, cp, tp]`` grid by default)
     that differ from ``rank`` only along ``dims``, ascending."""
+    return sorted(holders(grid, dims, rank, names))
+
+
+def holders(grid: torch.Tensor, dims: tuple[str, ...], rank: int, names: tuple[str, ...] = EXPERT_DIMS) -> list[int]:
+    """Global ranks of ``grid`` that differ from ``rank`` only along ``dims``, in the order a mesh
+    flattened over ``dims`` numbers them (``dims`` row-major, in ``names``' order): the order FSDP
+    cuts them into shard groups. With ``REPLICA_DIMS``' dimensions, the ranks holding the same
+    unsharded tensor as ``rank``."""
     where = (grid == rank).nonzero()[0].tolist()
     index = tuple(slice(None) if d in dims else where[i] for i, d in enumerate(names))
-    return sorted(grid[index].flatten().tolist())
+    return grid[index].flatten().tolist()
 
 
 def partition(mesh: DeviceMesh, dims: tuple[str, ...]) -> list[list[int]]:

@@ -145,14 +145,15 @@ class DistributedModel(TensorParallelMethods, nn.Module):
 
     def _replica_groups(self, rt) -> list[tuple[list[nn.Parameter], object, int]]:
         """(parameters, process group, its size) for each kind of replica: the experts of an
-        expert-parallel model are replicated over the ranks holding the same experts, every
-        other parameter over the data x context parallel ranks. Groups of one rank are left out."""
+        expert-parallel model are replicated over the ranks holding the same experts (expert
+        data x context parallel ranks), every other parameter over the data x context parallel ranks. Groups of one rank are left out."""
         params = list(self.module.parameters())
         experts = [p for p in params if is_expert_parameter(p)]
         groups = [([p for p in params if not is_expert_parameter(p)], rt.group(runtime.DP_CP_GROUP),
                    rt.config.replica_degree)]
         if experts:
-            groups.append((experts, rt.group(runtime.EDP_GROUP), rt.config.dp_degree // rt.config.expert_parallel_degree))
+            replicas = rt.expert_replica_mesh
+            groups.append((experts, replicas.get_group(), replicas.size()))
         return [g for g in groups if g[2] > 1]
 
     def _averages(self, rt) -> bool:

@@ -26,7 +26,8 @@ takes the model and the mesh it needs, and knows nothing of the others; this mod
    tensors beside DTensors;
 7. materialize: the shards get storage and values (rank 0's, or delayed init);
 8. data parallelism: v1 applies FSDP2 over ``Topology.replica_mesh`` (the data-parallel ranks
-   times the context-parallel ones: they hold the same weights) when sharding is configured;
+   times the context-parallel ones: they hold the same weights; its 2-D hybrid form below
+   their count, ``Topology.sharding_meshes``) when sharding is configured;
    v2 scripts call FSDP themselves.
 """
 
@@ -106,7 +107,7 @@ def parallelize(module: nn.Module, topo: Topology, ask: Request) -> Parallelized
     cfg = topo.config
     experts = check(module, topo, ask.cp_comm_type, ask.moe)  # 1. check
     if ask.v1:
-        fsdp.check_degree(cfg.shard_degree, cfg.replica_degree)
+        fsdp.check_degree(cfg.shard_degree, cfg.replica_degree, cfg.expert_parallel_degree)
     options = creation.options_of(module) if ask.v1 else None
     spec = plan(module, topo, options)  # 2. plan
     if ask.v1:
@@ -132,9 +133,11 @@ def parallelize(module: nn.Module, topo: Topology, ask: Request) -> Parallelized
             replicate_plain_parameters(module, topo.tp_mesh)
     pending = weights.give_values(module, topo, where, full, ask.device,  # 7. materialize
                                   delayed=options is not None and options.delayed, equalize=ask.v1)
-    sharded = ask.v1 and fsdp.shard_data_parallel(  # 8. data parallelism
-        module, topo.replica_mesh, spec, cfg.shard_degree, fsdp.mixed_precision(ask.dtype),
-        keep_gathered=cfg.keep_params_gathered, expert_replicas=topo.edp_mesh)
+    sharded = False
+    if ask.v1 and cfg.shard_degree > 1:  # 8. data parallelism
+        dense, experts = topo.sharding_meshes(cfg.shard_degree)
+        sharded = fsdp.shard_data_parallel(module, dense, spec, cfg.shard_degree, fsdp.mixed_precision(ask.dtype),
+                                           keep_gathered=cfg.keep_params_gathered, expert_replicas=experts)
     return Parallelized(spec, replicated, pending, sharded)
 
 

@@ -21,9 +21,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import meshes
-from .compat import default_group_timeout, flatten_mesh
+from .compat import default_group_timeout, flatten_mesh, unflatten_mesh
 from .config import Config
-from .meshes import DIMS, GROUP_DIMS, CommGroup, members, spanned
+from .expert.fsdp1 import replica_mesh as expert_mesh
+from .meshes import DIMS, GROUP_DIMS, REPLICA_DIMS, CommGroup, members, spanned
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,30 @@ class Topology:
     def edp_mesh(self) -> DeviceMesh:
         """The ranks holding this rank's experts (expert replicas), as a 1-D mesh."""
         return self.expert_mesh["edp"]
+
+    @property
+    def expert_replica_mesh(self) -> DeviceMesh:
+        """The 1-D mesh of the ranks holding this rank's experts, over which expert gradients are
+        averaged and FSDP shards experts: the "edp" ranks, times the context-parallel ones when
+        context parallelism is on (they split sequences, not experts: ``REPLICA_DIMS``)."""
+        if self.world_mesh.size(DIMS.index("cp")) == 1:
+            return self.edp_mesh
+        return flatten_mesh(self.expert_mesh[REPLICA_DIMS["experts"]], "edp_cp")
+
+    def sharding_meshes(self, shard_degree: int) -> tuple[DeviceMesh, DeviceMesh]:
+        """The meshes FSDP shards dense parameters and expert-parallel experts over at
+        ``shard_degree`` ranks per shard group: the replica meshes themselves when it is all of
+        them, else each unflattened into FSDP's 2-D hybrid ("replicate", "shard") mesh of shard
+        groups of consecutive replicas (``expert.fsdp1.replica_mesh`` for the experts). Both
+        share the world mesh with the "tp" dimension, so FSDP shards TP's DTensors further.
+        Made once per layout and degree (``mesh_cache``)."""
+        dense, experts, n = self.replica_mesh, self.expert_replica_mesh, shard_degree
+        if n >= dense.size():
+            return dense, experts
+        return meshes.kept(self.mesh_cache, ("hybrid sharding", dense.device_type, tuple(dense.mesh.tolist()), n),
+                           lambda: (unflatten_mesh(dense, dense.mesh_dim_names[0], (dense.size() // n, n),
+                                                   ("replicate", "shard")),
+                                    expert_mesh(experts, n, dense.size())))
 
     def _mesh_of(self, dims: tuple[str, ...]) -> DeviceMesh:
         return self.world_mesh if set(dims) <= set(DIMS) else self.expert_mesh

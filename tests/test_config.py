@@ -131,10 +131,12 @@ def test_bad_values_of_new_keys(raw, fragment):
 
 
 def test_dimensions_that_do_not_compose_reported_with_the_other_problems():
-    """Expert x context is refused by the config, naming its keys (pipeline x context and pipeline x
-    expert compose); beside an invalid value it is listed in the same error."""
+    """The combinations still not built are refused by the config, naming their keys; beside an
+    invalid value they are listed in the same error. Pipeline x context x expert compose."""
     with pytest.raises(ValueError) as info:
         build_config({"pipeline_parallel_degree": 2, "context_parallel_degree": 2, "expert_parallel_degree": 2,
-                      "microbatches": 0}, 8)
-    for part in ("microbatches must be >= 1", "expert_parallel_degree 2 with context_parallel_degree 2"):
+                      "tensor_parallel_degree": 2, "sequence_parallel": True, "microbatches": 0}, 16)
+    for part in ("microbatches must be >= 1", "sequence_parallel with expert_parallel_degree 2"):
         assert part in str(info.value), str(info.value)
+    assert "expert_parallel_degree 2 with context_parallel_degree 2" not in str(info.value)
+    assert "with pipeline_parallel_degree" not in str(info.value)

@@ -33,11 +33,7 @@ def set_apart(args: dict, hybrid_shard_degree: int, dp_size: int, ep_size: int) 
     experts = [m for m in args["module"].modules() if is_expert_parallel(m)]
     if not experts:
         return []
-    if hybrid_shard_degree not in (0, 1, dp_size) and hybrid_shard_degree % ep_size:
-        raise NotImplementedError(
-            f"hybrid_shard_degree={hybrid_shard_degree} with expert_parallel_degree={ep_size} under FSDP1: a "
-            f"shard group that splits expert-parallel groups is not implemented; use 0, 1, {dp_size} or a "
-            f"multiple of {ep_size}")
+    check_shard_degree(hybrid_shard_degree, dp_size, ep_size, "hybrid_shard_degree", "FSDP1")
     if args.get("ignored_states") is not None:
         args["ignored_states"] = [*args["ignored_states"], *experts]
     else:
@@ -45,15 +41,36 @@ def set_apart(args: dict, hybrid_shard_degree: int, dp_size: int, ep_size: int) 
     return experts
 
 
+def check_shard_degree(n: int, dp_size: int, ep: int, key: str, where: str) -> None:
+    """Refuse a shard degree ``n`` of ``dp_size`` replicas whose shard groups split
+    expert-parallel groups (neither 0, 1, ``dp_size`` nor a multiple of ``ep``).
+
+    Raises:
+        NotImplementedError: naming ``key`` and the degrees.
+    """
+    if ep > 1 and n not in (0, 1, dp_size) and n % ep:
+        raise NotImplementedError(
+            f"{key}={n} with expert_parallel_degree={ep} under {where}: a shard group that splits "
+            f"expert-parallel groups is not implemented; use 0, 1, {dp_size} or a multiple of {ep}")
+
+
+def shard_degree(dense_shard_degree: int, ep: int) -> int:
+    """Ranks per shard group of the experts when the dense parameters' groups have
+    ``dense_shard_degree`` (every replica's count when fully sharded): the same share of the
+    experts' replicas, ``dense_shard_degree / ep``, at least one (replicated). The one rule that
+    FSDP's expert meshes and the replication groups (``training.replication``) both follow."""
+    return max(1, dense_shard_degree // ep)
+
+
 def replica_mesh(replicas: DeviceMesh, hybrid_shard_degree: int, dp_size: int) -> DeviceMesh:
     """The mesh the experts are sharded over, as ``hybrid_shard_degree`` shards the dense
-    parameters: all their replicas (0 or the data-parallel degree), or a 2-D (replicate, shard)
-    mesh whose shard groups hold ``hybrid_shard_degree / ep`` replicas each (one, replicated
-    everywhere, for degree 1 or ep), FSDP2's hybrid sharding."""
+    parameters over their ``dp_size`` replicas (data x context parallel ranks): all the experts'
+    replicas (0 or ``dp_size``), or a 2-D (replicate, shard) mesh whose shard groups hold
+    ``shard_degree`` consecutive replicas each (one, replicated everywhere, for degree 1 or ep),
+    FSDP2's hybrid sharding."""
     if hybrid_shard_degree in (0, dp_size):
         return replicas
-    ep = dp_size // replicas.size()
-    shard = max(1, hybrid_shard_degree // ep)
+    shard = shard_degree(hybrid_shard_degree, dp_size // replicas.size())
     return unflatten_mesh(replicas, replicas.mesh_dim_names[0], (replicas.size() // shard, shard),
                           ("edp_replicate", "edp_shard"))
 

@@ -12,6 +12,8 @@ ranks too (``expert/tensor_parallel.py``), and the router stays whole on every r
 in a way that depends on a degree: the distributed state dict is HF's, experts indexed globally.
 Checkpoints on the Hugging Face hub hold each expert's ``w1`` (gate), ``w3`` (up) and ``w2``
 (down) separately under ``block_sparse_moe``: ``TABLE.stacked`` / ``renamed`` read them.
+Context parallelism reaches the attention as Llama's (HF's attention interface); the MoE block
+routes each token on its own, so it runs on a sequence's part unchanged.
 """
 
 from ..expert.layout import ExpertLayout
@@ -56,5 +58,6 @@ TABLE = KeyTable(
 )
 
 PIPELINE = llama.PIPELINE  # the same base-model tree: embed_tokens, layers, norm
+CONTEXT = llama.CONTEXT  # the same attention modules (model.layers.*.self_attn)
 
-ARCHITECTURE = Architecture(SPEC, TABLE, pipeline=PIPELINE, experts=EXPERTS)
+ARCHITECTURE = Architecture(SPEC, TABLE, pipeline=PIPELINE, experts=EXPERTS, context=CONTEXT)

@@ -12,9 +12,10 @@ Experts sharded by expert parallelism (DTensors on the "ep" dimension) are repli
 the ranks holding the same experts: each experts module is its own FSDP group over that
 expert-data-parallel mesh, applied before the blocks, which then leave its parameters alone.
 
-Only full sharding over the data-parallel dim is built here: a shard degree below the
-data-parallel degree (HSDP: replicate over groups, shard inside) would need a 3-D mesh the TP
-shards are not defined on, and is refused.
+A shard degree N below the replicas' count (hybrid sharding: shard inside groups of N
+consecutive replicas, replicate across the groups) shards over FSDP2's 2-D ("replicate", "shard")
+mesh, the replica mesh unflattened (``Topology.sharding_meshes``): it shares the world mesh with
+"tp", so TP's DTensors are sharded further as under full sharding, per tp coordinate.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from ..expert import is_expert_parallel
+from ..expert.fsdp1 import check_shard_degree
 from ..tp.layout import base_prefix
 from ..tp.plan import ArchSpec, block_prefix, glob_match, join
 
@@ -38,11 +40,13 @@ def block_modules(module: nn.Module, spec: ArchSpec | None) -> list[nn.Module]:
     return [m for path, m in module.named_modules() if path and any(glob_match(g, path) for g in globs)]
 
 
-def check_degree(shard_degree: int, dp_degree: int) -> None:
-    if 1 < shard_degree < dp_degree:
-        raise NotImplementedError(
-            f"sharded data parallel degree {shard_degree} below the data-parallel degree {dp_degree} "
-            "(hybrid sharding) is not implemented; use the data-parallel degree or 1")
+def check_degree(shard_degree: int, replicas: int, ep: int) -> None:
+    """Refuse, before any collective, a shard degree whose groups split expert-parallel groups.
+
+    Raises:
+        NotImplementedError: naming the degrees.
+    """
+    check_shard_degree(shard_degree, replicas, ep, "sharded data parallel degree", "DistributedModel's FSDP")
 
 
 def mixed_precision(compute_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
@@ -57,16 +61,16 @@ def mixed_precision(compute_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
 def shard_data_parallel(module: nn.Module, dp_mesh, spec: ArchSpec | None, shard_degree: int,
                         mp_policy: MixedPrecisionPolicy | None = None, keep_gathered: bool = False,
                         expert_replicas=None) -> bool:
-    """Apply FSDP2 over the 1-D ``dp_mesh`` (the data-parallel ranks, times the context-parallel
-    ones when context parallelism is on) to each block of ``module`` and to the root, when
-    ``shard_degree`` > 1, with ``mp_policy`` (default: compute in the parameters' dtype);
-    with ``keep_gathered`` each block's parameters stay gathered between its forward and its
-    backward (optimizer state and gradients sharded, parameters gathered once per step).
-    Expert-parallel experts modules are sharded over ``expert_replicas`` (the 1-D mesh of the
-    ranks holding the same experts) first. Return whether it did."""
+    """Apply FSDP2 over ``dp_mesh`` (the data-parallel ranks, times the context-parallel ones
+    when context parallelism is on; 2-D for hybrid sharding: ``Topology.sharding_meshes``) to
+    each block of ``module`` and to the root, when ``shard_degree`` > 1, with ``mp_policy``
+    (default: compute in the parameters' dtype); with ``keep_gathered`` each block's parameters
+    stay gathered between its forward and its backward (optimizer state and gradients sharded,
+    parameters gathered once per step). Expert-parallel experts modules are sharded over
+    ``expert_replicas`` (the mesh of the ranks holding the same experts) first. Return whether
+    it did."""
     if shard_degree <= 1:
         return False
-    check_degree(shard_degree, dp_mesh.size())
     policy = mp_policy or MixedPrecisionPolicy()
     for experts in [m for m in module.modules() if is_expert_parallel(m)]:
         fully_shard(experts, mesh=expert_replicas, mp_policy=policy, reshard_after_forward=not keep_gathered)

@@ -72,6 +72,10 @@ def check_v1(config: dict):
     smp.init({"context_parallel_degree": 2, **config})
     ref = _reference()
     model = smp.DistributedModel(copy.deepcopy(ref))
+    hybrid = config.get("hybrid_shard_degree", 0)
+    if hybrid > 1:  # FSDP2 shards inside groups of `hybrid` replicas, replicated across them
+        mesh = model.module.model.layers[0].self_attn.o_proj.weight.device_mesh
+        assert mesh.mesh_dim_names[:2] == ("replicate", "shard") and mesh.size(1) == hybrid, mesh
     optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
     train_like_one_process(ref, model, optimizer, model.backward)
 
@@ -81,7 +85,9 @@ def check_v1(config: dict):
     (4, {"tensor_parallel_degree": 2, "prescaled_batch": True}),  # cp 2 x tp 2
     (2, {"sharded_data_parallel_degree": 2}),  # FSDP2 over the data x context ranks
     (4, {"tensor_parallel_degree": 2, "prescaled_batch": True, "sequence_parallel": True}),
-], ids=["dp2_cp2", "cp2_tp2", "cp2_fsdp2", "cp2_tp2_sequence_parallel"])
+    (4, {"hybrid_shard_degree": 2}),  # FSDP2 hybrid: shards of 2 of the 4 data x context ranks
+    (8, {"tensor_parallel_degree": 2, "prescaled_batch": True, "hybrid_shard_degree": 2}),  # per tp rank
+], ids=["dp2_cp2", "cp2_tp2", "cp2_fsdp2", "cp2_tp2_sequence_parallel", "dp2_cp2_hybrid2", "dp2_cp2_tp2_hybrid2"])
 def test_distributed_model(world, config):
     harness.run(world, check_v1, config)
 

@@ -72,9 +72,18 @@ def test_bad_models_refused_by_name_on_every_rank():
         assert "MoEConfig(smp_moe=False) keeps Hugging Face's own MoE layers" in errors["hf_moe"], errors["hf_moe"]
 
 
-def test_expert_with_context_parallelism_is_refused_by_the_config():
-    with pytest.raises(NotImplementedError, match="expert_parallel_degree 2 with context_parallel_degree 2"):
-        build_config({"expert_parallel_degree": 2, "context_parallel_degree": 2}, 4)
+def test_v1_shard_degree_splitting_expert_groups_is_refused():
+    from modelparallel.training.fsdp import check_degree
+
+    with pytest.raises(NotImplementedError, match="sharded data parallel degree=2 with expert_parallel_degree=4"):
+        check_degree(2, 4, 4)
+    check_degree(4, 8, 2)  # shard groups of whole expert-parallel groups
+    check_degree(8, 8, 4)  # every replica
+
+
+def test_expert_with_context_parallelism_is_accepted_by_the_config():
+    cfg = build_config({"expert_parallel_degree": 2, "context_parallel_degree": 2}, 4)
+    assert (cfg.dp_degree, cfg.expert_parallel_degree, cfg.context_parallel_degree) == (2, 2, 2)
 
 
 def fail_routing_on_rank1(all_to_all):

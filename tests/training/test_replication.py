@@ -71,9 +71,25 @@ def test_expert_ranks_replicate_only_their_own_experts():
     assert [r.get_rep_rank(k) for k in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]  # rank 0's: one ep group
 
 
-def test_expert_with_context_parallelism_refused():
-    with pytest.raises(NotImplementedError, match="expert_parallel_degree 2 with context_parallel_degree 2"):
-        Ranker(grid(8, context_parallel_degree=2), shard_degree=1, expert_degree=2)
+def test_experts_are_replicated_over_context_parallel_ranks():
+    # DP=4 (EP=2 inside) x CP=2, cluster: rank = 2 dp + cp. Experts 0..1 on dp ranks 0 and 2 at
+    # both cp ranks: ranks 0, 1, 4, 5; degree 1 replicates them there
+    r = Ranker(grid(8, context_parallel_degree=2, expert_parallel_degree=2), shard_degree=1, expert_degree=2)
+    assert r.get_rep_groups() == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert [r.get_rep_rank(k) for k in range(8)] == [0, 1, 0, 1, 2, 3, 2, 3]
+    # degree 4: dense shard groups {0..3}, {4..7}; experts in pairs of their 4 replicas ({0, 1}, {4, 5})
+    r = Ranker(grid(8, context_parallel_degree=2, expert_parallel_degree=2), shard_degree=4, expert_degree=2)
+    assert r.get_rep_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    r = Ranker(grid(8, context_parallel_degree=2, expert_parallel_degree=2), shard_degree=8, expert_degree=2)
+    assert r.get_rep_groups() == [[k] for k in range(8)]
+
+
+def test_tensor_and_context_parallel_ranks():
+    # TP=2 x CP=2 x DP=2 (cluster: rank = 4 dp + 2 cp + tp), hybrid 2: shard groups per tp rank are
+    # the cp pair of one dp rank, replicated over dp
+    r = Ranker(grid(8, tensor_parallel_degree=2, context_parallel_degree=2), shard_degree=2)
+    assert r.get_rep_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert [r.get_shard_rank(k) for k in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
 
 
 def test_unknown_rank_refused():
@@ -152,7 +168,9 @@ def test_context_parallel_groups_match_fsdp_placement(placement):
         check_groups(out)
 
 
-def test_expert_parallel_groups_match_fsdp_placement():
-    configs = [{"expert_parallel_degree": 2, "hybrid_shard_degree": n} for n in (0, 1, 2)]
+@pytest.mark.parametrize("cp", [1, 2])
+def test_expert_parallel_groups_match_fsdp_placement(cp):
+    configs = [{"expert_parallel_degree": 2, "context_parallel_degree": cp, "hybrid_shard_degree": n}
+               for n in (0, 1, 2)]
     for out in zip(*harness.run(4, held_under, configs, mixtral)):
         check_groups(out)

@@ -73,6 +73,12 @@ def _check_blocks_contiguous(t: DTensor, inside: list[int], key: str) -> None:
                 "save it with the whole mesh's group")
 
 
+def _splits(placement) -> bool:
+    """Whether ``placement`` splits a tensor dimension: a ``Shard``, or a strided one (split after
+    the later mesh dimensions, which the block has already been cut by)."""
+    return placement.is_shard() or hasattr(placement, "split_factor")
+
+
 def block_of(t: DTensor, members: set[int], key: str = "", inside_by_mesh: dict | None = None) -> torch.Tensor | None:
     """The DTensor of the block of ``t`` the ranks ``members`` hold, or None when they cover
     ``t``'s mesh (nothing to change). ``inside_by_mesh``: the inside dimensions of the meshes
@@ -103,12 +109,13 @@ def block_of(t: DTensor, members: set[int], key: str = "", inside_by_mesh: dict 
     if names is None:
         raise NotImplementedError(f"saving {key or 'a DTensor'} over a process group: its mesh has no dimension names")
     sub = mesh[tuple(names[d] for d in inside)] if len(inside) > 1 else mesh[names[inside[0]]]
-    placements = [Shard(t.placements[d].dim) if t.placements[d].is_shard() else Replicate() for d in inside]
+    placements = [Shard(t.placements[d].dim) if _splits(t.placements[d]) else Replicate() for d in inside]
     local = t.to_local()
     expect, _ = compute_local_shape_and_global_offset(block_shape, sub.shape, sub.get_coordinate(), placements)
     if tuple(expect) != tuple(local.shape):
         raise NotImplementedError(f"saving {key or 'a DTensor'} over a process group: its layout {t.placements} "
-                                  f"on mesh {names} is not a sharding of its block {tuple(block_shape)}")
+                                  f"on mesh {names} is not a sharding of its block {tuple(block_shape)} (this rank holds "
+                                  f"{tuple(local.shape)}, a sharding would give it {tuple(expect)})")
     return DTensor.from_local(local, sub, placements, run_check=False, shape=torch.Size(block_shape),
                               stride=_strides(block_shape))
 

@@ -30,7 +30,7 @@ def _fsdp1_layout() -> fsdp1.Layout | None:
         return None
     rt = runtime.current()
     return fsdp1.Layout(rt.replica_mesh, rt.config.tensor_parallel_degree, rt.config.hybrid_shard_degree,
-                        rt.edp_mesh, rt.mesh_cache)
+                        rt.expert_replica_mesh, rt.mesh_cache)
 
 
 def install_init_patches() -> None:

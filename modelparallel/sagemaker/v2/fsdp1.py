@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
-from ...compat import FlatParamHandle, fsdp_init_utils, mesh_group_config
+from ...compat import FlatParamHandle, fsdp_init_utils, mesh_group_config, unflatten_mesh
 from ...expert import fsdp1 as expert_fsdp1
 from ...meshes import kept
 from . import fsdp1_dtensor_views
@@ -100,13 +100,17 @@ def _check_group(group, lay: Layout) -> None:
 
 
 def _hsdp_mesh(lay: Layout) -> DeviceMesh:
-    """("replicate", "shard") over the data-parallel ranks, shard groups of consecutive ranks."""
-    dp, n = _ranks(lay.dp_mesh), lay.hybrid_shard_degree
-    layout = lay.dp_mesh.mesh.reshape(len(dp) // n, n)
-    return kept(lay.mesh_cache, ("fsdp1 hybrid", lay.dp_mesh.device_type, tuple(dp), n),
-                lambda: DeviceMesh(lay.dp_mesh.device_type, layout, mesh_dim_names=("replicate", "shard"),
-                                   backend_override=tuple(mesh_group_config(lay.dp_mesh.device_type, k)
-                                                          for k in layout.shape)))
+    """("replicate", "shard") over the data-parallel ranks, shard groups of consecutive ranks.
+    Under TP it is the data-parallel mesh unflattened (so it shares the world mesh with the TP
+    shards' "tp" dimension, as FSDP needs to shard a DTensor further), else a mesh of its own."""
+    dp, n, kind = _ranks(lay.dp_mesh), lay.hybrid_shard_degree, lay.dp_mesh.device_type
+    sizes, names = (len(dp) // n, n), ("replicate", "shard")
+    if lay.tp_size > 1:
+        return kept(lay.mesh_cache, ("fsdp1 hybrid of the world mesh", kind, tuple(dp), n),
+                    lambda: unflatten_mesh(lay.dp_mesh, lay.dp_mesh.mesh_dim_names[0], sizes, names))
+    return kept(lay.mesh_cache, ("fsdp1 hybrid", kind, tuple(dp), n),
+                lambda: DeviceMesh(kind, lay.dp_mesh.mesh.reshape(sizes), mesh_dim_names=names,
+                                   backend_override=tuple(mesh_group_config(kind, k) for k in sizes)))
 
 
 def _expert_mesh(lay: Layout) -> DeviceMesh:
@@ -146,11 +150,6 @@ def _apply_hybrid(args: dict, lay: Layout) -> None:
     if n == 1:
         args["sharding_strategy"] = ShardingStrategy.NO_SHARD
         return
-    if lay.tp_size > 1:
-        raise NotImplementedError(
-            f"hybrid_shard_degree={n} below the data-parallel degree {d} with tensor_parallel_degree="
-            f"{lay.tp_size} (hybrid sharding composed with TP under FSDP1) is not implemented; use "
-            f"hybrid_shard_degree 0 or {d}, or tensor_parallel_degree 1")
     if args.get("sharding_strategy") != ShardingStrategy._HYBRID_SHARD_ZERO2:
         args["sharding_strategy"] = ShardingStrategy.HYBRID_SHARD
     _shard_over(args, _hsdp_mesh(lay), lay)

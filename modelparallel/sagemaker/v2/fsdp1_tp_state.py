@@ -20,6 +20,14 @@ the loaded state is the TP-local tensor FSDP1 keeps whole, a plain tensor, and t
 per-parameter step that hands the state to the optimizer so that, there, each state tensor of
 a DTensor parameter becomes a DTensor with the parameter's layout (the same memory).
 
+A sharded model state dict (``StateDictType.SHARDED_STATE_DICT``) holds each TP parameter as
+a DTensor on the world mesh that FSDP1 shards on the dimension before "tp" ("cp"), as a plain
+``Shard``: DTensor reads it as split before TP, so a rank holds a chunk of the whole tensor, not
+of its TP block, and under context parallelism a TP rank's FSDP group (its cp ranks) holds no
+single block to save over that group. ``install`` wraps FSDP1's chunking so the shard is a
+``StridedShard`` (split after TP, FSDP2's placement for the same layout): each rank holds a chunk
+of its TP block, and the group its whole block.
+
 A full model state dict (``StateDictType.FULL_STATE_DICT``, how v2 scripts export a model for
 ``from_pretrained``) keeps each DTensor parameter as this rank's DTensor view after FSDP1's
 gather: saved, it would hold one TP rank's shard. ``install`` also wraps FSDP1's full-state-dict
@@ -35,8 +43,9 @@ import functools
 
 import torch
 from torch.distributed.fsdp import ShardingStrategy, StateDictType
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ...compat import StridedShard, tp_fsdp_extension
 from ...compat import fsdp_optim_utils as _optim_utils
 from ...compat import fsdp_state_dict_utils as _state_dict_utils
 
@@ -122,11 +131,37 @@ def _install_full_state_dict() -> None:
     _state_dict_utils._full_post_state_dict_hook = gathered_whole
 
 
+def after_tp(value: DTensor) -> DTensor:
+    """``value`` (FSDP1's chunk of a TP parameter on the world mesh) with the FSDP shard before
+    "tp" split after TP's when both cut the same tensor dimension over more than one rank."""
+    placements, mesh = list(value.placements), value.device_mesh
+    fsdp, tp = placements[-2], placements[-1]
+    if not (isinstance(fsdp, Shard) and isinstance(tp, Shard) and fsdp.dim == tp.dim and mesh.size(mesh.ndim - 2) > 1):
+        return value
+    placements[-2] = StridedShard(fsdp.dim, split_factor=mesh.size(mesh.ndim - 1))
+    return value.redistribute(mesh, placements)
+
+
+def _install_tp_block_chunks() -> None:
+    chunk = tp_fsdp_extension._chunk_dtensor
+    if getattr(chunk, _MARK, False):
+        return
+
+    @functools.wraps(chunk)
+    def chunk_of_tp_block(tensor, rank, device_mesh):
+        out = chunk(tensor, rank, device_mesh)
+        return after_tp(out) if isinstance(tensor, DTensor) and out.device_mesh.ndim > 1 else out
+
+    setattr(chunk_of_tp_block, _MARK, True)
+    tp_fsdp_extension._chunk_dtensor = chunk_of_tp_block
+
+
 def install() -> None:
-    """Make FSDP1's full model state dicts hold whole tensors and its optimizer-state loading
-    keep TP-local blocks (idempotent)."""
+    """Make FSDP1's full model state dicts hold whole tensors, its sharded ones chunk each TP
+    block, and its optimizer-state loading keep TP-local blocks (idempotent)."""
     _install_no_shard_layout()
     _install_full_state_dict()
+    _install_tp_block_chunks()
     gather = _optim_utils._gather_state_dict
     if getattr(gather, _MARK, False):
         return

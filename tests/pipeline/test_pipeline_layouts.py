@@ -97,11 +97,11 @@ def train(arch: str, config: dict, optimizer: str, steps: int):
     torch.manual_seed(1)
     ref = build(arch)
     module = copy.deepcopy(ref)
-    blocks = list(module.base_model.layers if arch != "gpt2" else module.transformer.h)
+    layers = list(module.model.layers) if arch == "mixtral" else []
     model = smp.DistributedModel(module)
-    if arch == "mixtral":  # the experts of other stages' layers are dropped with them, never sharded
-        here = {id(b) for b in model.module.base_model.layers}
-        assert not any(isinstance(b.mlp.experts.gate_up_proj, DTensor) for b in blocks if id(b) not in here)
+    here = {id(b) for b in model.module.model.layers} if layers else set()
+    assert not any(isinstance(b.mlp.experts.gate_up_proj, DTensor) for b in layers if id(b) not in here), \
+        "the experts of other stages' layers are dropped with them, never sharded"
     make = (lambda ps: torch.optim.SGD(ps, lr=0.1)) if optimizer == "sgd" else \
         (lambda ps: torch.optim.AdamW(ps, lr=1e-2))
     opt, ref_opt = smp.DistributedOptimizer(make(model.parameters())), make(ref.parameters())

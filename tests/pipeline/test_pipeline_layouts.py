@@ -20,6 +20,7 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
 import harness
@@ -95,7 +96,12 @@ def train(arch: str, config: dict, optimizer: str, steps: int):
     smp.init({"microbatches": 2, "random_seed": 1, "prescaled_batch": True, **config})
     torch.manual_seed(1)
     ref = build(arch)
-    model = smp.DistributedModel(copy.deepcopy(ref))
+    module = copy.deepcopy(ref)
+    layers = list(module.model.layers) if arch == "mixtral" else []
+    model = smp.DistributedModel(module)
+    here = {id(b) for b in model.module.model.layers} if layers else set()
+    assert not any(isinstance(b.mlp.experts.gate_up_proj, DTensor) for b in layers if id(b) not in here), \
+        "the experts of other stages' layers are dropped with them, never sharded"
     make = (lambda ps: torch.optim.SGD(ps, lr=0.1)) if optimizer == "sgd" else \
         (lambda ps: torch.optim.AdamW(ps, lr=1e-2))
     opt, ref_opt = smp.DistributedOptimizer(make(model.parameters())), make(ref.parameters())

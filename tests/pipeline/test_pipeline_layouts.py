@@ -147,6 +147,8 @@ CASES = [  # (world, arch, config, optimizer, steps)
                                 "sharded_data_parallel_degree": 2}, "adamw", 2, id="pp2_ep2_fsdp2_mixtral"),
     pytest.param(8, "llama", {"pipeline_parallel_degree": 2, "context_parallel_degree": 2,
                               "tensor_parallel_degree": 2}, "adamw", 2, id="pp2_cp2_tp2_llama"),
+    pytest.param(8, "mixtral", {"pipeline_parallel_degree": 2, "expert_parallel_degree": 2,
+                                "context_parallel_degree": 2}, "adamw", 2, id="pp2_ep2_cp2_mixtral"),
 ]
 
 

@@ -189,8 +189,8 @@ class Runner:
     def _checked(self, hidden: torch.Tensor, i: int) -> torch.Tensor:
         if isinstance(hidden, DTensor):
             if not all(isinstance(p, Replicate) for p in hidden.placements):
-                raise RuntimeError(f"pipeline rank {self.stage.index}'s output is sharded ({hidden.placements}); a stage "
-                                   "sends a whole activation")
+                raise RuntimeError(f"pipeline rank {self.stage.index}'s output is sharded ({hidden.placements}); a "
+                                   "stage sends a whole activation")
             hidden = hidden.to_local()
         want = self._step.activation
         if want is not None and (tuple(hidden.shape), hidden.dtype) != want:

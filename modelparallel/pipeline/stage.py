@@ -70,9 +70,10 @@ class Boundary:
     @contextmanager
     def running(self, s: int, activation: torch.Tensor | None) -> Iterator[None]:
         """Stage ``s`` runs one microbatch (``activation``: its input from the previous stage)."""
-        modules = self.stage.block_list._modules if self.stage.virtual > 1 else None
-        held = dict(modules) if modules is not None else None
-        if modules is not None:  # the blocks' own entries, whatever wraps them now
+        swap = self.stage.virtual > 1
+        modules = self.stage.block_list._modules
+        held = dict(modules)
+        if swap:  # the list's own entries for stage s's blocks (whatever wraps them now)
             modules.clear()
             modules.update((str(i), held[str(i)]) for i in range(*self.stage.ranges[s]))
         self.pending, self.active = activation, True
@@ -80,7 +81,7 @@ class Boundary:
             yield
         finally:
             self.active, self.pending = False, None
-            if modules is not None:
+            if swap:
                 modules.clear()
                 modules.update(held)
 

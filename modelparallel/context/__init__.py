@@ -27,7 +27,7 @@ from .spec import ContextSpec
 __all__ = ["COMM_TYPES", "ContextSpec", "check_comm_type", "check_model", "check_split", "merge", "parallelize",
            "positions", "split"]
 
-_SUPPORTED_HINT = "causal decoders whose architecture record states a ContextSpec (gpt2, gptj, gpt_neo, llama, mistral)"
+_SUPPORTED_HINT = "causal decoders whose architecture record states a ContextSpec (gpt2, gptj, gpt_neo, llama, mistral, mixtral)"
 
 
 def check_comm_type(comm: str) -> None:

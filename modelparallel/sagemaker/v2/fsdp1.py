@@ -164,7 +164,6 @@ def complete(args: dict, lay: Layout) -> None:
 
     Raises:
         ValueError: a ``device_mesh`` or ``process_group`` other than the data-parallel one.
-        NotImplementedError: hybrid sharding below the data-parallel degree together with TP.
     """
     mesh, group = args.get("device_mesh"), args.get("process_group")
     if mesh is not None:

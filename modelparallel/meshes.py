@@ -133,6 +133,14 @@ class MeshCache:
         return self.built[key]
 
 
+def layout_key(mesh: DeviceMesh) -> tuple:
+    """What identifies the layout ``mesh`` (the expert mesh: world layout and expert degree) was
+    built for, in a ``MeshCache`` key: a mesh derived from one layout's world mesh (flattened,
+    unflattened) shares its root, and FSDP composes with TP's or EP's DTensors only over meshes
+    of one root, so such a mesh is reused only for the same layout."""
+    return mesh.device_type, tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist())
+
+
 def kept(cache: MeshCache | None, key: tuple, build: Callable[[], Any]) -> Any:
     """``cache.keep(key, build)``, or ``build()`` without a cache (a layer used on its own)."""
     return build() if cache is None else cache.keep(key, build)

@@ -93,7 +93,7 @@ class Topology:
         dense, experts, n = self.replica_mesh, self.expert_replica_mesh, shard_degree
         if n >= dense.size():
             return dense, experts
-        return meshes.kept(self.mesh_cache, ("hybrid sharding", dense.device_type, tuple(dense.mesh.tolist()), n),
+        return meshes.kept(self.mesh_cache, ("hybrid sharding", meshes.layout_key(self.expert_mesh), n),
                            lambda: (unflatten_mesh(dense, dense.mesh_dim_names[0], (dense.size() // n, n),
                                                    ("replicate", "shard")),
                                     expert_mesh(experts, n, dense.size())))

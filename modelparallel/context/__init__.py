@@ -29,7 +29,7 @@ __all__ = ["COMM_TYPES", "ContextSpec", "check_comm_type", "check_model", "check
            "positions", "split"]
 
 _SUPPORTED_HINT = ("models whose architecture record states a ContextSpec (decoders gpt2, gptj, gpt_neo, llama, "
-                   "mistral; encoders bert, roberta)")
+                   "mistral, mixtral; encoders bert, roberta)")
 
 
 def check_comm_type(comm: str) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 
 from ... import runtime
+from ...meshes import layout_key
 from ...activations import offload_wrapper
 from ...distributed.checkpoint import group_blocks
 from ...transform import transform as _transform
@@ -30,7 +31,7 @@ def _fsdp1_layout() -> fsdp1.Layout | None:
         return None
     rt = runtime.current()
     return fsdp1.Layout(rt.replica_mesh, rt.config.tensor_parallel_degree, rt.config.hybrid_shard_degree,
-                        rt.expert_replica_mesh, rt.mesh_cache)
+                        rt.expert_replica_mesh, rt.mesh_cache, layout_key(rt.expert_mesh))
 
 
 def install_init_patches() -> None:

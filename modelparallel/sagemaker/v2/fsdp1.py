@@ -65,6 +65,9 @@ class Layout:
     mesh_cache: Any = None
     """The job's ``meshes.MeshCache``: the hybrid meshes made here are made once per process
     and world (each gloo group keeps its threads for the life of the process)."""
+    layout: tuple = ()
+    """The job's layout (``meshes.layout_key``): the meshes derived from its world mesh are kept
+    per layout, since FSDP shards DTensors only over a mesh of their own root."""
 
 
 def _ranks(mesh: DeviceMesh) -> list[int]:
@@ -106,7 +109,7 @@ def _hsdp_mesh(lay: Layout) -> DeviceMesh:
     dp, n, kind = _ranks(lay.dp_mesh), lay.hybrid_shard_degree, lay.dp_mesh.device_type
     sizes, names = (len(dp) // n, n), ("replicate", "shard")
     if lay.tp_size > 1:
-        return kept(lay.mesh_cache, ("fsdp1 hybrid of the world mesh", kind, tuple(dp), n),
+        return kept(lay.mesh_cache, ("fsdp1 hybrid of the world mesh", lay.layout, n),
                     lambda: unflatten_mesh(lay.dp_mesh, lay.dp_mesh.mesh_dim_names[0], sizes, names))
     return kept(lay.mesh_cache, ("fsdp1 hybrid", kind, tuple(dp), n),
                 lambda: DeviceMesh(kind, lay.dp_mesh.mesh.reshape(sizes), mesh_dim_names=names,
@@ -116,7 +119,7 @@ def _hsdp_mesh(lay: Layout) -> DeviceMesh:
 def _expert_mesh(lay: Layout) -> DeviceMesh:
     """The mesh the experts are sharded over (``expert.fsdp1.replica_mesh``), made once."""
     replicas, n, dp = lay.expert_replicas, lay.hybrid_shard_degree, lay.dp_mesh.size()
-    return kept(lay.mesh_cache, ("fsdp1 expert replicas", replicas.device_type, tuple(_ranks(replicas)), n, dp),
+    return kept(lay.mesh_cache, ("fsdp1 expert replicas", lay.layout, tuple(_ranks(replicas)), n, dp),
                 lambda: expert_fsdp1.replica_mesh(replicas, n, dp))
 
 
@@ -161,7 +164,6 @@ def complete(args: dict, lay: Layout) -> None:
 
     Raises:
         ValueError: a ``device_mesh`` or ``process_group`` other than the data-parallel one.
-        NotImplementedError: hybrid sharding below the data-parallel degree together with TP.
     """
     mesh, group = args.get("device_mesh"), args.get("process_group")
     if mesh is not None:

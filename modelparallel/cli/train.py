@@ -188,9 +188,6 @@ def _world_problems(args: argparse.Namespace) -> list[str]:
     if args.tp >= 1 and args.pp >= 1 and args.cp >= 1 and args.ep > 1 and world >= 1 and world % (ranks * args.ep):
         return [f"{model} x --ep {args.ep} does not divide {where} {world} (expert-parallel ranks are "
                 "data-parallel ranks)"]
-    if args.ep > 1 and args.cp > 1:
-        return [f"--ep {args.ep} with --cp {args.cp}: expert parallelism with context parallelism is not "
-                "implemented; use one of them"]
     return []
 
 

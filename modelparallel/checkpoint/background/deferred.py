@@ -58,13 +58,15 @@ class Early:
     by the memory they cover. Reading the deferred tensors is most of what an asynchronous save's
     call costs on a CPU, and the tensors are independent: up to ``MAX_THREADS`` of them are read
     at once, in the order given (the order ``defer`` takes them), and ``take`` waits for one
-    tensor's sum only."""
+    tensor's sum only. Threads beyond this rank's share of the machine's cores (the cores over
+    the ranks on it) only compete with the other ranks: with a core per rank, one thread reads."""
 
     MAX_THREADS = 4
 
     def __init__(self, tensors: list[torch.Tensor]):
         todo = [t for t in tensors if t.device.type == "cpu" and t.is_contiguous()]
-        threads = max(1, min(self.MAX_THREADS, os.cpu_count() or 1, len(todo)))
+        share = (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        threads = max(1, min(self.MAX_THREADS, share, len(todo)))
         pool = ThreadPoolExecutor(threads, thread_name_prefix="modelparallel-crc")
         self.sums: dict[tuple, Future] = {}
         for t in todo:

@@ -21,7 +21,6 @@ tp/auto/__init__.py (``with_sequence_parallel``).
 import copy
 import sys
 from pathlib import Path
-from types import MappingProxyType
 
 import pytest
 import torch
@@ -29,7 +28,7 @@ import transformers as T
 
 import harness
 import modelparallel as smp
-import modelparallel.models as registry
+from registry_helpers import FileRemoved
 from reference import assert_close, assert_grads_match
 from test_decoder_families import FAMILIES, SMALL, VOCAB, _batch, _fp64_finite
 
@@ -59,27 +58,13 @@ def _build(name, router_loss=False):
     return cls(config())
 
 
-class _FileRemoved:
-    """The built-in records without ``model_type``'s, as if its file did not exist."""
-
-    def __init__(self, model_type):
-        self.model_type = model_type
-
-    def __enter__(self):
-        self.saved = registry.BUILT_IN
-        registry.BUILT_IN = MappingProxyType({t: a for t, a in self.saved.items() if t != self.model_type})
-
-    def __exit__(self, *exc):
-        registry.BUILT_IN = self.saved
-
-
 def _pair(name, tp, without_file=None):
     smp.init({"tensor_parallel_degree": tp, "sequence_parallel": True, "prescaled_batch": True})
     torch.manual_seed(0)
     ref = _build(name)
     if without_file is None:
         return ref, smp.DistributedModel(copy.deepcopy(ref))
-    with _FileRemoved(without_file):
+    with FileRemoved(without_file):
         return ref, smp.DistributedModel(copy.deepcopy(ref))
 
 

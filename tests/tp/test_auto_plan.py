@@ -10,7 +10,6 @@ failing: the module named in the message is the one the check should have caught
 """
 
 import copy
-from types import MappingProxyType
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from torch.distributed.tensor import DTensor
 import harness
 import modelparallel as smp
 import modelparallel.models as registry
+from registry_helpers import FileRemoved
 from modelparallel.tp.auto.plan import AutoPlanError, derive
 from modelparallel.tp.auto.verify import verify
 from modelparallel.tp.walker import collect, parallelize
@@ -97,25 +97,11 @@ def test_automatic_plan_gives_each_family_the_shards_of_its_file(name, tp):
     assert {(p, a, v) for p, _, a, v in auto.rewrites} <= {(p, a, v) for p, _, a, v in builtin.rewrites}
 
 
-class _FileRemoved:
-    """The built-in records without ``model_type``'s, as if its file did not exist."""
-
-    def __init__(self, model_type):
-        self.model_type = model_type
-
-    def __enter__(self):
-        self.saved = registry.BUILT_IN
-        registry.BUILT_IN = MappingProxyType({t: a for t, a in self.saved.items() if t != self.model_type})
-
-    def __exit__(self, *exc):
-        registry.BUILT_IN = self.saved
-
-
 def check_results_without_the_file(name, tp):
     """With its file removed, the family trains exactly like one process, in shards of the same
     local shapes as with the file."""
     cls, config, _ = FAMILIES[name]
-    with _FileRemoved(config().model_type):
+    with FileRemoved(config().model_type):
         ref, model = build_pair(cls, config(), tp)
     _, with_file = build_pair(cls, config(), tp)
     local = lambda m: {k: tuple((v.to_local() if isinstance(v, DTensor) else v).shape)

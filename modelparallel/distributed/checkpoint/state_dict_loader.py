@@ -12,6 +12,7 @@ and nothing in the state dict changes unless every rank read everything.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -24,7 +25,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from ...checkpoint.safety.files import CheckpointFiles
 from ...compat import flatten_state_dict
 from ...checkpoint.paused_gc import paused_gc
-from . import saving
+from . import directories, saving
 from .async_utils import wait_for_staging
 from .directory import checkpoint_files
 from .group_blocks import for_group
@@ -126,7 +127,10 @@ def load(state_dict, *, checkpoint_id: str | os.PathLike | None = None, storage_
     path = _path_of(checkpoint_id, storage_reader)
     allow_partial = _allow_partial(planner, check_keys_matched)
     wait_for_staging()  # a save still copying from these tensors must finish that first
-    with for_group(state_dict, group.pg):
+    by_path = directories.split(group, path)
+    mine = by_path[os.path.abspath(path)] if by_path is not None else group.members
+    with directories.experts_as_blocks(state_dict, mine) if by_path else contextlib.nullcontext(), \
+            for_group(state_dict, group.pg):
         error, files = None, None
         try:
             check_local_group(state_dict, group.members, "load")

@@ -27,6 +27,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
 import harness
 import modelparallel as tsm
 from modelparallel import runtime, state
+from modelparallel.distributed.checkpoint.async_utils import AsyncCallsQueue
 from modelparallel.distributed.checkpoint.state_dict_utils import SMStateDictType, sm_state_dict_type
 from modelparallel.sagemaker.tensor_parallel.transformer import TransformerLayer
 from modelparallel.tp.layout import local_part
@@ -146,15 +147,39 @@ def test_local_checkpoint_tp_cp_dp_hybrid_trains_like_one_process(tmp_path):
     harness.run(8, local_round_trip, config, "llama", [[0, 4], [1, 5], [2, 6], [3, 7]], str(tmp_path), True)
 
 
-def sharded_round_trip(root: str):
-    tsm.init({"tensor_parallel_degree": 2, "context_parallel_degree": 2})
-    model, optimizer = build("llama", 0)
+def _whole_directories(root: str, ep: int) -> None:
+    """Each ``tp0_ep{j}`` directory, read with PyTorch's own reader: its ``.metadata`` covers every
+    dense tensor whole and holds expert rank j's experts (E / ep of them) whole."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    for j in range(ep):
+        saved = FileSystemReader(os.path.join(root, f"tp0_ep{j}")).read_metadata().state_dict_metadata
+        for key, md in saved.items():
+            if not hasattr(md, "chunks"):
+                continue
+            volume = sum(torch.Size(c.sizes).numel() for c in md.chunks)
+            assert volume == md.size.numel(), f"tp0_ep{j}: {key} holds {volume} of {md.size.numel()} elements"
+        experts = saved["model.model.layers.0.mlp.experts.gate_up_proj"].size
+        assert experts[0] == 4 // ep, f"tp0_ep{j}: experts {tuple(experts)}"
+
+
+def sharded_round_trip(config: dict, arch: str, root: str, queued: bool = False):
+    """Saved (with an ``AsyncCallsQueue`` when ``queued``), loaded into a fresh model: the same
+    tensors, the same losses after."""
+    tsm.init(config)
+    model, optimizer = build(arch, 0)
     for step in range(2):
         train_step(model, optimizer, step)
-    save_sharded(model, optimizer, root, {"total_steps": 2})
+    queue = AsyncCallsQueue() if queued else None
+    save_sharded(model, optimizer, root, {"total_steps": 2}, queue)
     saved = held(model, optimizer)
+    if queue is not None:
+        queue.maybe_finalize_async_calls(blocking=True, process_group=model.process_group)
     after = [train_step(model, optimizer, s) for s in (2, 3)]
-    fresh, fresh_opt = build("llama", 1)
+    ep = config.get("expert_parallel_degree", 1)
+    if ep > 1 and dist.get_rank() == 0:
+        _whole_directories(root, ep)
+    fresh, fresh_opt = build(arch, 1)
     loaded = load_sharded(fresh, fresh_opt, root, {"total_steps": 0})
     assert loaded["total_steps"] == 2
     got = held(fresh, fresh_opt)
@@ -166,4 +191,18 @@ def sharded_round_trip(root: str):
 
 def test_sharded_fsdp1_checkpoint_at_cp2_tp2(tmp_path):
     """cp 2 x tp 2: FSDP1 shards over each tp rank's cp pair; one directory per tp rank."""
-    harness.run(4, sharded_round_trip, os.path.join(str(tmp_path), "sharded"))
+    harness.run(4, sharded_round_trip, {"tensor_parallel_degree": 2, "context_parallel_degree": 2}, "llama",
+                os.path.join(str(tmp_path), "sharded"))
+
+
+@pytest.mark.parametrize("config, world, queued", [
+    ({"expert_parallel_degree": 2}, 2, False),
+    ({"expert_parallel_degree": 2}, 4, True),
+    ({"expert_parallel_degree": 2, "hybrid_shard_degree": 2}, 4, False),
+], ids=["ep2", "ep2_dp2-async", "ep2_hybrid2"])
+def test_sharded_fsdp1_checkpoint_under_expert_parallelism(config, world, queued, tmp_path):
+    """The scripts' sharded save at expert parallelism: one directory per (tp, ep) rank, saved over
+    the FSDP group, which spans every expert rank. Each directory must be whole (every dense
+    tensor, its expert rank's experts) and resume exactly. A failure points at
+    distributed/checkpoint/directories.py."""
+    harness.run(world, sharded_round_trip, config, "mixtral", os.path.join(str(tmp_path), "sharded"), queued)

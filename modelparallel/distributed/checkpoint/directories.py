@@ -1,0 +1,86 @@
+"""Saving and loading over a group whose ranks name different directories.
+
+SageMaker's scripts write one sharded checkpoint directory per tensor- and expert-parallel rank
+(``tp{i}_ep{j}``), each saved over the FSDP process group. Here FSDP1 shards the dense parameters
+over every data-parallel rank, so under expert parallelism that group spans several expert
+ranks, and so several directories: saved as one DCP checkpoint, only the coordinator's directory
+would get a ``.metadata`` (and the files of every rank would be scattered over the others).
+
+So each directory is made a whole checkpoint of what its ranks need to resume: every dense
+entry (each rank of the group writes its shard into every directory: the dense state is stored
+once per expert rank, as it would be if each expert rank's FSDP group held it whole), and the
+experts held by the ranks naming the directory (as the block of the expert tensors those ranks
+hold, ``group_blocks.block_of``). One DCP save per directory, over the whole group (its
+collectives), coordinated by a rank naming that directory. Loading, each rank reads its own
+directory, asking for the experts as the same block.
+
+Expert entries are the DTensors on a mesh with an ``"ep"`` dimension.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from .group_blocks import block_of
+from .outcome import Group
+
+
+def split(group: Group, path) -> dict[str, list[int]] | None:
+    """The ranks of ``group`` naming each directory (a collective over ``group``), by absolute
+    path in sorted order (the same on every rank); None when every rank names the same one."""
+    mine = os.path.abspath(os.fspath(path))
+    paths: list = [None] * len(group.members)
+    dist.all_gather_object(paths, mine, group=group.pg)
+    if len(set(paths)) == 1:
+        return None
+    return {p: [r for r, q in zip(group.members, paths) if q == p] for p in sorted(set(paths))}
+
+
+def coordinator(group: Group, ranks: list[int]) -> Group:
+    """``group`` coordinated by a rank of ``ranks``: the given coordinator when it is one of them."""
+    return Group(group.pg, group.coordinator if group.coordinator in ranks else min(ranks))
+
+
+def _is_expert(value) -> bool:
+    return isinstance(value, DTensor) and "ep" in (value.device_mesh.mesh_dim_names or ())
+
+
+def without_experts(obj):
+    """A copy of the nested dicts and lists of ``obj`` without its expert entries (the leaves are
+    the same objects)."""
+    if isinstance(obj, dict):
+        return {k: without_experts(v) for k, v in obj.items() if not _is_expert(v)}
+    if isinstance(obj, list):
+        return [without_experts(v) for v in obj if not _is_expert(v)]
+    return obj
+
+
+def _expert_slots(obj, prefix: str = ""):
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for k, v in items:
+        if _is_expert(v):
+            yield obj, k, f"{prefix}{k}"
+        elif isinstance(v, (dict, list)):
+            yield from _expert_slots(v, f"{prefix}{k}.")
+
+
+@contextlib.contextmanager
+def experts_as_blocks(state_dict, ranks: list[int]):
+    """Within the block, every expert entry of ``state_dict`` (changed in place) is the block of
+    it that ``ranks`` hold, sharing its local tensor (a load into it lands in the model); the
+    originals come back on exit."""
+    swapped, members, inside = [], set(ranks), {}
+    try:
+        for container, key, name in list(_expert_slots(state_dict)):
+            block = block_of(container[key], members, name, inside)
+            if block is not None:
+                swapped.append((container, key, container[key]))
+                container[key] = block
+        yield state_dict
+    finally:
+        for container, key, original in reversed(swapped):
+            container[key] = original

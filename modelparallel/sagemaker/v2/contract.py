@@ -3,7 +3,7 @@ calls they make themselves, as patches to PyTorch that only these two entry poin
 job, started through ``smdistributed.modelparallel.torch``, gets none of them):
 
 - from ``init``: the data-parallel layout of the script's own FSDP1 call (``fsdp1``, with its
-  DTensor views), and ``sm_activation_offloading`` through PyTorch's ``offload_wrapper`` (a no-op
+  DTensor views), FSDP1's ``offload_to_cpu`` state dicts on a CPU job (``fsdp1_cpu``), and ``sm_activation_offloading`` through PyTorch's ``offload_wrapper`` (a no-op
   unless the key is set);
 - from ``transform`` as well (it may start the job itself): DCP saves over the FSDP (or
   replication) group naming its coordinator by global rank, each TP rank's block over that group
@@ -22,7 +22,7 @@ from ...meshes import layout_key
 from ...activations import offload_wrapper
 from ...distributed.checkpoint import group_blocks
 from ...transform import transform as _transform
-from . import fsdp1, fsdp1_tp_state
+from . import fsdp1, fsdp1_cpu, fsdp1_tp_state
 
 
 def _fsdp1_layout() -> fsdp1.Layout | None:
@@ -38,6 +38,7 @@ def install_init_patches() -> None:
     """The FSDP1 layout contract and activation offloading through ``offload_wrapper``."""
     offload_wrapper.install()
     fsdp1.install(_fsdp1_layout)
+    fsdp1_cpu.install()
 
 
 def install_transform_patches() -> None:

@@ -67,7 +67,8 @@ def saves_and_resumes(config, root):
     ({"tensor_parallel_degree": 2}, 2),
     ({"tensor_parallel_degree": 1}, 2),
     ({"tensor_parallel_degree": 1, "hybrid_shard_degree": 2}, 4),
-], ids=["tp2-dp2", "tp2-dp1", "tp1-dp2", "tp1-hybrid2of4"])
+    ({"context_parallel_degree": 2}, 2),
+], ids=["tp2-dp2", "tp2-dp1", "tp1-dp2", "tp1-hybrid2of4", "cp2"])
 def test_v2_script_checkpoints_resume_exactly(config, world, tmp_path):
     harness.run(world, saves_and_resumes, config, str(tmp_path))
 

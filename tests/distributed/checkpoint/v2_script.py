@@ -45,6 +45,8 @@ def train_step(model, optimizer, step: int) -> float:
     ids = torch.randint(1, VOCAB, (4, 12), generator=torch.Generator().manual_seed(100 + step % 2))  # two batches, learnable
     rows = 4 // state.dp_size
     mine = ids[state.dp_rank * rows:(state.dp_rank + 1) * rows]
+    if state.cp_size > 1:  # the scripts' context-parallel split of the rows' sequences
+        mine = tsm.get_batch_for_cp_rank(mine)
     loss = model(input_ids=mine, attention_mask=None, labels=mine)["loss"]
     loss.backward()
     clip_grad_norm_(model, 1.0)

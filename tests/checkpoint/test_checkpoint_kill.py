@@ -1,4 +1,4 @@
-"""SIGKILL of one rank at seeded random points of checkpoint saves and retention (20 trials
+"""SIGKILL of one rank at seeded random points of checkpoint saves and retention (12 trials
 synchronous, 10 for each asynchronous mode: the kill points and recovery code are shared; the
 asynchronous trials add the background writer's moments), synchronous and asynchronous (partial
 checkpoints, and full ones saved asynchronously).
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-TRIALS = {"sync": 20, "async": 10, "async-full": 10}
+TRIALS = {"sync": 12, "async": 10, "async-full": 10}
 
 
 @pytest.mark.parametrize("mode", ["sync", "async", "async-full"])

@@ -5,7 +5,8 @@ context parallel (world sizes 2 and 4) is given the global batch one process tra
 (``--batch-size`` is per data-parallel rank: the data-parallel ranks split one global batch,
 ``cli.data.WindowSampler``), with the same seed; every step's loss and the final validation loss
 must equal the one-process run's within the rounding of a different reduction order. And a
-checkpoint saved at one layout resumes at another, continuing the one-process run's losses.
+checkpoint saved at pipeline x context parallel resumes on one process, continuing the
+one-process run's losses.
 
 Mixture-of-experts models are left out on purpose: SageMaker's default router balances the
 tokens each rank routes, so its results depend on how the batch is split (docs/parallelism.md).
@@ -73,10 +74,11 @@ def test_layout_trains_to_one_process_losses(name, one_process, tmp_path):
 
 
 def test_checkpoint_of_one_layout_resumes_at_another(one_process, tmp_path):
-    """Saved at pipeline x tensor parallel, resumed at context x data parallel: the resumed steps
-    continue the one-process run."""
+    """Saved at pipeline x context parallel (4 ranks), resumed on one process: the resumed steps
+    continue the one-process run (the checkpoint's pipeline stages and sequence halves make one
+    model again)."""
     out = tmp_path / "run"
-    _train(out, 4, 2, 2, 1, "--steps", "2", "--save-every", "2")
-    m = _train(out, 4, 1, 1, 2, "--steps", str(STEPS), "--resume")
+    _train(out, 4, 1, 2, 2, "--steps", "2", "--save-every", "2")
+    m = _train(out, 1, 1, 1, 1, "--steps", str(STEPS), "--resume")
     assert m["first_step"] == 2 and len(m["loss"]) == STEPS
-    _assert_same_losses(m["loss"][2:], one_process["loss"][2:], 2, "pp2 x tp2 -> cp2 x dp2")
+    _assert_same_losses(m["loss"][2:], one_process["loss"][2:], 2, "pp2 x cp2 -> one process")

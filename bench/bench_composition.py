@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -62,22 +61,7 @@ def rank_run(tp: int, pp: int, cp: int, steps: int, warmup: int) -> dict:
     mine = ids[smp.rdp_rank() * rows:(smp.rdp_rank() + 1) * rows]
     if cp > 1:
         mine = smp.get_batch_for_cp_rank(mine)
-
-    @smp.step
-    def train_step(x):
-        loss = model(x, labels=x).loss
-        model.backward(loss)
-        return loss
-
-    times = []
-    for i in range(warmup + steps):
-        start = time.perf_counter()
-        train_step(mine)
-        opt.step()
-        opt.zero_grad()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return {"times": common.slowest(times), "load": common.load_average()}
+    return common.smp_step_times(model, opt, mine, steps, warmup)
 
 
 def main() -> None:

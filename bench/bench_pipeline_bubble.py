@@ -80,22 +80,7 @@ def rank_run(pp: int, virtual: int, compute: str, layer_ms: float, steps: int, w
     model = smp.DistributedModel(full)
     opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
     ids = torch.randint(0, VOCAB, (ROWS * MICROBATCHES, SEQ), generator=torch.Generator().manual_seed(1))
-
-    @smp.step
-    def train_step(x):
-        loss = model(x, labels=x).loss
-        model.backward(loss)
-        return loss
-
-    times = []
-    for i in range(warmup + steps):
-        start = time.perf_counter()
-        train_step(ids)
-        opt.step()
-        opt.zero_grad()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return {"times": common.slowest(times), "load": common.load_average()}
+    return common.smp_step_times(model, opt, ids, steps, warmup)
 
 
 def predicted_ratio(pp: int, virtual: int) -> float:

@@ -251,6 +251,31 @@ def cache(directory: str | Path) -> None:
                     pass
 
 
+def smp_step_times(model, optimizer, batch, steps: int, warmup: int) -> dict[str, Any]:
+    """Time ``steps`` training steps (after ``warmup``) of a ``DistributedModel`` through
+    ``@smp.step`` on ``batch`` (its own labels), each with ``optimizer``'s step: every step's time
+    on the slowest rank (a collective), and the load average."""
+    import time
+
+    import modelparallel as smp
+
+    @smp.step
+    def train_step(x):
+        loss = model(x, labels=x).loss
+        model.backward(loss)
+        return loss
+
+    times = []
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        train_step(batch)
+        optimizer.step()
+        optimizer.zero_grad()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return {"times": slowest(times), "load": load_average()}
+
+
 def load_average() -> list[float]:
     """The 1, 5 and 15-minute load averages (above the core count: the cores were shared)."""
     return [round(x, 2) for x in os.getloadavg()]

@@ -242,3 +242,31 @@ def all_reduces(counts: dict[str, int]) -> int:
     """All-reduces in ``comm_counts_by_kind`` counts, functional (out of place) and c10d (in
     place) alike: which of the two a layer uses is an implementation choice, the count is not."""
     return counts.get("all_reduce", 0) + counts.get("allreduce", 0)
+
+
+def context_replicas_train_like_one_process(ref, opt_ref, model, optimizer, backward, batches, grads_of=None) -> None:
+    """Each data-parallel replica trains on its rows of every batch, each context rank on its part
+    of them (``smp.get_batch_for_cp_rank``); the mean of the data x context ranks' loss shares must
+    be one process's loss on the whole batch, step by step (``ref`` stepping with ``opt_ref``);
+    with ``grads_of`` (the parallelized module) every first-step gradient equals one process's."""
+    from modelparallel import runtime
+
+    replicas, rank = smp.rdp_size(), smp.rdp_rank()
+    everyone = runtime.current().group(runtime.DP_CP_GROUP)
+    for step, ids in enumerate(batches):
+        want = ref(ids, labels=ids).loss
+        want.backward()
+        rows = ids.shape[0]
+        mine = smp.get_batch_for_cp_rank(ids[rank * rows // replicas:(rank + 1) * rows // replicas])
+        loss = model(input_ids=mine, labels=mine).loss
+        backward(loss)
+        if step == 0 and grads_of is not None:
+            _assert_module_grads_match(ref, grads_of, rerun=lambda twin: twin(ids, labels=ids).loss)
+        for opt in (opt_ref, optimizer):
+            opt.step()
+            opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=everyone)
+        mean = mean.item() / (replicas * smp.cp_size())
+        rel = abs(mean - want.item()) / abs(want.item())
+        assert rel < training_rtol(step), f"step {step}: loss {mean} vs one process {want.item()} (rel {rel:.1e})"

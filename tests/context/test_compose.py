@@ -25,8 +25,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import harness
 import modelparallel as smp
-from modelparallel import runtime
-from reference import training_rtol
+from reference import context_replicas_train_like_one_process
 
 VOCAB, SEQ, ROWS, STEPS = 96, 16, 4, 4
 POLICY = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
@@ -45,27 +44,9 @@ def _batch(step: int) -> torch.Tensor:
 
 
 def train_like_one_process(ref, model, optimizer, backward, steps=STEPS):
-    """Each data-parallel replica trains on its rows, each context rank on its part of them; the
-    mean of every rank's loss share must be one process's loss on the whole batch."""
+    """AdamW on one process against ``model`` on every layout's share of the same batches."""
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    replicas, rank = smp.rdp_size(), smp.rdp_rank()
-    everyone = runtime.current().group(runtime.DP_CP_GROUP)
-    for step in range(steps):
-        ids = _batch(step)
-        want = ref(ids, labels=ids).loss
-        want.backward()
-        rows = ids[rank * ROWS // replicas:(rank + 1) * ROWS // replicas]
-        mine = smp.get_batch_for_cp_rank(rows)
-        loss = model(input_ids=mine, labels=mine).loss
-        backward(loss)
-        for opt in (opt_ref, optimizer):
-            opt.step()
-            opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean, group=everyone)
-        mean = mean.item() / (replicas * smp.cp_size())
-        rel = abs(mean - want.item()) / abs(want.item())
-        assert rel < training_rtol(step), f"step {step}: loss {mean} vs one process {want.item()} (rel {rel:.1e})"
+    context_replicas_train_like_one_process(ref, opt_ref, model, optimizer, backward, [_batch(s) for s in range(steps)])
 
 
 def check_v1(config: dict):

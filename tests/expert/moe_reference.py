@@ -88,11 +88,13 @@ def check_first_step(ref, model, batches: list[torch.Tensor], what: str) -> torc
     return out.loss
 
 
-def train_like_one_process(ref, model, steps: list[list[torch.Tensor]], what: str, lr: float = 1e-2) -> None:
-    """AdamW steps of a ``DistributedModel`` (each replica its own batch) against the reference:
+def train_like_one_process(ref, model, steps: list[list[torch.Tensor]], what: str, lr: float = 1e-2,
+                           optimizer=torch.optim.AdamW) -> None:
+    """``optimizer`` steps (AdamW; SGD shows a wrong gradient average in the loss, its update being
+    the gradient) of a ``DistributedModel`` (each replica its own batch) against the reference:
     the first step's logits, losses and every gradient, then every step's mean loss."""
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=lr)
-    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=lr))
+    opt_ref = optimizer(ref.parameters(), lr=lr)
+    opt = smp.DistributedOptimizer(optimizer(model.parameters(), lr=lr))
     for step, batches in enumerate(steps):
         mine = batches[smp.rdp_rank()]
         loss = check_first_step(ref, model, batches, what) if step == 0 else model(mine, labels=mine).loss
@@ -155,3 +157,24 @@ def train_transformed_like_one_process(ref, model, steps, what: str, lr: float =
         got = mean_over_replicas(loss)
         rel = abs(got - want.item()) / abs(want.item())
         assert rel < training_rtol(step), f"{what} step {step}: loss {got} vs one process {want.item()} (rel {rel:.1e})"
+
+
+def train_on_tensor_parallel_unions(ref, model, steps: int, tp: int) -> None:
+    """SageMaker's default ``prescaled_batch`` false: each rank brings its own batch and each TP
+    group (``tp`` consecutive ranks) computes on their union, one replica's batch. AdamW steps
+    against the reference on every group's union; every step's loss averaged over the world."""
+    optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step, per_rank in enumerate(replica_batches(steps, smp.size())):
+        unions = [torch.cat(per_rank[r:r + tp]) for r in range(0, smp.size(), tp)]
+        want = reference_loss(ref, unions)
+        loss = model(per_rank[smp.rank()], labels=per_rank[smp.rank()]).loss
+        want.backward()
+        model.backward(loss)
+        for o in (optimizer, opt_ref):
+            o.step()
+            o.zero_grad()
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(mean)
+        got = mean.item() / smp.size()
+        assert abs(got - want.item()) / abs(want.item()) < training_rtol(step), (step, got, want.item())

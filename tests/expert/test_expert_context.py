@@ -18,7 +18,6 @@ import functools
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
@@ -27,10 +26,9 @@ from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
 
 import harness
 import modelparallel as smp
-from modelparallel import runtime
 from modelparallel.expert import is_expert_parallel
 from moe_reference import VOCAB, mixtral_config
-from reference import _assert_module_grads_match, training_rtol
+from reference import context_replicas_train_like_one_process
 
 SEQ, ROWS, STEPS = 16, 4, 3
 CONFIG = {"expert_parallel_degree": 2, "context_parallel_degree": 2}
@@ -49,29 +47,10 @@ def _batch(step: int) -> torch.Tensor:
 
 
 def train_like_one_process(ref, model, optimizer, backward, make_opt, grads_of=None):
-    """Each data-parallel rank trains on its rows, each context rank on its part of them; the
-    mean of the ranks' losses is one process's loss on the whole batch, step by step; with
-    ``grads_of`` (the parallelized module) every first-step gradient equals one process's."""
-    opt_ref = make_opt(ref.parameters())
-    replicas, rank = smp.rdp_size(), smp.rdp_rank()
-    everyone = runtime.current().group(runtime.DP_CP_GROUP)
-    for step in range(STEPS):
-        ids = _batch(step)
-        want = ref(ids, labels=ids).loss
-        want.backward()
-        mine = smp.get_batch_for_cp_rank(ids[rank * ROWS // replicas:(rank + 1) * ROWS // replicas])
-        loss = model(input_ids=mine, labels=mine).loss
-        backward(loss)
-        if step == 0 and grads_of is not None:
-            _assert_module_grads_match(ref, grads_of, rerun=lambda twin: twin(ids, labels=ids).loss)
-        for opt in (opt_ref, optimizer):
-            opt.step()
-            opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean, group=everyone)
-        mean = mean.item() / (replicas * smp.cp_size())
-        rel = abs(mean - want.item()) / abs(want.item())
-        assert rel < training_rtol(step), f"step {step}: loss {mean} vs one process {want.item()} (rel {rel:.1e})"
+    """``make_opt`` on one process against ``model`` on every layout's share of the same batches;
+    with ``grads_of`` (the parallelized module) the first step's gradients too."""
+    context_replicas_train_like_one_process(ref, make_opt(ref.parameters()), model, optimizer, backward,
+                                            [_batch(s) for s in range(STEPS)], grads_of)
 
 
 def check_v1(optimizer: str, config: dict):

@@ -21,10 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import harness
 import modelparallel as smp
-from moe_reference import (check_first_step, distributed_copy, mean_over_replicas, reference_loss,
-                           reference_model, replica_batches, train_like_one_process,
-                           train_transformed_like_one_process)
-from reference import assert_grads_match, training_rtol
+from moe_reference import (distributed_copy, reference_model, replica_batches, train_like_one_process,
+                           train_on_tensor_parallel_unions, train_transformed_like_one_process)
 from state_helpers import gathered_state, train_steps
 
 
@@ -45,34 +43,14 @@ def _check_shards(module, ref, ep, tp):
     assert found, "no experts tensor found"
 
 
-def sgd_like_one_process(ref, model, steps, what, lr=0.1):
-    """SGD steps against the reference: the first step's logits, loss and every gradient, then
-    every step's mean loss (SGD's update is the gradient: a wrong average shows in the loss)."""
-    opt_ref = torch.optim.SGD(ref.parameters(), lr=lr)
-    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr))
-    for step, batches in enumerate(steps):
-        mine = batches[smp.rdp_rank()]
-        loss = check_first_step(ref, model, batches, what) if step == 0 else model(mine, labels=mine).loss
-        want = reference_loss(ref, batches)
-        want.backward()
-        model.backward(loss)
-        if step == 0:
-            assert_grads_match(ref, model, rerun=lambda twin: reference_loss(twin, batches))
-        for o in (opt_ref, opt):
-            o.step()
-            o.zero_grad()
-        got = mean_over_replicas(loss)
-        assert abs(got - want.item()) / abs(want.item()) < training_rtol(step), (what, step, got, want.item())
-
-
 def v1_training(arch, ep, tp, optimizer, **config):
     ref = reference_model(arch)
     model = distributed_copy(ref, expert_parallel_degree=ep, tensor_parallel_degree=tp, prescaled_batch=True,
                              expert_tensor_parallel=True, **config)
     _check_shards(model.module, ref, ep, tp)
     what = f"{arch} E={ep} T={tp} {optimizer}"
-    train = sgd_like_one_process if optimizer == "sgd" else train_like_one_process
-    train(ref, model, replica_batches(3, smp.rdp_size()), what)
+    kind = {"sgd": (0.1, torch.optim.SGD), "adamw": (1e-2, torch.optim.AdamW)}[optimizer]
+    train_like_one_process(ref, model, replica_batches(3, smp.rdp_size()), what, *kind)
 
 
 @pytest.mark.parametrize("arch,optimizer", [("mixtral", "sgd"), ("qwen2_moe", "adamw")])
@@ -294,17 +272,7 @@ def union_batch():
     group computes on their union, which every rank of the group then holds at the MoE layers."""
     ref = reference_model("mixtral")
     model = distributed_copy(ref, tensor_parallel_degree=2, expert_tensor_parallel=True)
-    optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    for step, per_rank in enumerate(replica_batches(2, 2)):
-        want = reference_loss(ref, [torch.cat(per_rank)])
-        loss = model(per_rank[smp.rank()], labels=per_rank[smp.rank()]).loss
-        want.backward()
-        model.backward(loss)
-        for o in (optimizer, opt_ref):
-            o.step()
-            o.zero_grad()
-        assert abs(loss.item() - want.item()) / abs(want.item()) < training_rtol(step), (step, loss.item(), want.item())
+    train_on_tensor_parallel_unions(ref, model, 2, 2)
 
 
 def test_union_batch_of_the_tensor_parallel_group():

@@ -14,8 +14,8 @@ import torch
 
 import harness
 import modelparallel as smp
-from moe_reference import (distributed_copy, reference_loss, reference_model, replica_batches,
-                           train_like_one_process)
+from moe_reference import (distributed_copy, reference_model, replica_batches, train_like_one_process,
+                           train_on_tensor_parallel_unions)
 from reference import training_rtol
 
 
@@ -64,21 +64,7 @@ def union_batches():
     replica's batch."""
     ref = reference_model("mixtral")
     model = distributed_copy(ref, expert_parallel_degree=2, tensor_parallel_degree=2)
-    optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    for step, per_rank in enumerate(replica_batches(3, smp.size())):
-        unions = [torch.cat(per_rank[r:r + 2]) for r in range(0, smp.size(), 2)]  # TP groups are rank pairs
-        want = reference_loss(ref, unions)
-        loss = model(per_rank[smp.rank()], labels=per_rank[smp.rank()]).loss
-        want.backward()
-        model.backward(loss)
-        for o in (optimizer, opt_ref):
-            o.step()
-            o.zero_grad()
-        mean = loss.detach().clone()
-        torch.distributed.all_reduce(mean)
-        got = mean.item() / smp.size()
-        assert abs(got - want.item()) / abs(want.item()) < training_rtol(step), (step, got, want.item())
+    train_on_tensor_parallel_unions(ref, model, 3, 2)
 
 
 def test_union_batch_of_the_tensor_parallel_group():

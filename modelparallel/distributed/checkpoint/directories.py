@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from .group_blocks import block_of
 from .outcome import Group
+from .saving import writer_for
 
 
 def split(group: Group, path) -> dict[str, list[int]] | None:
@@ -43,6 +44,31 @@ def split(group: Group, path) -> dict[str, list[int]] | None:
 def coordinator(group: Group, ranks: list[int]) -> Group:
     """``group`` coordinated by a rank of ``ranks``: the given coordinator when it is one of them."""
     return Group(group.pg, group.coordinator if group.coordinator in ranks else min(ranks))
+
+
+def save_each(save, state_dict, writer, group: Group) -> None:
+    """``save(state_dict, writer, group)`` once, or, when the ranks of ``group`` name different
+    directories (``split``), once per directory in the same order on every rank: this rank's own
+    with its experts as its directory's block, the others without experts, each coordinated by a
+    rank naming that directory."""
+    by_path = split(group, writer.path)
+    if by_path is None:
+        save(state_dict, writer, group)
+        return
+    mine = os.path.abspath(writer.path)
+    for path, ranks in by_path.items():
+        if path == mine:
+            with experts_as_blocks(state_dict, ranks):
+                save(state_dict, writer, coordinator(group, ranks))
+        else:
+            save(without_experts(state_dict), writer_for(path, None), coordinator(group, ranks))
+
+
+def own_ranks(group: Group, path) -> list[int] | None:
+    """The ranks of ``group`` naming this rank's directory ``path`` (a collective), or None when
+    every rank names it."""
+    by_path = split(group, path)
+    return None if by_path is None else by_path[os.path.abspath(path)]
 
 
 def _is_expert(value) -> bool:
@@ -69,10 +95,13 @@ def _expert_slots(obj, prefix: str = ""):
 
 
 @contextlib.contextmanager
-def experts_as_blocks(state_dict, ranks: list[int]):
+def experts_as_blocks(state_dict, ranks: list[int] | None):
     """Within the block, every expert entry of ``state_dict`` (changed in place) is the block of
     it that ``ranks`` hold, sharing its local tensor (a load into it lands in the model); the
-    originals come back on exit."""
+    originals come back on exit. ``ranks`` None: nothing changes."""
+    if ranks is None:
+        yield state_dict
+        return
     swapped, members, inside = [], set(ranks), {}
     try:
         for container, key, name in list(_expert_slots(state_dict)):

@@ -12,7 +12,6 @@ and nothing in the state dict changes unless every rank read everything.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from pathlib import Path
@@ -127,10 +126,8 @@ def load(state_dict, *, checkpoint_id: str | os.PathLike | None = None, storage_
     path = _path_of(checkpoint_id, storage_reader)
     allow_partial = _allow_partial(planner, check_keys_matched)
     wait_for_staging()  # a save still copying from these tensors must finish that first
-    by_path = directories.split(group, path)
-    mine = by_path[os.path.abspath(path)] if by_path is not None else group.members
-    with directories.experts_as_blocks(state_dict, mine) if by_path else contextlib.nullcontext(), \
-            for_group(state_dict, group.pg):
+    mine = directories.own_ranks(group, path)  # None unless the ranks name different directories
+    with directories.experts_as_blocks(state_dict, mine), for_group(state_dict, group.pg):
         error, files = None, None
         try:
             check_local_group(state_dict, group.members, "load")

@@ -109,18 +109,7 @@ def async_save(state_dict, *, checkpoint_id: str | os.PathLike | None = None,
         raise RuntimeError("async_save without queue= uses the job's queue: call torch.sagemaker.init() "
                            "(modelparallel.init()) first, or pass queue=AsyncCallsQueue()")
     extra = _extra_files(state_dict)
-    by_path = directories.split(group, writer.path)
-    if by_path is None:
-        queue.schedule(state_dict, writer, planner, group, extra)
-        return
-    mine = os.path.abspath(writer.path)
-    for path, ranks in by_path.items():  # one whole checkpoint per directory (``directories``)
-        saver = directories.coordinator(group, ranks)
-        if path == mine:
-            with directories.experts_as_blocks(state_dict, ranks):
-                queue.schedule(state_dict, writer, planner, saver, extra)
-        else:
-            queue.schedule(directories.without_experts(state_dict), saving.writer_for(path, None), planner, saver, extra)
+    directories.save_each(lambda sd, w, g: queue.schedule(sd, w, planner, g, extra), state_dict, writer, group)
 
 
 @paused_gc()

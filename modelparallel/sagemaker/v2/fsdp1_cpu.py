@@ -12,24 +12,19 @@ where ``offload_to_cpu`` asks them to be, so its move is skipped; on GPUs nothin
 from __future__ import annotations
 
 import contextlib
-import functools
 
 from ...compat import FlatParamHandle
+from .wrapping import wrap_once
 
 _MARK = "_mp_cpu_offload"
 
 
 def install() -> None:
     """Wrap ``FlatParamHandle.to_cpu`` (idempotent): a no-op for a flat parameter on the CPU."""
-    original = FlatParamHandle.to_cpu
-    if getattr(original, _MARK, False):
-        return
 
-    @functools.wraps(original)
-    def to_cpu(self):
-        if self.flat_param.device.type == "cpu":
-            return contextlib.nullcontext()
-        return original(self)
+    def wrap(original):
+        def to_cpu(self):
+            return contextlib.nullcontext() if self.flat_param.device.type == "cpu" else original(self)
+        return to_cpu
 
-    setattr(to_cpu, _MARK, True)
-    FlatParamHandle.to_cpu = to_cpu
+    wrap_once(FlatParamHandle, "to_cpu", wrap, _MARK)

@@ -37,11 +37,10 @@ either way.
 
 from __future__ import annotations
 
-import functools
-
 from torch.distributed.tensor import DTensor
 
 from ...compat import FlatParamHandle, SharedParamInfo, set_fsdp_flattened
+from .wrapping import wrap_once
 
 _MARK = "_mp_stable_dtensor_params"
 
@@ -111,23 +110,19 @@ def _record_ties(flat, hidden: list[tuple], use_orig_params: bool) -> None:
 
 
 def _install_tie_detection() -> None:
-    original = FlatParamHandle._init_flat_param_and_metadata
-    if getattr(original, _MARK, False):
-        return
+    def wrap(original):
+        def with_dtensor_ties(self, params, module, aligned_numel, use_orig_params):
+            hidden = _hide_dtensor_ties(module, params)
+            try:
+                original(self, params, module, aligned_numel, use_orig_params)
+            finally:
+                for info, p in hidden:
+                    info.module._parameters[info.param_name] = p
+            if hidden:
+                _record_ties(self.flat_param, hidden, use_orig_params)
+        return with_dtensor_ties
 
-    @functools.wraps(original)
-    def with_dtensor_ties(self, params, module, aligned_numel, use_orig_params):
-        hidden = _hide_dtensor_ties(module, params)
-        try:
-            original(self, params, module, aligned_numel, use_orig_params)
-        finally:
-            for info, p in hidden:
-                info.module._parameters[info.param_name] = p
-        if hidden:
-            _record_ties(self.flat_param, hidden, use_orig_params)
-
-    setattr(with_dtensor_ties, _MARK, True)
-    FlatParamHandle._init_flat_param_and_metadata = with_dtensor_ties
+    wrap_once(FlatParamHandle, "_init_flat_param_and_metadata", wrap, _MARK)
 
 
 def _has_dtensor_params(handle) -> bool:
@@ -138,35 +133,29 @@ def _install_grad_views() -> None:
     """Without sharding, give DTensor parameters DTensor gradient views: FSDP's "sharded" gradient
     views reshape the flat gradient to each parameter's *global* shape, which a TP shard's local
     gradient does not have; its unsharded gradient views go through the DTensor extension."""
-    original = FlatParamHandle._use_sharded_grad_views
-    if getattr(original, _MARK, False):
-        return
+    def wrap(original):
+        def grad_views(self) -> None:
+            if self.uses_sharded_strategy or not _has_dtensor_params(self) or self._offload_params:
+                return original(self)
+            return self._use_unsharded_grad_views()
+        return grad_views
 
-    @functools.wraps(original)
-    def grad_views(self) -> None:
-        if self.uses_sharded_strategy or not _has_dtensor_params(self) or self._offload_params:
-            return original(self)
-        return self._use_unsharded_grad_views()
-
-    setattr(grad_views, _MARK, True)
-    FlatParamHandle._use_sharded_grad_views = grad_views
+    wrap_once(FlatParamHandle, "_use_sharded_grad_views", wrap, _MARK)
 
 
 def install() -> None:
     """Wrap the three ``FlatParamHandle`` methods above (idempotent)."""
     _install_tie_detection()
     _install_grad_views()
-    original = FlatParamHandle._use_unsharded_views
-    if getattr(original, _MARK, False):
-        return
 
-    @functools.wraps(original)
-    def stable_views(self, as_params: bool) -> None:
-        original(self, as_params)
-        # sharded strategies expose these views only for a while (state dicts, summon_full_params)
-        # and then give the modules back their recorded flat-shard parameters: leave them alone
-        if as_params and self._use_orig_params and not self.uses_sharded_strategy:
-            keep_recorded_params(self)
+    def wrap(original):
+        def stable_views(self, as_params: bool) -> None:
+            original(self, as_params)
+            # sharded strategies expose these views only for a while (state dicts,
+            # summon_full_params) and then give the modules back their recorded flat-shard
+            # parameters: leave them alone
+            if as_params and self._use_orig_params and not self.uses_sharded_strategy:
+                keep_recorded_params(self)
+        return stable_views
 
-    setattr(stable_views, _MARK, True)
-    FlatParamHandle._use_unsharded_views = stable_views
+    wrap_once(FlatParamHandle, "_use_unsharded_views", wrap, _MARK)

@@ -39,7 +39,6 @@ than 0 under ``rank0_only``.
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 from torch.distributed.fsdp import ShardingStrategy, StateDictType
@@ -48,6 +47,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from ...compat import StridedShard, tp_fsdp_extension
 from ...compat import fsdp_optim_utils as _optim_utils
 from ...compat import fsdp_state_dict_utils as _state_dict_utils
+from .wrapping import wrap_once
 
 _MARK = "_mp_tp_local"
 
@@ -80,55 +80,48 @@ def _as_param_layout(state: dict, spec) -> dict:
 
 
 def _install_no_shard_layout() -> None:
-    shard = _optim_utils._shard_orig_param_state
-    if getattr(shard, _MARK, False):
-        return
+    def wrap(shard):
+        def with_param_layout(fsdp_param_info, fqn, optim_state):
+            state = shard(fsdp_param_info, fqn, optim_state)
+            if fsdp_param_info.state.sharding_strategy != ShardingStrategy.NO_SHARD or not state:
+                return state
+            spec = fsdp_param_info.handle.flat_param._param_extensions[fsdp_param_info.param_indices[fqn]]
+            return state if spec is None else _as_param_layout(state, spec)
+        return with_param_layout
 
-    @functools.wraps(shard)
-    def with_param_layout(fsdp_param_info, fqn, optim_state):
-        state = shard(fsdp_param_info, fqn, optim_state)
-        if fsdp_param_info.state.sharding_strategy != ShardingStrategy.NO_SHARD or not state:
-            return state
-        spec = fsdp_param_info.handle.flat_param._param_extensions[fsdp_param_info.param_indices[fqn]]
-        return state if spec is None else _as_param_layout(state, spec)
-
-    setattr(with_param_layout, _MARK, True)
-    _optim_utils._shard_orig_param_state = with_param_layout
+    wrap_once(_optim_utils, "_shard_orig_param_state", wrap, _MARK)
 
 
 _ASKED = "_mp_asked_state_dict_type"
 
 
 def _install_full_state_dict() -> None:
-    full = _state_dict_utils._full_post_state_dict_hook
-    if getattr(full, _MARK, False):
-        return
-    substitute = _state_dict_utils._replace_with_full_state_dict_type
+    def remember(substitute):
+        @contextlib.contextmanager
+        def remembering_asked(fsdp_state):
+            # FSDP1 makes every state dict of a NO_SHARD unit a full one: the type the user asked
+            # for (sharded: the TP blocks stay DTensors) is kept for the hook below
+            asked = fsdp_state._state_dict_type
+            with substitute(fsdp_state):
+                setattr(fsdp_state, _ASKED, asked)
+                try:
+                    yield
+                finally:
+                    delattr(fsdp_state, _ASKED)
+        return remembering_asked
 
-    @contextlib.contextmanager
-    def remembering_asked(fsdp_state):
-        # FSDP1 makes every state dict of a NO_SHARD unit a full one: the type the user asked for
-        # (sharded: the TP blocks stay DTensors) is kept for the hook below
-        asked = fsdp_state._state_dict_type
-        with substitute(fsdp_state):
-            setattr(fsdp_state, _ASKED, asked)
-            try:
-                yield
-            finally:
-                delattr(fsdp_state, _ASKED)
+    def gather(full):
+        def gathered_whole(module, fsdp_state, state_dict, prefix):
+            if getattr(fsdp_state, _ASKED, StateDictType.FULL_STATE_DICT) == StateDictType.FULL_STATE_DICT:
+                with torch.no_grad():
+                    for key, value in list(state_dict.items()):
+                        if key.startswith(prefix) and isinstance(value, DTensor):
+                            state_dict[key] = value.full_tensor()
+            return full(module, fsdp_state, state_dict, prefix)
+        return gathered_whole
 
-    @functools.wraps(full)
-    def gathered_whole(module, fsdp_state, state_dict, prefix):
-        if getattr(fsdp_state, _ASKED, StateDictType.FULL_STATE_DICT) == StateDictType.FULL_STATE_DICT:
-            with torch.no_grad():
-                for key, value in list(state_dict.items()):
-                    if key.startswith(prefix) and isinstance(value, DTensor):
-                        state_dict[key] = value.full_tensor()
-        return full(module, fsdp_state, state_dict, prefix)
-
-    setattr(gathered_whole, _MARK, True)
-    _state_dict_utils._replace_with_full_state_dict_type = remembering_asked
-    _state_dict_utils._full_post_state_dict_hook = gathered_whole
+    wrap_once(_state_dict_utils, "_replace_with_full_state_dict_type", remember, _MARK)
+    wrap_once(_state_dict_utils, "_full_post_state_dict_hook", gather, _MARK)
 
 
 def after_tp(value: DTensor) -> DTensor:
@@ -143,17 +136,23 @@ def after_tp(value: DTensor) -> DTensor:
 
 
 def _install_tp_block_chunks() -> None:
-    chunk = tp_fsdp_extension._chunk_dtensor
-    if getattr(chunk, _MARK, False):
-        return
+    def wrap(chunk):
+        def chunk_of_tp_block(tensor, rank, device_mesh):
+            out = chunk(tensor, rank, device_mesh)
+            return after_tp(out) if isinstance(tensor, DTensor) and out.device_mesh.ndim > 1 else out
+        return chunk_of_tp_block
 
-    @functools.wraps(chunk)
-    def chunk_of_tp_block(tensor, rank, device_mesh):
-        out = chunk(tensor, rank, device_mesh)
-        return after_tp(out) if isinstance(tensor, DTensor) and out.device_mesh.ndim > 1 else out
+    wrap_once(tp_fsdp_extension, "_chunk_dtensor", wrap, _MARK)
 
-    setattr(chunk_of_tp_block, _MARK, True)
-    tp_fsdp_extension._chunk_dtensor = chunk_of_tp_block
+
+def _install_tp_local_gather() -> None:
+    def wrap(gather):
+        def gather_tp_local(state_dict, *args, **kwargs):
+            with torch.no_grad():
+                return gather(_tp_local_state(state_dict), *args, **kwargs)
+        return gather_tp_local
+
+    wrap_once(_optim_utils, "_gather_state_dict", wrap, _MARK)
 
 
 def install() -> None:
@@ -162,14 +161,4 @@ def install() -> None:
     _install_no_shard_layout()
     _install_full_state_dict()
     _install_tp_block_chunks()
-    gather = _optim_utils._gather_state_dict
-    if getattr(gather, _MARK, False):
-        return
-
-    @functools.wraps(gather)
-    def gather_tp_local(state_dict, *args, **kwargs):
-        with torch.no_grad():
-            return gather(_tp_local_state(state_dict), *args, **kwargs)
-
-    setattr(gather_tp_local, _MARK, True)
-    _optim_utils._gather_state_dict = gather_tp_local
+    _install_tp_local_gather()

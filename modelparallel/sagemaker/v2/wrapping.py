@@ -1,0 +1,23 @@
+"""One way to wrap a PyTorch function in place for v2 scripts: at most once per wrapper kind.
+
+Every v2 patch replaces a PyTorch attribute (a method of FSDP1's handle, a hook of its state dict
+code) with a wrapper around it; ``init`` and ``transform`` install the patches each time they run,
+so a wrapper must not wrap itself. Each patching module passes its own ``mark``: patches of two
+modules on one function stack, a second install of the same one is a no-op.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+
+def wrap_once(owner: Any, name: str, wrap: Callable[[Callable], Callable], mark: str) -> None:
+    """Set ``owner.name`` to ``wrap(original)`` (given the original's name and docstring), unless
+    the current one is already a wrapper marked ``mark``."""
+    original = getattr(owner, name)
+    if getattr(original, mark, False):
+        return
+    wrapped = functools.wraps(original)(wrap(original))
+    setattr(wrapped, mark, True)
+    setattr(owner, name, wrapped)

@@ -48,8 +48,10 @@ def _clip_module(model: nn.Module, max_norm: float, norm_type: float) -> torch.T
     unmanaged = [p for p in model.parameters() if not flattened_by_fsdp1(p)]
     holders = _stage_holders(list(model.modules()))
     norm = None
-    if holders is not None:
-        norm = norm_of_pieces(pieces + grad_pieces(unmanaged, holders), norm_type)
+    if holders is not None:  # an FSDP1 unit lives on one stage: its blocks are on world / stages ranks
+        stages = next(m._mp_stage.count for m in model.modules() if getattr(m, "_mp_stage", None) is not None)
+        norm = norm_of_pieces([(block, n * stages) for block, n in pieces] + grad_pieces(unmanaged, holders),
+                              norm_type)
     return clip_pieces(pieces + grad_pieces(unmanaged), max_norm, norm_type, norm=norm)
 
 

@@ -243,9 +243,8 @@ def _unbuilt_virtual(cfg: Config) -> list[str]:
 
 
 def unbuilt_combinations(cfg: Config, api: str | None = None) -> list[str]:
-    """The dimensions ``cfg`` combines that do not compose here, each naming its keys. With
-    ``api="v2"`` (a job started by ``transform``) also pipeline parallelism, which runs only
-    through the v1 API's ``DistributedModel`` and ``@smp.step``."""
+    """The dimensions ``cfg`` combines that do not compose here, each naming its keys (``api``:
+    "v2" for a job started by ``transform``; both APIs compose the same dimensions today)."""
     found = []
     pp, ep, cp = cfg.pipeline_parallel_degree, cfg.expert_parallel_degree, cfg.context_parallel_degree
     if cfg.sequence_parallel and ep > 1 and cfg.tensor_parallel_degree > 1:
@@ -259,9 +258,6 @@ def unbuilt_combinations(cfg: Config, api: str | None = None) -> list[str]:
             found.append(f"expert_tensor_parallel with context_parallel_degree {cp} (experts split over tp would "
                          "average their gradients over expert replicas that leave out the context ranks); use "
                          "one of them")
-    if api == "v2" and pp > 1:
-        found.append(f"transform at pipeline_parallel_degree {pp} (pipeline parallelism runs through "
-                     "smp.DistributedModel and @smp.step)")
     return found
 
 

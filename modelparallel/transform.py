@@ -23,6 +23,7 @@ from .expert.config import MoEConfig
 from .materialize.rank0_sync import (  # noqa: F401 - SYNCED_FROM_RANK0, meta_states, move: re-exported
     SYNCED_FROM_RANK0, meta_states, move)
 from .parallelize import Request, check, parallelize
+from .pipeline import whole
 from .tp import marks
 from .training.blocks import mark_transformer_layers
 
@@ -93,12 +94,19 @@ def transform(model: nn.Module, device=None, dtype: torch.dtype | None = None,
         ValueError: when the plan does not fit the model (before any tensor is touched), or for
             an unknown ``cp_comm_type``.
         NotImplementedError: context parallelism of an architecture it cannot run (an encoder),
-            or together with expert parallelism; pipeline_parallel_degree > 1 (the v1 API's).
+            weights tied across pipeline stages, or virtual pipeline stages.
+
+    At ``pipeline_parallel_degree`` > 1 the model is cut down to this rank's stage and each call
+    runs one batch through every stage (``pipeline/whole.py``): the model computes the loss
+    (``labels=``), every rank gets it and calls ``backward`` on it.
     """
     context.check_comm_type(cp_comm_type)
     moe = config if isinstance(config, MoEConfig) else None
     rt = _runtime(None if moe is not None else config)
     check(model, rt.topology, cp_comm_type, moe)  # before the rank-0 sync's first collective
+    pipelined = rt.config.pipeline_parallel_degree > 1
+    if pipelined:
+        whole.check(model, rt.config.pipeline_virtual_stages)
     sharded = rt.tp_mesh.size() > 1 or _registered_or_marked(model)
     ask = Request("v2", torch.device(device) if device is not None else rt.device, dtype, cp_comm_type, moe,
                   from_rank0=load_state_dict_from_rank0, tensor_parallel=sharded)
@@ -106,4 +114,6 @@ def transform(model: nn.Module, device=None, dtype: torch.dtype | None = None,
     if load_state_dict_from_rank0:
         model.__dict__[SYNCED_FROM_RANK0] = True
     mark_transformer_layers(model)  # isinstance(block, TransformerLayer) for FSDP's wrap policy
+    if pipelined:  # one call = one batch through every stage (pipeline/whole.py)
+        whole.install(model, whole.link_of(rt.group(runtime.PP_GROUP), rt.device))
     return model

@@ -121,7 +121,9 @@ class Elsewhere(nn.Module):
     ``kind`` "embedding": returns zeros of the replaced embedding's output shape (input shape +
     ``dim`` for an index tensor, the shape of a floating input), so the base model's code before
     the blocks runs unchanged; the first local block then gets the received activation.
-    ``kind`` "final": must never run (the stage's forward ends after its last block).
+    ``kind`` "final": must never run (the stage's forward ends after its last block); "pass"
+    (a model called whole, ``whole.py``): returns its first tensor input, so the base model's
+    forward runs to its end and returns this stage's last hidden states.
     """
 
     def __init__(self, path: str, stage: int, kind: str, dim: int = 0, dtype: torch.dtype = torch.float32):
@@ -129,6 +131,8 @@ class Elsewhere(nn.Module):
         self.path, self.stage, self.kind, self.dim, self.dtype = path, stage, kind, dim, dtype
 
     def forward(self, *args, **kwargs):
+        if self.kind == "pass":
+            return next(v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor))
         if self.kind != "embedding":
             raise RuntimeError(f"{self.path} lives on pipeline stage {self.stage}; it cannot run here")
         x = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)

@@ -56,7 +56,8 @@ NOT_IN_STEP = ("at pipeline_parallel_degree > 1 the model runs inside an @smp.st
 class Boundary:
     """The hooks at the two ends of each of the rank's stages (see the module docstring)."""
 
-    def __init__(self, stage: Stage, hidden_arg: str = "hidden_states"):
+    def __init__(self, stage: Stage, hidden_arg: str = "hidden_states", exits: bool = True):
+        """``exits`` False: no exit hook (a model called whole runs its base model to the end)."""
         self.stage, self.hidden_arg = stage, hidden_arg
         self.active = False
         self.pending: torch.Tensor | None = None
@@ -64,7 +65,7 @@ class Boundary:
         for s, blocks in zip(stage.stages, stage.blocks):
             if s != 0:
                 blocks[0].register_forward_pre_hook(self._enter, with_kwargs=True)
-            if s != last:
+            if s != last and exits:
                 blocks[-1].register_forward_hook(self._exit)
 
     @contextmanager

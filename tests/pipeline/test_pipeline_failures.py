@@ -113,6 +113,7 @@ def transform_with_stages():
     return None
 
 
-def test_transform_at_pipeline_degree_2_refused():
+def test_transform_of_weights_tied_across_stages_refused():
+    """GPT-2's wte and lm_head would live on two stages: refused by name, before any collective."""
     errors = harness.run(2, transform_with_stages)
-    assert all("transform at pipeline_parallel_degree 2" in e for e in errors), errors
+    assert all("tied across stages (transformer.wte.weight = lm_head.weight)" in e for e in errors), errors

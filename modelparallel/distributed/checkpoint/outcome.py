@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ...checkpoint.safety.errors import CheckpointError, cause
+from . import stages
 
 
 class CheckpointSaveError(CheckpointError):
@@ -55,6 +56,7 @@ def group_of(process_group: dist.ProcessGroup | None, coordinator_rank: int) -> 
     if coordinator_rank not in members:
         raise ValueError(f"coordinator_rank={coordinator_rank} is not a member of the process group {members} "
                          "(give one of its global ranks, e.g. min(get_global_ranks(group)))")
+    stages.check_group(members)
     return group
 
 

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from ...checkpoint.safety.files import CheckpointFiles
 from ...compat import flatten_state_dict
 from ...checkpoint.paused_gc import paused_gc
-from . import directories, saving
+from . import directories, saving, stages
 from .async_utils import wait_for_staging
 from .directory import checkpoint_files
 from .group_blocks import for_group
@@ -126,6 +126,7 @@ def load(state_dict, *, checkpoint_id: str | os.PathLike | None = None, storage_
     path = _path_of(checkpoint_id, storage_reader)
     allow_partial = _allow_partial(planner, check_keys_matched)
     wait_for_staging()  # a save still copying from these tensors must finish that first
+    state_dict, restore = stages.qualified(state_dict)  # pipeline stages: their own non-tensor entries
     mine = directories.own_ranks(group, path)  # None unless the ranks name different directories
     with directories.experts_as_blocks(state_dict, mine), for_group(state_dict, group.pg):
         error, files = None, None
@@ -140,3 +141,4 @@ def load(state_dict, *, checkpoint_id: str | os.PathLike | None = None, storage_
             error = e
         saving.collective_outcome(group, error, f"checkpoint load from {path} (checks)", kind=saving.CheckpointLoadError)
         load_all_or_nothing(state_dict, files, group, allow_partial)
+    restore()

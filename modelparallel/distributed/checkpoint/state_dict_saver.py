@@ -25,7 +25,7 @@ from torch.distributed.checkpoint import SavePlanner, StorageWriter
 
 from ... import runtime
 from ...checkpoint.paused_gc import paused_gc
-from . import directories, saving
+from . import directories, saving, stages
 from .async_utils import AsyncCallsQueue
 from .state_dict_utils import LOCAL_LAYOUT_FILE, local_layouts
 
@@ -108,6 +108,7 @@ def async_save(state_dict, *, checkpoint_id: str | os.PathLike | None = None,
     if queue is None:
         raise RuntimeError("async_save without queue= uses the job's queue: call torch.sagemaker.init() "
                            "(modelparallel.init()) first, or pass queue=AsyncCallsQueue()")
+    state_dict, _ = stages.qualified(state_dict)  # pipeline stages: their own non-tensor entries
     extra = _extra_files(state_dict)
     directories.save_each(lambda sd, w, g: queue.schedule(sd, w, planner, g, extra), state_dict, writer, group)
 

@@ -22,7 +22,7 @@ from ...meshes import layout_key
 from ...activations import offload_wrapper
 from ...distributed.checkpoint import group_blocks
 from ...transform import transform as _transform
-from . import fsdp1, fsdp1_cpu, fsdp1_tp_state
+from . import fsdp1, fsdp1_cpu, fsdp1_stages, fsdp1_tp_state
 
 
 def _fsdp1_layout() -> fsdp1.Layout | None:
@@ -42,10 +42,12 @@ def install_init_patches() -> None:
 
 
 def install_transform_patches() -> None:
-    """``init``'s patches, DCP's group blocks and FSDP1 state dicts of TP parameters."""
+    """``init``'s patches, DCP's group blocks, FSDP1 state dicts of TP parameters and FSDP1's
+    optimizer state dicts of a pipeline stage."""
     install_init_patches()
     group_blocks.install()
     fsdp1_tp_state.install()
+    fsdp1_stages.install()
 
 
 @functools.wraps(runtime.init, assigned=("__doc__",))  # its own name: pickles find this one

@@ -177,6 +177,8 @@ def complete(args: dict, lay: Layout) -> None:
             args["device_mesh"], args["process_group"] = lay.dp_mesh, None
     elif lay.tp_size > 1:
         args["device_mesh"] = lay.dp_mesh
+    elif lay.dp_mesh.size() != dist.get_world_size():  # pipeline stages: the world holds other stages
+        args["process_group"] = lay.dp_mesh.get_group()
     _apply_hybrid(args, lay)
 
 

@@ -21,3 +21,13 @@ def wrap_once(owner: Any, name: str, wrap: Callable[[Callable], Callable], mark:
     wrapped = functools.wraps(original)(wrap(original))
     setattr(wrapped, mark, True)
     setattr(owner, name, wrapped)
+
+
+def wrap_static_once(cls: type, name: str, wrap: Callable[[Callable], Callable], mark: str) -> None:
+    """``wrap_once`` for a static method of ``cls`` (it stays a static method)."""
+    original = cls.__dict__[name].__func__
+    if getattr(original, mark, False):
+        return
+    wrapped = functools.wraps(original)(wrap(original))
+    setattr(wrapped, mark, True)
+    setattr(cls, name, staticmethod(wrapped))

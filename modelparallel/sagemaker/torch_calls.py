@@ -24,6 +24,8 @@ from __future__ import annotations
 import contextlib
 import functools
 
+from .v2.wrapping import wrap_once
+
 SMDDP = "smddp"
 _MARK = "_mp_sagemaker_form"
 
@@ -33,18 +35,15 @@ def smddp_backend() -> None:
     import torch
     import torch.distributed as dist
 
-    real = dist.init_process_group
-    if getattr(real, _MARK, False):
-        return
+    def wrap(real):
+        def init_process_group(backend=None, *args, **kwargs):
+            if isinstance(backend, str) and backend.lower() == SMDDP:
+                backend = "nccl" if torch.cuda.is_available() else "gloo"
+            return real(backend, *args, **kwargs)
 
-    @functools.wraps(real)
-    def init_process_group(backend=None, *args, **kwargs):
-        if isinstance(backend, str) and backend.lower() == SMDDP:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-        return real(backend, *args, **kwargs)
+        return init_process_group
 
-    setattr(init_process_group, _MARK, True)
-    dist.init_process_group = init_process_group
+    wrap_once(dist, "init_process_group", wrap, _MARK)
 
 
 @contextlib.contextmanager
@@ -81,27 +80,24 @@ def sharded_optimizer_load_over_group() -> None:
     """Let ``load_sharded_optimizer_state_dict`` take SageMaker's ``process_group=``."""
     from torch.distributed.checkpoint import optimizer as dcp_optimizer
 
-    real = dcp_optimizer.load_sharded_optimizer_state_dict
-    if getattr(real, _MARK, False):
-        return
+    def wrap(real):
+        def load_sharded_optimizer_state_dict(model_state_dict, optimizer_key, storage_reader, planner=None,
+                                              process_group=None):
+            problem = _inexact_layout(model_state_dict)
+            if problem is not None:
+                raise NotImplementedError(
+                    f"load_sharded_optimizer_state_dict: {problem}: PyTorch's sharded optimizer load would place the "
+                    "state wrongly here; load the optimizer state with the model state instead (FSDP.optim_state_dict "
+                    "of an optimizer prepared by torch.sagemaker.distributed.checkpoint.state_dict_utils."
+                    "init_optim_state, loaded by one DCP load_state_dict call)")
+            if process_group is None:
+                return real(model_state_dict, optimizer_key, storage_reader, planner)
+            with _dcp_loads_over(dcp_optimizer, process_group):
+                return real(model_state_dict, optimizer_key, storage_reader, planner)
 
-    @functools.wraps(real)
-    def load_sharded_optimizer_state_dict(model_state_dict, optimizer_key, storage_reader, planner=None,
-                                          process_group=None):
-        problem = _inexact_layout(model_state_dict)
-        if problem is not None:
-            raise NotImplementedError(
-                f"load_sharded_optimizer_state_dict: {problem}: PyTorch's sharded optimizer load would place the "
-                "state wrongly here; load the optimizer state with the model state instead (FSDP.optim_state_dict "
-                "of an optimizer prepared by torch.sagemaker.distributed.checkpoint.state_dict_utils."
-                "init_optim_state, loaded by one DCP load_state_dict call)")
-        if process_group is None:
-            return real(model_state_dict, optimizer_key, storage_reader, planner)
-        with _dcp_loads_over(dcp_optimizer, process_group):
-            return real(model_state_dict, optimizer_key, storage_reader, planner)
+        return load_sharded_optimizer_state_dict
 
-    setattr(load_sharded_optimizer_state_dict, _MARK, True)
-    dcp_optimizer.load_sharded_optimizer_state_dict = load_sharded_optimizer_state_dict
+    wrap_once(dcp_optimizer, "load_sharded_optimizer_state_dict", wrap, _MARK)
 
 
 def install() -> None:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextvars
 import ctypes
 import ctypes.util
-import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from ...compat import FlatParamHandle, fsdp_init_utils, mesh_group_config, unfla
 from ...expert import fsdp1 as expert_fsdp1
 from ...meshes import kept
 from . import fsdp1_dtensor_views
+from .wrapping import wrap_once
 
 _MARK = "_mp_v2_layout"
 _inside = contextvars.ContextVar("modelparallel_fsdp1_inside", default=False)
@@ -210,47 +210,43 @@ def _owns_storage(t, flat) -> bool:
 def _install_release() -> None:
     """Wrap ``FlatParamHandle.shard``: inside a checked call, drop the unit's original tensors
     before this rank's chunk is copied out, trimming the heap before and after that copy."""
-    shard = FlatParamHandle.shard
-    if getattr(shard, _MARK, False):
-        return
 
-    @functools.wraps(shard)
-    def releasing_shard(self):
-        if _inside.get():
-            flat = self.flat_param
-            # The flattening copied every original; the module reads views of the flat parameter
-            # from now on, so the originals' storage (shared with their DTensor wrappers, which
-            # FSDP's caller still lists) is freed in place, as FSDP frees the unsharded flat one.
-            for p in flat._params or ():
-                if p is not None and _owns_storage(p, flat):
-                    p.untyped_storage().resize_(0)
-            _trim_heap()
-        out = shard(self)
-        if _inside.get():
-            _trim_heap()
-        return out
+    def wrap(shard):
+        def releasing_shard(self):
+            if _inside.get():
+                flat = self.flat_param
+                # The flattening copied every original; the module reads views of the flat parameter
+                # from now on, so the originals' storage (shared with their DTensor wrappers, which
+                # FSDP's caller still lists) is freed in place, as FSDP frees the unsharded flat one.
+                for p in flat._params or ():
+                    if p is not None and _owns_storage(p, flat):
+                        p.untyped_storage().resize_(0)
+                _trim_heap()
+            out = shard(self)
+            if _inside.get():
+                _trim_heap()
+            return out
 
-    setattr(releasing_shard, _MARK, True)
-    FlatParamHandle.shard = releasing_shard
+        return releasing_shard
+
+    wrap_once(FlatParamHandle, "shard", wrap, _MARK)
 
 
 def _install_post_init() -> None:
     """Run the call's ``post_param_init_fn`` on each FSDP unit right after its meta modules are
     materialized (before it is flattened, so restored ties are flattened as ties)."""
-    for name in _MATERIALIZERS:
-        materialize = getattr(fsdp_init_utils, name)
-        if getattr(materialize, _MARK, False):
-            continue
 
-        @functools.wraps(materialize)
-        def then_post_init(module, *args, _materialize=materialize, **kwargs):
-            _materialize(module, *args, **kwargs)
+    def wrap(materialize):
+        def then_post_init(module, *args, **kwargs):
+            materialize(module, *args, **kwargs)
             post = _post_init.get()
             if post is not None:
                 post(module)
 
-        setattr(then_post_init, _MARK, True)
-        setattr(fsdp_init_utils, name, then_post_init)
+        return then_post_init
+
+    for name in _MATERIALIZERS:
+        wrap_once(fsdp_init_utils, name, wrap, _MARK)
 
 
 def _outermost(init, signature, lay: Layout, module, args, kwargs) -> None:
@@ -274,22 +270,21 @@ def install(layout_of: Callable[[], Layout | None]) -> None:
     _install_release()
     _install_post_init()
     fsdp1_dtensor_views.install()
-    init = FullyShardedDataParallel.__init__
-    if getattr(init, _MARK, False):
-        return
-    signature = inspect.signature(init)
 
-    @functools.wraps(init)
-    def checked_init(self, *args, post_param_init_fn=None, **kwargs):
-        post = _post_init.set(post_param_init_fn) if post_param_init_fn is not None else None
-        try:
-            lay = None if _inside.get() else layout_of()
-            if lay is None:
-                return init(self, *args, **kwargs)
-            _outermost(init, signature, lay, self, args, kwargs)
-        finally:
-            if post is not None:
-                _post_init.reset(post)
+    def wrap(init):
+        signature = inspect.signature(init)
 
-    setattr(checked_init, _MARK, True)
-    FullyShardedDataParallel.__init__ = checked_init
+        def checked_init(self, *args, post_param_init_fn=None, **kwargs):
+            post = _post_init.set(post_param_init_fn) if post_param_init_fn is not None else None
+            try:
+                lay = None if _inside.get() else layout_of()
+                if lay is None:
+                    return init(self, *args, **kwargs)
+                _outermost(init, signature, lay, self, args, kwargs)
+            finally:
+                if post is not None:
+                    _post_init.reset(post)
+
+        return checked_init
+
+    wrap_once(FullyShardedDataParallel, "__init__", wrap, _MARK)

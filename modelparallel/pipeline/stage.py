@@ -56,8 +56,7 @@ NOT_IN_STEP = ("at pipeline_parallel_degree > 1 the model runs inside an @smp.st
 class Boundary:
     """The hooks at the two ends of each of the rank's stages (see the module docstring)."""
 
-    def __init__(self, stage: Stage, hidden_arg: str = "hidden_states", exits: bool = True):
-        """``exits`` False: no exit hook (a model called whole runs its base model to the end)."""
+    def __init__(self, stage: Stage, hidden_arg: str = "hidden_states"):
         self.stage, self.hidden_arg = stage, hidden_arg
         self.active = False
         self.pending: torch.Tensor | None = None
@@ -65,7 +64,7 @@ class Boundary:
         for s, blocks in zip(stage.stages, stage.blocks):
             if s != 0:
                 blocks[0].register_forward_pre_hook(self._enter, with_kwargs=True)
-            if s != last and exits:
+            if s != last:
                 blocks[-1].register_forward_hook(self._exit)
 
     @contextmanager

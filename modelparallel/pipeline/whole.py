@@ -24,6 +24,8 @@ one microbatch (the v1 API's ``@smp.step`` splits a batch into microbatches and 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +36,6 @@ from transformers.utils import ModelOutput
 
 from ..tp.layout import tie_groups
 from .split import Elsewhere, Stage
-from .stage import Boundary
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _HEADER = 8  # dtype code, rank of the shape, the shape (at most six dimensions)
@@ -150,21 +151,17 @@ class Forward:
         self.model, self.stage, self.link = model, stage, link
         self.original = model.forward
         self.signature = inspect.signature(self.original)
-        self.boundary = Boundary(stage, exits=False)
 
     def __call__(self, *args, **kwargs):
         stage, link = self.stage, self.link
-        received = None
-        if not stage.is_first:
+        if stage.is_first:
+            hidden = _whole(self._base(args, kwargs)[0], stage.index)
+        else:
             anchor = torch.empty(0, device=link.device, requires_grad=torch.is_grad_enabled())
-            received = _Received.apply(anchor, link)
-        with self.boundary.running(stage.index, received):
-            if stage.is_last:
-                out = self.original(*args, **kwargs)
-            else:
+            with self._entering(_Received.apply(anchor, link)):
+                if stage.is_last:
+                    return self.original(*args, **kwargs)  # the loss reaches the others in ``finish``
                 hidden = _whole(self._base(args, kwargs)[0], stage.index)
-        if stage.is_last:
-            return out  # its loss goes to the other stages in ``finish``, after the model's own hooks
         link.send(hidden, link.next)
         value = _loss_value(None, link, False)
         if value is None:
@@ -172,6 +169,27 @@ class Forward:
         if not hidden.requires_grad:
             return StageOutput(loss=value)
         return StageOutput(loss=_Sent.apply(hidden, value, link))
+
+    @contextmanager
+    def _entering(self, activation: torch.Tensor) -> Iterator[None]:
+        """While inside, the stage's first block gets ``activation`` as its hidden states. The
+        hook sits on the block list's entry as it is now (the block, or whatever the script wrapped
+        it in: an activation checkpoint, an FSDP unit), so a checkpoint saves, and recomputes
+        from, the received activation."""
+        entry = self.stage.block_list._modules[str(self.stage.ranges[self.stage.index][0])]
+        pending = [activation]
+
+        def enter(module, args, kwargs):
+            if not pending:
+                raise RuntimeError(f"pipeline stage {self.stage.index}: its first block ran twice in one call")
+            x = pending.pop()
+            return ((x, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": x})
+
+        handle = entry.register_forward_pre_hook(enter, with_kwargs=True)
+        try:
+            yield
+        finally:
+            handle.remove()
 
     def finish(self, module, args, output):
         """The last stage's forward hook, run after the hooks that compute the loss (the

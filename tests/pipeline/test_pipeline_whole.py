@@ -18,6 +18,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
@@ -43,6 +44,10 @@ def build(arch: str):
 
 
 def wrap(model, how: str, use_orig_params: bool = False):
+    if how.startswith("checkpointed"):  # PyTorch's activation checkpointing of every block, as v2 scripts
+        block = type(next(iter(model.model.layers)))
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, block))
+        how = how.removeprefix("checkpointed").lstrip("-") or "plain"
     if how == "fsdp1":  # over the data-parallel ranks (v2 scripts give no mesh: the library lays it out)
         block = type(next(iter(model.model.layers)))
         policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={block})
@@ -61,14 +66,15 @@ def whole_batches_train(config: dict, arch: str, how: str):
     stage = smp.transform(copy.deepcopy(ref))
     names = sorted(n for n, _ in stage.named_parameters())
     model = wrap(stage, how)
-    check = functools.partial(assert_whole_norm, ref, model) if how == "fsdp1" else None
+    named = how in ("plain", "fsdp2")  # FSDP1's flat shards and checkpoint wrappers rename parameters
+    check = None if named else functools.partial(assert_whole_norm, ref, model)
     assert_replicas_train_like_one_process(ref, model, token_batches(VOCAB, 4, rows=4, seq=8), lr=1e-2,
-                                           after_backward=check, compare_grads=how != "fsdp1")
+                                           after_backward=check, compare_grads=named)
     return names
 
 
 def assert_whole_norm(ref, model, step):
-    """FSDP1's flat shards have no HF names: the first step's gradient norm over the whole model
+    """Without HF's parameter names: the first step's gradient norm over the whole model
     (``smp.clip_grad_norm_``, checked against torch's on one process in
     ``test_clip_grad_norm_under_pipeline``) equals the reference's, within the norm of the
     per-element tolerances (triangle inequality: | |g| - |h| | <= |g - h|) plus the norm's own
@@ -90,6 +96,8 @@ def assert_whole_norm(ref, model, step):
     (4, {"pipeline_parallel_degree": 2}, "llama", "fsdp2"),
     (4, {"pipeline_parallel_degree": 2, "expert_parallel_degree": 2}, "mixtral", "fsdp1"),
     (8, {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2}, "llama", "fsdp1"),
+    (2, {"pipeline_parallel_degree": 2}, "llama", "checkpointed"),
+    (4, {"pipeline_parallel_degree": 2}, "llama", "checkpointed-fsdp2"),
 ])
 def test_transform_under_pipeline_trains_like_one_process(world, config, arch, how):
     names = harness.run(world, whole_batches_train, config, arch, how)

@@ -81,6 +81,8 @@ class Stager:
         """Called by ``copy_deferred`` before its first copy (tests pause staging with it)."""
         self.copied_bytes = self.deferred_bytes = 0
         """Bytes the last ``stage`` copied in the call / left to ``copy_deferred``."""
+        self.wrappers: dict[tuple, tuple] = {}
+        """The DTensors made around buffers by the last save, by path (with their buffer and layout)."""
         self.serialized: dict = {}
         """Serialized plain values of the last save, by key, for a caller that reuses them when
         the value is exactly the same (``distributed.checkpoint.staging``)."""
@@ -143,23 +145,39 @@ class Stager:
             return buf
         return self.copy_now(t, buf)
 
-    def stage(self, state: Any, defer: Callable[[torch.Tensor], bool] | None = None, path: tuple = ()) -> Any:
+    def stage(self, state: Any, defer: Callable[[torch.Tensor], bool] | None = None) -> Any:
         """A copy of ``state`` whose tensors live in this stager's buffers (DTensors keep their
         mesh, placements and global shape around a host copy of their shard). Tensors whose
-        local part ``defer`` accepts are only recorded: ``copy_deferred`` fills them."""
-        if not path:
-            self.copied_bytes = self.deferred_bytes = 0
+        local part ``defer`` accepts are only recorded: ``copy_deferred`` fills them. Without
+        autograd: a DTensor's ``to_local()`` is then its local tensor, not an autograd view."""
+        self.copied_bytes = self.deferred_bytes = 0
+        with torch.no_grad():
+            return self._stage(state, defer, ())
+
+    def _stage(self, state: Any, defer, path: tuple) -> Any:
         if isinstance(state, DTensor):
-            return from_local_like(self._copy(path, state.to_local(), state, defer), state)
+            return self._wrapped(path, self._copy(path, state.to_local(), state, defer), state)
         if isinstance(state, torch.Tensor):
             return self._copy(path, state, state, defer)
         if isinstance(state, dict):
             out = copy.copy(state)  # keeps the type (OrderedDict, defaultdict)
-            out.update((k, self.stage(v, defer, (*path, k))) for k, v in state.items())
+            out.update((k, self._stage(v, defer, (*path, k))) for k, v in state.items())
             return out
         if isinstance(state, (list, tuple)):
-            return type(state)(self.stage(v, defer, (*path, i)) for i, v in enumerate(state))
+            return type(state)(self._stage(v, defer, (*path, i)) for i, v in enumerate(state))
         return copy.deepcopy(state)
+
+    def _wrapped(self, path: tuple, buf: torch.Tensor, like: DTensor) -> DTensor:
+        """The DTensor over ``buf`` laid out like ``like``: the one made for the last save when
+        the buffer and the layout are the same (making a DTensor is most of staging's time per
+        tensor, besides reading it)."""
+        layout = (like.device_mesh, like.placements, like.shape, like.stride())
+        last = self.wrappers.get(path)
+        if last is not None and last[0] is buf and last[1] == layout:
+            return last[2]
+        out = from_local_like(buf, like)
+        self.wrappers[path] = (buf, layout, out)
+        return out
 
     def copy_deferred(self) -> None:
         """Fill the deferred buffers; raise ``StagedTensorChanged`` naming every tensor whose copy

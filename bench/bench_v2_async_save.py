@@ -19,6 +19,10 @@ local (``SM_LOCAL_STATE_DICT``, replication group) state dict:
 Making the state dicts (``state_dict_s``: FSDP's sharded optimizer state dict gathers) is the same
 for both and timed apart.
 
+``async_call_cpu_s`` is the CPU time of the rank's process during the call (its threads
+together): on a shared machine the call's wall time also counts the time other programs held the
+cores, its CPU time does not.
+
 Times are the slowest rank's, medians (and min / max: ``spread``) over the repeats after a
 warm-up round; bytes are the checkpoint's size on disk and the queue's staging buffers. The
 headline is ``async blocked / sync`` (issue 30's goal: <= 5%). From the second round on, the
@@ -125,18 +129,18 @@ def _one_round(kind, model, optimizer, root, queue) -> dict:
     plain = _step(model, optimizer)
     hits = queue.plans.hits
     state_dict = _state_dict(kind, model, optimizer)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     async_save(state_dict, queue=queue, **kwargs)
-    call = time.perf_counter() - t0
+    call, call_cpu = time.perf_counter() - t0, time.process_time() - c0
     del state_dict
     job = queue.saver.job
     during = _step(model, optimizer)  # its optimizer step waits for the background copy, if not done
     t0 = time.perf_counter()
     queue.maybe_finalize_async_calls(blocking=True, process_group=group)
     finalize = time.perf_counter() - t0
-    slow = common.slowest([sync, call + job.held_s, call, job.held_s, plain, during, finalize, made])
+    slow = common.slowest([sync, call + job.held_s, call, job.held_s, plain, during, finalize, made, call_cpu])
     return dict(zip(("sync_s", "async_blocked_s", "async_call_s", "hook_wait_s", "step_s", "step_while_writing_s",
-                     "finalize_s", "state_dict_s"), slow),
+                     "finalize_s", "state_dict_s", "async_call_cpu_s"), slow),
                 bytes_on_this_rank=size, staging_bytes=queue.staging_bytes, plan_reused=queue.plans.hits > hits)
 
 
@@ -223,7 +227,8 @@ def main() -> None:
         m, sp = rec["median"], rec["spread"]["async_blocked_over_sync"]
         print(f"{kind}: sync {m['sync_s']:.3f}s, async blocked {m['async_blocked_s']:.3f}s "
               f"({m['async_blocked_over_sync']:.1%}; min/median/max {sp['min']:.1%}/{sp['median']:.1%}/"
-              f"{sp['max']:.1%}; call {m['async_call_s']:.3f}s + step wait {m['hook_wait_s']:.3f}s), "
+              f"{sp['max']:.1%}; call {m['async_call_s']:.3f}s (CPU {m['async_call_cpu_s']:.3f}s) + step wait "
+              f"{m['hook_wait_s']:.3f}s), "
               f"step {m['step_s']:.3f}s / while writing {m['step_while_writing_s']:.3f}s, "
               f"finalize {m['finalize_s']:.3f}s, state dicts {m['state_dict_s']:.3f}s, "
               f"staging {m['staging_bytes'] / 1e6:.1f} MB/rank")

@@ -128,7 +128,8 @@ def worker(args) -> None:
               "seconds": rows, "disk_mb_s": size / 1e6 / med["disk"], "sync_mb_s": size / 1e6 / med["sync"],
               "dcp_mb_s": size / 1e6 / med["dcp"], "sync_vs_disk": med["disk"] / med["sync"],
               "async_blocked_s": asy["blocked_s"], "async_blocked_vs_sync": asy["blocked_s"] / med["sync"],
-              "async_call_s": asy["call_s"], "async_call_cpu_s": asy["call_cpu_s"], "async_hook_wait_s": asy["hook_wait_s"],
+              "async_call_s": asy["call_s"], "async_call_cpu_s": asy["call_cpu_s"],
+              "async_hook_wait_s": asy["hook_wait_s"],
               "async_sync_staging_blocked_vs_sync": statistics.median(x["blocked_s"] for x in rows["async_sync_staging"])
               / med["sync"],
               "spread": spread, "spread_note": "blocked_s entries are fractions of the median sync save",

@@ -159,7 +159,7 @@ def _prepare(state_dict, writer: StorageWriter, group: Group, busy) -> Path:
     return staging
 
 
-@torch.no_grad()  # nothing here is differentiated; a DTensor's to_local() is then its local tensor, not an autograd view
+@torch.no_grad()  # nothing here is differentiated; a DTensor's to_local() is then its local tensor, no autograd view
 def start(state_dict, writer: StorageWriter, planner: SavePlanner | None, group: Group, saver: AsyncSaver,
           cache: PlanCache, staging: str = "background", busy=()) -> PendingSave:
     """Plan (collectively; a default planner's plan is cached), stage into ``saver``'s buffers

@@ -11,7 +11,9 @@ Two ranks (TP=2, one thread each) hold a GPT-2 with AdamW state (``bench_checkpo
 * ``dcp``: ``torch.distributed.checkpoint.save`` of the same state, fsynced as DCP does;
 * ``async``: ``save_checkpoint(..., async_save=True)`` (background staging, the default): the
   time training is blocked is the call plus what the first step after it waits in its step
-  pre-hook for the background copy (``hook_wait_s``, recorded by the save's ``Job``); then
+  pre-hook for the background copy (``hook_wait_s``, recorded by the save's ``Job``), and the
+  call's CPU time (``call_cpu_s``: on a shared machine its wall time also counts the time other
+  programs held the cores); then
   training steps while the background write runs (their time against steps without a save: the
   slowdown), then ``wait_for_checkpoints`` (the time to commit after the call);
 * ``async_sync_staging``: the same with ``async_staging=False`` (everything copied in the call);
@@ -61,8 +63,15 @@ def _async_round(model, optimizer, work: Path, tag: str, steps: int, background:
     import modelparallel as smp
     from modelparallel import runtime
 
-    call = base._timed(lambda: smp.save_checkpoint(work / "async", tag, async_save=True, async_staging=background,
-                                                   num_kept_partial_checkpoints=1))
+    cpu = []
+
+    def save() -> None:
+        start = time.process_time()
+        smp.save_checkpoint(work / "async", tag, async_save=True, async_staging=background,
+                            num_kept_partial_checkpoints=1)
+        cpu.append(time.process_time() - start)
+
+    call = base._timed(save)
     saver = runtime.current().checkpoint_saver
     job, copied, deferred = saver.job, saver.stager.copied_bytes, saver.stager.deferred_bytes
     start = time.perf_counter()
@@ -74,7 +83,7 @@ def _async_round(model, optimizer, work: Path, tag: str, steps: int, background:
     hook_wait = job.held_s  # the first step's wait for staging: training time blocked too
     smp.wait_for_checkpoints()
     committed = common.slowest([time.perf_counter() - start])[0] + call
-    return {"call_s": call, "hook_wait_s": common.slowest([hook_wait])[0],
+    return {"call_s": call, "call_cpu_s": common.slowest(cpu)[0], "hook_wait_s": common.slowest([hook_wait])[0],
             "blocked_s": common.slowest([call + hook_wait])[0], "committed_s": committed,
             "step_s_during": statistics.median(during[1:] or during), "first_step_s": during[0],
             "staged_in_call_bytes": copied, "staged_in_background_bytes": deferred}
@@ -119,7 +128,8 @@ def worker(args) -> None:
               "seconds": rows, "disk_mb_s": size / 1e6 / med["disk"], "sync_mb_s": size / 1e6 / med["sync"],
               "dcp_mb_s": size / 1e6 / med["dcp"], "sync_vs_disk": med["disk"] / med["sync"],
               "async_blocked_s": asy["blocked_s"], "async_blocked_vs_sync": asy["blocked_s"] / med["sync"],
-              "async_call_s": asy["call_s"], "async_hook_wait_s": asy["hook_wait_s"],
+              "async_call_s": asy["call_s"], "async_call_cpu_s": asy["call_cpu_s"],
+              "async_hook_wait_s": asy["hook_wait_s"],
               "async_sync_staging_blocked_vs_sync": statistics.median(x["blocked_s"] for x in rows["async_sync_staging"])
               / med["sync"],
               "spread": spread, "spread_note": "blocked_s entries are fractions of the median sync save",
@@ -156,7 +166,8 @@ def main() -> None:
     print(f"{result['preset']}: {result['checkpoint_bytes'] / 1e9:.2f} GB per checkpoint; disk {result['disk_mb_s']:.0f} "
           f"MB/s; sync save {result['sync_mb_s']:.0f} MB/s ({result['sync_vs_disk']:.2f}x the disk), DCP "
           f"{result['dcp_mb_s']:.0f} MB/s; async: blocked {result['async_blocked_s']:.2f} s "
-          f"({100 * result['async_blocked_vs_sync']:.1f}% of a sync save: call {result['async_call_s']:.3f} s + "
+          f"({100 * result['async_blocked_vs_sync']:.1f}% of a sync save: call {result['async_call_s']:.3f} s "
+          f"(CPU {result.get('async_call_cpu_s', float('nan')):.3f} s) + "
           f"step hook {result['async_hook_wait_s']:.3f} s; spread {_pct(result['spread']['async.blocked_s'])}; "
           f"staging in the call {100 * result['async_sync_staging_blocked_vs_sync']:.1f}%), committed after "
           f"{result['async_committed_s']:.2f} s, steps {result['step_slowdown_during_async']:.2f}x slower meanwhile; "

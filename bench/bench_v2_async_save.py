@@ -11,10 +11,17 @@ local (``SM_LOCAL_STATE_DICT``, replication group) state dict:
   rest (``hook_wait_s``): the part of an asynchronous save training waits for;
 * ``step while writing`` against ``step``: one training step while the background copy and write
   run, against one without (the slowdown the writer thread causes, the wait included), then
-  ``finalize``.
+  ``finalize``;
+* ``read_vs_copy`` (once, after the rounds): the two ways the call can keep what it saves from an
+  in-place change through ``.data`` or numpy: the CRC-32 of every deferred tensor (what it does)
+  against a copy of them all into reused buffers, both ranks at once.
 
 Making the state dicts (``state_dict_s``: FSDP's sharded optimizer state dict gathers) is the same
 for both and timed apart.
+
+``async_call_cpu_s`` is the CPU time of the rank's process during the call (its threads
+together): on a shared machine the call's wall time also counts the time other programs held the
+cores, its CPU time does not.
 
 Times are the slowest rank's, medians (and min / max: ``spread``) over the repeats after a
 warm-up round; bytes are the checkpoint's size on disk and the queue's staging buffers. The
@@ -122,19 +129,48 @@ def _one_round(kind, model, optimizer, root, queue) -> dict:
     plain = _step(model, optimizer)
     hits = queue.plans.hits
     state_dict = _state_dict(kind, model, optimizer)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     async_save(state_dict, queue=queue, **kwargs)
-    call = time.perf_counter() - t0
+    call, call_cpu = time.perf_counter() - t0, time.process_time() - c0
     del state_dict
     job = queue.saver.job
     during = _step(model, optimizer)  # its optimizer step waits for the background copy, if not done
     t0 = time.perf_counter()
     queue.maybe_finalize_async_calls(blocking=True, process_group=group)
     finalize = time.perf_counter() - t0
-    slow = common.slowest([sync, call + job.held_s, call, job.held_s, plain, during, finalize, made])
+    slow = common.slowest([sync, call + job.held_s, call, job.held_s, plain, during, finalize, made, call_cpu])
     return dict(zip(("sync_s", "async_blocked_s", "async_call_s", "hook_wait_s", "step_s", "step_while_writing_s",
-                     "finalize_s", "state_dict_s"), slow),
+                     "finalize_s", "state_dict_s", "async_call_cpu_s"), slow),
                 bytes_on_this_rank=size, staging_bytes=queue.staging_bytes, plan_reused=queue.plans.hits > hits)
+
+
+def _read_vs_copy(kind: str, model, optimizer, tries: int = 5) -> dict:
+    """What the call pays per deferred byte, both ways it could keep a checkpoint from a change
+    through ``.data`` (issue 41): the CRC-32 of every deferred tensor (what it does: the copy is
+    left to the background) against copying them all into reused buffers (what
+    ``background_staging=False`` does); medians over ``tries``, both ranks at once, slowest rank."""
+    import torch
+    import torch.distributed as dist
+
+    from modelparallel.checkpoint.background.deferred import fingerprint
+    from modelparallel.distributed.checkpoint.staging import deferrable
+
+    memory: list = []
+    with torch.no_grad():
+        deferrable(_state_dict(kind, model, optimizer), memory)
+    memory = [t for t in memory if t.is_contiguous() and t.numel() > 0]
+    buffers = [torch.empty_like(t) for t in memory]
+    times: dict[str, list] = {"crc_s": [], "copy_s": []}
+    for _ in range(tries):
+        for key, run in (("crc_s", lambda: [fingerprint(t) for t in memory]),
+                         ("copy_s", lambda: [b.copy_(t) for b, t in zip(buffers, memory)])):
+            dist.barrier()
+            t0 = time.perf_counter()
+            run()
+            times[key].append(common.slowest([time.perf_counter() - t0])[0])
+    nbytes = sum(t.numel() * t.element_size() for t in memory)
+    out = {k: statistics.median(v) for k, v in times.items()}
+    return {**out, "bytes": nbytes, "crc_gb_s": nbytes / out["crc_s"] / 1e9, "copy_gb_s": nbytes / out["copy_s"] / 1e9}
 
 
 def _spread(values) -> dict:
@@ -164,7 +200,8 @@ def rank_main(hidden: int, layers: int, repeats: int) -> dict:
             spread = {"async_blocked_over_sync": _spread(r["async_blocked_s"] / r["sync_s"] for r in rounds),
                       "step_slowdown_while_writing": _spread(r["step_while_writing_s"] / r["step_s"] for r in rounds),
                       "async_blocked_s": _spread(r["async_blocked_s"] for r in rounds)}
-            out[kind] = {"median": med, "spread": spread, "rounds": rounds}
+            out[kind] = {"median": med, "spread": spread, "rounds": rounds,
+                         "read_vs_copy": _read_vs_copy(kind, model, optimizer)}
     finally:
         for queue in queues.values():
             queue.close()
@@ -190,10 +227,14 @@ def main() -> None:
         m, sp = rec["median"], rec["spread"]["async_blocked_over_sync"]
         print(f"{kind}: sync {m['sync_s']:.3f}s, async blocked {m['async_blocked_s']:.3f}s "
               f"({m['async_blocked_over_sync']:.1%}; min/median/max {sp['min']:.1%}/{sp['median']:.1%}/"
-              f"{sp['max']:.1%}; call {m['async_call_s']:.3f}s + step wait {m['hook_wait_s']:.3f}s), "
+              f"{sp['max']:.1%}; call {m['async_call_s']:.3f}s (CPU {m['async_call_cpu_s']:.3f}s) + step wait "
+              f"{m['hook_wait_s']:.3f}s), "
               f"step {m['step_s']:.3f}s / while writing {m['step_while_writing_s']:.3f}s, "
               f"finalize {m['finalize_s']:.3f}s, state dicts {m['state_dict_s']:.3f}s, "
               f"staging {m['staging_bytes'] / 1e6:.1f} MB/rank")
+        rc = rec["read_vs_copy"]
+        print(f"{kind}: the deferred {rc['bytes'] / 1e6:.1f} MB/rank: CRC-32 {rc['crc_s'] * 1e3:.1f} ms "
+              f"({rc['crc_gb_s']:.1f} GB/s), copy {rc['copy_s'] * 1e3:.1f} ms ({rc['copy_gb_s']:.1f} GB/s)")
     print(f"load average before {load_before}, after {result['load_average_after']}")
     common.write_result("v2_async_save", result, args.out)
 

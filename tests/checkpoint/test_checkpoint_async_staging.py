@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 import harness
@@ -20,6 +21,7 @@ import modelparallel as smp
 from modelparallel import runtime
 from modelparallel.checkpoint.safety import commit
 from modelparallel.checkpoint.api import _saver
+from modelparallel.checkpoint.background.deferred import Early
 from ckpt_helpers import build, changed, error_of, snapshot
 
 
@@ -171,9 +173,20 @@ def _edits(model, optimizer) -> dict:
             "numpy view": lambda: local.detach().numpy().__imul__(3.0)}
 
 
-def edits_that_bypass_version_counters(path: str) -> dict:
+def edits_that_bypass_version_counters(path: str, early: bool = False) -> dict:
     """Each edit, made while staging is held: the save is refused on every rank and the previous
-    newest still holds the values of its own call."""
+    newest still holds the values of its own call. ``early``: the CRC32s read by threads while
+    the call does the rest (``Early``, used where a rank has a core to spare; forced here)."""
+    pays, take, taken = Early.pays, Early.take, []
+    Early.pays = classmethod(lambda cls: early)
+    Early.take = lambda self, t: taken.append(1) or take(self, t)
+    try:
+        return {**_edits_that_bypass_version_counters(path), "taken": len(taken)}
+    finally:
+        Early.pays, Early.take = pays, take
+
+
+def _edits_that_bypass_version_counters(path: str) -> dict:
     model, optimizer = build()
     smp.save_checkpoint(path, "a", async_save=True)
     smp.wait_for_checkpoints()
@@ -196,9 +209,11 @@ def edits_that_bypass_version_counters(path: str) -> dict:
     return out
 
 
-def test_changes_through_data_and_numpy_fail_the_save(tmp_path):
-    results = harness.run(2, edits_that_bypass_version_counters, str(tmp_path))
+@pytest.mark.parametrize("early", [False, True])
+def test_changes_through_data_and_numpy_fail_the_save(tmp_path, early):
+    results = harness.run(2, edits_that_bypass_version_counters, str(tmp_path), early)
     for r in results:
+        assert (r["taken"] > 0) == early, r["taken"]
         assert r["newest"] == "a_partial" and r["intact"] == [], r
         for what in ("data.clamp_", "data.mul_", "numpy view"):
             assert "model.transformer.h.0.mlp.c_fc.weight" in r[what] and "changed in place" in r[what], (what, r)

@@ -44,6 +44,7 @@ import logging
 import threading
 import time
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -80,6 +81,11 @@ class Stager:
         """Called by ``copy_deferred`` before its first copy (tests pause staging with it)."""
         self.copied_bytes = self.deferred_bytes = 0
         """Bytes the last ``stage`` copied in the call / left to ``copy_deferred``."""
+        self.wrappers: dict[tuple, tuple] = {}
+        """The DTensors made around buffers by the last save, by path (with their buffer and layout)."""
+        self.serialized: dict = {}
+        """Serialized plain values of the last save, by key, for a caller that reuses them when
+        the value is exactly the same (``distributed.checkpoint.staging``)."""
         self.wording = wording
         """(the call, what to do) for the message of a tensor changed before its copy."""
         self._early: Early | None = None
@@ -100,8 +106,9 @@ class Stager:
     def fingerprint_early(self, tensors: list[torch.Tensor] | None) -> None:
         """Start the CRC32s of ``tensors`` (those ``defer`` will get) in a thread now, so that
         the call's other work (state dicts, collectives) overlaps their reading; the save's
-        call must not return before ``defer`` took them. ``None``: drop what is left."""
-        self._early = Early(tensors) if tensors else None
+        call must not return before ``defer`` took them. ``None``: drop what is left. Without a
+        core to spare for them (``Early.pays``) nothing starts: ``defer`` reads them itself."""
+        self._early = Early(tensors) if tensors and Early.pays() else None
 
     def _crc(self, local: torch.Tensor) -> int:
         early = self._early.take(local) if self._early is not None else None
@@ -138,23 +145,39 @@ class Stager:
             return buf
         return self.copy_now(t, buf)
 
-    def stage(self, state: Any, defer: Callable[[torch.Tensor], bool] | None = None, path: tuple = ()) -> Any:
+    def stage(self, state: Any, defer: Callable[[torch.Tensor], bool] | None = None) -> Any:
         """A copy of ``state`` whose tensors live in this stager's buffers (DTensors keep their
         mesh, placements and global shape around a host copy of their shard). Tensors whose
-        local part ``defer`` accepts are only recorded: ``copy_deferred`` fills them."""
-        if not path:
-            self.copied_bytes = self.deferred_bytes = 0
+        local part ``defer`` accepts are only recorded: ``copy_deferred`` fills them. Without
+        autograd: a DTensor's ``to_local()`` is then its local tensor, not an autograd view."""
+        self.copied_bytes = self.deferred_bytes = 0
+        with torch.no_grad():
+            return self._stage(state, defer, ())
+
+    def _stage(self, state: Any, defer, path: tuple) -> Any:
         if isinstance(state, DTensor):
-            return from_local_like(self._copy(path, state.to_local(), state, defer), state)
+            return self._wrapped(path, self._copy(path, state.to_local(), state, defer), state)
         if isinstance(state, torch.Tensor):
             return self._copy(path, state, state, defer)
         if isinstance(state, dict):
             out = copy.copy(state)  # keeps the type (OrderedDict, defaultdict)
-            out.update((k, self.stage(v, defer, (*path, k))) for k, v in state.items())
+            out.update((k, self._stage(v, defer, (*path, k))) for k, v in state.items())
             return out
         if isinstance(state, (list, tuple)):
-            return type(state)(self.stage(v, defer, (*path, i)) for i, v in enumerate(state))
+            return type(state)(self._stage(v, defer, (*path, i)) for i, v in enumerate(state))
         return copy.deepcopy(state)
+
+    def _wrapped(self, path: tuple, buf: torch.Tensor, like: DTensor) -> DTensor:
+        """The DTensor over ``buf`` laid out like ``like``: the one made for the last save when
+        the buffer and the layout are the same (making a DTensor is most of staging's time per
+        tensor, besides reading it)."""
+        layout = (like.device_mesh, like.placements, like.shape, like.stride())
+        last = self.wrappers.get(path)
+        if last is not None and last[0] is buf and last[1] == layout:
+            return last[2]
+        out = from_local_like(buf, like)
+        self.wrappers[path] = (buf, layout, out)
+        return out
 
     def copy_deferred(self) -> None:
         """Fill the deferred buffers; raise ``StagedTensorChanged`` naming every tensor whose copy
@@ -177,7 +200,7 @@ class Job:
 
     tag: str
     staged: threading.Event = field(default_factory=threading.Event)
-    thread: threading.Thread | None = None
+    future: Future | None = None
     error: BaseException | None = None
     hooks: list = field(default_factory=list)
     result: Any = None
@@ -192,12 +215,12 @@ class Job:
             self.held_s += time.perf_counter() - start
 
     def done(self) -> bool:
-        return self.thread is None or not self.thread.is_alive()
+        return self.future is None or self.future.done()
 
     def join(self) -> None:
-        """Wait for the thread, and drop the step hooks (safe here: no step is running)."""
-        if self.thread is not None:
-            self.thread.join()
+        """Wait for the job, and drop the step hooks (safe here: no step is running)."""
+        if self.future is not None:
+            wait((self.future,))
         for handle in self.hooks:
             handle.remove()
         self.hooks.clear()
@@ -218,6 +241,10 @@ class AsyncSaver:
         self.group: dist.ProcessGroup | None = None
         self.job: Job | None = None
         self._registered = False
+        self._worker: ThreadPoolExecutor | None = None
+        """The thread the jobs run in, one after another: started by the first save and kept, so a
+        later save's call does not wait for a new thread to start (a scheduler round trip, a few
+        milliseconds on a busy machine)."""
 
     @property
     def tag(self) -> str | None:
@@ -247,8 +274,9 @@ class AsyncSaver:
         job.hooks = [opt.register_step_pre_hook(job.hold) for opt in hold]
         if hold_every_optimizer:
             job.hooks.append(register_optimizer_step_pre_hook(job.hold))
-        job.thread = threading.Thread(target=self._run, args=(job, fn), name=f"modelparallel-save-{tag}", daemon=True)
-        job.thread.start()
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="modelparallel-save")
+        job.future = self._worker.submit(self._run, job, fn)
         if at_exit and not self._registered:
             atexit.register(_finish_at_exit, weakref.ref(self))
             self._registered = True
@@ -293,7 +321,7 @@ def _finish_at_exit(ref) -> None:
     """At interpreter exit: wait for the save in flight, or say which checkpoint is not
     committed."""
     saver = ref()
-    if saver is None or saver.job is None or saver.job.thread is None:
+    if saver is None or saver.job is None or saver.job.future is None:
         return
     tag = saver.tag
     try:

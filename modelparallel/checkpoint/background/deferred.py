@@ -3,7 +3,9 @@
 A tensor whose copy is left to the background thread (``async_save.Stager.defer``) may be
 changed in place before that copy by any means: ``p.data.mul_()`` and numpy views bypass the
 version counter. So the call takes the CRC32 of its bytes (``fingerprint``; ``Early`` reads them
-in a few threads while the call does its other work), and the copy is compared with it (``Deferred``).
+in a few threads while the call does its other work, where a rank has a core to spare), and the
+copy is compared with it (``Deferred``). Reading is the cheaper way: a CRC32 (zlib-ng) reads about
+1.7x faster than a copy writes (``bench/bench_v2_async_save.py``'s ``read_vs_copy``).
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ class Deferred:
 
 def fingerprint(t: torch.Tensor) -> int:
     """CRC32 of the bytes of a contiguous CPU tensor (any dtype)."""
-    return crc32(t.detach().reshape(-1).view(torch.uint8).numpy())
+    flat = t.detach()
+    return crc32((flat if flat.dim() == 1 else flat.reshape(-1)).view(torch.uint8).numpy())
 
 
 class Early:
@@ -58,15 +61,27 @@ class Early:
     by the memory they cover. Reading the deferred tensors is most of what an asynchronous save's
     call costs on a CPU, and the tensors are independent: up to ``MAX_THREADS`` of them are read
     at once, in the order given (the order ``defer`` takes them), and ``take`` waits for one
-    tensor's sum only. Threads beyond this rank's share of the machine's cores (the cores over
-    the ranks on it) only compete with the other ranks: with a core per rank, one thread reads."""
+    tensor's sum only. Threads beyond this rank's share of the machine's cores only compete with
+    the other ranks; with a core per rank none is started (``pays``)."""
 
     MAX_THREADS = 4
 
+    @staticmethod
+    def share() -> int:
+        """This rank's share of the machine's cores (the cores over the ranks on it)."""
+        return (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+    @classmethod
+    def pays(cls) -> bool:
+        """Whether reading in threads can shorten the call: only with a core to spare beside the
+        caller's. With one core per rank a reading thread only takes turns with the call (2
+        cores, 2 ranks, v2 bench: 20-22 ms of CPU per call with one thread against 15-18 ms
+        reading in the call itself), so the call reads the tensors as it stages them."""
+        return cls.share() >= 2
+
     def __init__(self, tensors: list[torch.Tensor]):
         todo = [t for t in tensors if t.device.type == "cpu" and t.is_contiguous()]
-        share = (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        threads = max(1, min(self.MAX_THREADS, share, len(todo)))
+        threads = max(1, min(self.MAX_THREADS, self.share(), len(todo)))
         pool = ThreadPoolExecutor(threads, thread_name_prefix="modelparallel-crc")
         self.sums: dict[tuple, Future] = {}
         for t in todo:

@@ -68,9 +68,11 @@ def save(path: Path, tag: str, model, optimizer, user_content: Any, keep: int | 
     name = f"{tag}_partial"
     states: dict[str, Any] = {}
     content: dict[str, bytes] = {}
-    defer = step_only(optimizer) if saver is not None and background_staging and optimizer is not None else None
+    step_tensors = _step_tensors(optimizer) if saver is not None and background_staging and optimizer is not None \
+        else None
+    defer = step_only(step_tensors) if step_tensors is not None else None
     if defer is not None:  # their CRC32s, read while the call does the rest (see async_save.Stager)
-        saver.stager.fingerprint_early(_step_tensors(optimizer))
+        saver.stager.fingerprint_early(step_tensors)
 
     everywhere = optim_part.group_names_everywhere(model.module, optimizer, runtime.current().group(
         runtime.PP_GROUP)) if optimizer is not None else None  # a collective of the pipeline group
@@ -109,6 +111,7 @@ def save(path: Path, tag: str, model, optimizer, user_content: Any, keep: int | 
     return path / name
 
 
+@torch.no_grad()  # a DTensor's to_local() is then its local tensor, not an autograd view (1,300 of them)
 def _step_tensors(optimizer) -> list[torch.Tensor]:
     """The local tensors only ``optimizer``'s step changes: its parameters, slots and fp32
     masters (scalars such as step counters excluded)."""
@@ -118,11 +121,11 @@ def _step_tensors(optimizer) -> list[torch.Tensor]:
     return [local_part(t) for t in tensors if t.dim() > 0 and t.numel() > 0]
 
 
-def step_only(optimizer) -> Callable[[torch.Tensor], bool]:
-    """Which local tensors only ``optimizer``'s step changes (``_step_tensors``): those may be
-    staged in the background while the step waits for it. Scalars (step counters) are not:
+def step_only(step_tensors: list[torch.Tensor]) -> Callable[[torch.Tensor], bool]:
+    """Which local tensors only the optimizer's step changes (its ``_step_tensors``): those may
+    be staged in the background while the step waits for it. Scalars (step counters) are not:
     they are copied at once."""
-    ptrs = {t.data_ptr() for t in _step_tensors(optimizer)}
+    ptrs = {t.data_ptr() for t in step_tensors}
     return lambda t: t.dim() > 0 and t.numel() > 0 and t.data_ptr() in ptrs
 
 

@@ -33,6 +33,8 @@ from .saving import writer_for
 def split(group: Group, path) -> dict[str, list[int]] | None:
     """The ranks of ``group`` naming each directory (a collective over ``group``), by absolute
     path in sorted order (the same on every rank); None when every rank names the same one."""
+    if len(group.members) == 1:  # a group of one names one directory
+        return None
     mine = os.path.abspath(os.fspath(path))
     paths: list = [None] * len(group.members)
     dist.all_gather_object(paths, mine, group=group.pg)

@@ -81,15 +81,39 @@ def _splits(placement) -> bool:
 
 def block_of(t: DTensor, members: set[int], key: str = "", inside_by_mesh: dict | None = None) -> torch.Tensor | None:
     """The DTensor of the block of ``t`` the ranks ``members`` hold, or None when they cover
-    ``t``'s mesh (nothing to change). ``inside_by_mesh``: the inside dimensions of the meshes
-    seen so far (a state dict's DTensors share a few meshes; finding them reads the whole mesh).
+    ``t``'s mesh (nothing to change). ``inside_by_mesh``: what was worked out for the meshes and
+    layouts seen so far (a state dict's DTensors share a few meshes and layouts; finding a mesh's
+    inside dimensions reads the whole mesh).
 
     Raises:
         NotImplementedError: for a layout whose block is not a plain sharding of the inside
             dimensions (a pending sum, or a group that meets the mesh at this rank alone).
     """
-    mesh = t.device_mesh
     known = {} if inside_by_mesh is None else inside_by_mesh
+    layout = (t.device_mesh, tuple(t.placements), tuple(t.shape))
+    if layout not in known:
+        known[layout] = _block_layout(t, members, key, known)
+    block = known[layout]
+    if block is None:
+        return None
+    local = t.to_local()
+    if block == "local":
+        return local
+    sub, placements, block_shape, expect = block
+    if tuple(expect) != tuple(local.shape):
+        raise NotImplementedError(f"saving {key or 'a DTensor'} over a process group: its layout {t.placements} "
+                                  f"on mesh {t.device_mesh.mesh_dim_names} is not a sharding of its block "
+                                  f"{tuple(block_shape)} (this rank holds {tuple(local.shape)}, a sharding would give "
+                                  f"it {tuple(expect)})")
+    return DTensor.from_local(local, sub, placements, run_check=False, shape=torch.Size(block_shape),
+                              stride=_strides(block_shape))
+
+
+def _block_layout(t: DTensor, members: set[int], key: str, known: dict):
+    """``block_of``'s answer for ``t``'s mesh, placements and shape: None (the group covers the
+    mesh), ``"local"`` (the group meets the mesh at this rank alone: the local tensor), or the
+    block's (sub-mesh, placements, shape, this rank's local shape)."""
+    mesh = t.device_mesh
     if mesh not in known:
         known[mesh] = _inside_dims(mesh, members)
     inside = known[mesh]
@@ -101,7 +125,7 @@ def block_of(t: DTensor, members: set[int], key: str = "", inside_by_mesh: dict 
         if members != {dist.get_rank()}:
             raise NotImplementedError(f"saving {key or 'a DTensor'} over a process group that meets its mesh "
                                       f"{mesh.mesh.tolist()} at this rank only")
-        return t.to_local()
+        return "local"
     _check_blocks_contiguous(t, inside, key)
     outer = [Replicate() if d in inside else pl for d, pl in enumerate(t.placements)]
     block_shape, _ = compute_local_shape_and_global_offset(t.shape, mesh.shape, mesh.get_coordinate(), outer)
@@ -110,14 +134,8 @@ def block_of(t: DTensor, members: set[int], key: str = "", inside_by_mesh: dict 
         raise NotImplementedError(f"saving {key or 'a DTensor'} over a process group: its mesh has no dimension names")
     sub = mesh[tuple(names[d] for d in inside)] if len(inside) > 1 else mesh[names[inside[0]]]
     placements = [Shard(t.placements[d].dim) if _splits(t.placements[d]) else Replicate() for d in inside]
-    local = t.to_local()
     expect, _ = compute_local_shape_and_global_offset(block_shape, sub.shape, sub.get_coordinate(), placements)
-    if tuple(expect) != tuple(local.shape):
-        raise NotImplementedError(f"saving {key or 'a DTensor'} over a process group: its layout {t.placements} "
-                                  f"on mesh {names} is not a sharding of its block {tuple(block_shape)} (this rank holds "
-                                  f"{tuple(local.shape)}, a sharding would give it {tuple(expect)})")
-    return DTensor.from_local(local, sub, placements, run_check=False, shape=torch.Size(block_shape),
-                              stride=_strides(block_shape))
+    return sub, placements, block_shape, expect
 
 
 def _slots(obj, prefix: str = "") -> Iterator[tuple[object, object, str]]:

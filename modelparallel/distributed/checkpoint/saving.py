@@ -43,6 +43,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter, S
 
 from ... import devices
 from ...checkpoint.background.async_save import AsyncSaver, Job
+from ...checkpoint.background.deferred import Early
 from ...checkpoint.save.writer import CheckpointWriter
 from . import directory
 from .group_blocks import for_group
@@ -158,6 +159,7 @@ def _prepare(state_dict, writer: StorageWriter, group: Group, busy) -> Path:
     return staging
 
 
+@torch.no_grad()  # nothing here is differentiated; a DTensor's to_local() is then its local tensor, no autograd view
 def start(state_dict, writer: StorageWriter, planner: SavePlanner | None, group: Group, saver: AsyncSaver,
           cache: PlanCache, staging: str = "background", busy=()) -> PendingSave:
     """Plan (collectively; a default planner's plan is cached), stage into ``saver``'s buffers
@@ -168,21 +170,15 @@ def start(state_dict, writer: StorageWriter, planner: SavePlanner | None, group:
     every rank by ``finish``). ``busy``: checkpoint paths with a save still pending."""
     custom = planner is not None
     planner = planner or DefaultSavePlanner()
-    deferred_keys = deferrable(state_dict) if staging == "background" else {}
-    final = Path(writer.path)
-    with for_group(state_dict, group.pg):
-        hidden = _prepare(state_dict, writer, group, set(busy))
-        try:
-            plan, metadata = _plan(state_dict, writer, planner, group, None if custom else cache)
-        except BaseException:
-            _abandon(group, writer, hidden, final)
-            raise
-        error, staged = None, None
-        try:
-            staged = stage(planner, plan, None if staging == "none" else saver.stager, deferred_keys)
-        except Exception as e:  # noqa: BLE001 - raised by this rank's write, so by finish() on every rank
-            error = e
-            saver.stager.deferred.clear()
+    final = Path(writer.path)  # before _prepare points the writer at the staging directory
+    memory: list | None = [] if Early.pays() else None  # their CRC32s read while the call plans (see Stager)
+    deferred_keys = deferrable(state_dict, memory) if staging == "background" else {}
+    saver.stager.fingerprint_early(memory)
+    try:
+        staged, error, plan, metadata, hidden = _plan_and_stage(state_dict, writer, planner, custom, group, saver,
+                                                                cache, staging, busy, deferred_keys)
+    finally:
+        saver.stager.fingerprint_early(None)
     staged_planner = StagedPlanner(staged)
     deferred = bool(saver.stager.deferred)
 
@@ -202,6 +198,26 @@ def start(state_dict, writer: StorageWriter, planner: SavePlanner | None, group:
 
     job = saver.submit(str(final), write, at_exit=False, hold_every_optimizer=deferred)
     return PendingSave(str(final), group, writer, metadata, job, staging=hidden)
+
+
+def _plan_and_stage(state_dict, writer, planner, custom: bool, group: Group, saver: AsyncSaver, cache: PlanCache,
+                    staging: str, busy, deferred_keys: dict) -> tuple:
+    """``start``'s collective part: (staged items, staging error, plan, metadata, hidden directory)."""
+    final = Path(writer.path)
+    with for_group(state_dict, group.pg):
+        hidden = _prepare(state_dict, writer, group, set(busy))
+        try:
+            plan, metadata = _plan(state_dict, writer, planner, group, None if custom else cache)
+        except BaseException:
+            _abandon(group, writer, hidden, final)
+            raise
+        error, staged = None, None
+        try:
+            staged = stage(planner, plan, None if staging == "none" else saver.stager, deferred_keys)
+        except Exception as e:  # noqa: BLE001 - raised by this rank's write, so by finish() on every rank
+            error = e
+            saver.stager.deferred.clear()
+    return staged, error, plan, metadata, hidden
 
 
 def _abandon(group: Group, writer: StorageWriter, staging: Path, final: Path) -> None:

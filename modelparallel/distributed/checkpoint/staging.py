@@ -22,10 +22,11 @@ tensor changed in place some other way before its copy fails that save on every 
 from __future__ import annotations
 
 import io
+import struct
 from collections.abc import Mapping
 
 import torch
-from torch.distributed.checkpoint import SavePlanner
+from torch.distributed.checkpoint import DefaultSavePlanner, SavePlanner
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.tensor import DTensor
 
@@ -38,15 +39,27 @@ def _is_optimizer_state(obj) -> bool:
     return isinstance(obj, Mapping) and "state" in obj and "param_groups" in obj
 
 
-def deferrable(state_dict) -> dict[str, tuple]:
+def _locals(obj) -> list[torch.Tensor]:
+    """The memory a (sharded) tensor holds on this rank."""
+    if isinstance(obj, DTensor):
+        return [obj.to_local()]
+    if isinstance(obj, ShardedTensor):
+        return [shard.tensor for shard in obj.local_shards()]
+    return [obj]
+
+
+def deferrable(state_dict, memory: list | None = None) -> dict[str, tuple]:
     """The flattened keys (DCP's: path items joined by ``.``) of ``state_dict``'s tensors an
     optimizer step alone changes, each with the aliases whose version counters must be
-    watched too (``LocalStateDict.aliases``)."""
+    watched too (``LocalStateDict.aliases``). ``memory``: gets their local tensors, in order
+    (for ``Stager.fingerprint_early``)."""
     out: dict[str, tuple] = {}
 
     def visit(obj, path: tuple, defer: bool, aliases: tuple = ()) -> None:
         if isinstance(obj, (DTensor, ShardedTensor)) or (isinstance(obj, torch.Tensor) and defer and obj.dim() > 0):
             out[".".join(path)] = aliases
+            if memory is not None:
+                memory.extend(_locals(obj))
         elif isinstance(obj, Mapping):
             optimizer = _is_optimizer_state(obj)
             local = isinstance(obj, LocalStateDict)
@@ -84,20 +97,62 @@ class StagedPlanner(SavePlanner):
         raise RuntimeError("a staged planner only resolves data")
 
 
+_ATOMS = (type(None), bool, int, str, bytes)
+
+
+def plain_form(obj):
+    """``obj``'s exact value as a hashable form, for plain data only (None, bools, ints, floats by
+    their bits, strings, bytes, and tuples and lists of them; each tagged with its type, so that
+    ``1``, ``1.0`` and ``True`` differ, as ``-0.0`` and ``0.0`` do); None for anything else."""
+    kind = type(obj)
+    if kind in _ATOMS:
+        return kind, obj
+    if kind is float:
+        return kind, struct.pack("<d", obj)
+    if kind in (tuple, list):
+        parts = tuple(plain_form(v) for v in obj)
+        return None if any(p is None for p in parts) else (kind, parts)
+    return None
+
+
+def _own_serialization(planner: SavePlanner) -> bool:
+    """Whether ``planner`` serializes objects as DCP's ``DefaultSavePlanner`` does."""
+    return all(getattr(type(planner), name, None) is getattr(DefaultSavePlanner, name)
+               for name in ("resolve_data", "lookup_object", "transform_object"))
+
+
+def _object_bytes(planner: SavePlanner, item, serialized: dict | None) -> bytes:
+    """The bytes of a non-tensor item. With ``serialized`` (fqn -> (``plain_form``, bytes) of the
+    last save), plain data whose exact value was saved last time reuses its bytes (the optimizer's
+    hyperparameters: a ``torch.save`` each, most of staging's time besides the tensors)."""
+    obj = form = None
+    if serialized is not None:
+        obj = planner.lookup_object(item.index)
+        form = plain_form(obj)
+        last = serialized.get(item.index.fqn)
+        if form is not None and last is not None and last[0] == form:
+            return last[1]
+    data = planner.resolve_data(item) if serialized is None else planner.transform_object(item, obj)
+    data = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+    if form is not None:
+        serialized[item.index.fqn] = (form, data)
+    return data
+
+
 def stage(planner: SavePlanner, plan, stager: Stager | None, deferred_keys: dict | None = None) -> dict:
     """A host copy of every item ``plan`` writes, in ``stager``'s buffers (reused when an
     earlier save had the same index, shape and dtype): bytes for objects, tensors copied out of
     the model's memory; the tensors of keys in ``deferred_keys`` (key -> aliases to watch) are
     left to ``stager.copy_deferred``. Without a ``stager``: the live tensors (nothing is copied)."""
     staged, deferred_keys = {}, deferred_keys or {}
+    serialized = stager.serialized if stager is not None and _own_serialization(planner) else None
     if stager is not None:
         stager.copied_bytes = stager.deferred_bytes = 0
     for item in plan.items:
-        data = planner.resolve_data(item)
         if item.type == WriteItemType.BYTE_IO:
-            staged[item.index] = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+            staged[item.index] = _object_bytes(planner, item, serialized)
             continue
-        data = data.detach()
+        data = planner.resolve_data(item).detach()
         if stager is None:  # a synchronous save writes from the tensors themselves
             staged[item.index] = data
             continue

@@ -25,6 +25,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import harness
 import modelparallel as tsm
+from modelparallel.checkpoint.background.deferred import Early
 from modelparallel.distributed.checkpoint.async_utils import AsyncCallsQueue
 from modelparallel.distributed.checkpoint.saving import CheckpointSaveError
 from modelparallel.distributed.checkpoint.state_dict_utils import SMStateDictType, sm_state_dict_type
@@ -133,6 +134,52 @@ def test_an_in_place_change_before_staging_fails_the_save_on_every_rank(tmp_path
     for r in results:
         assert "changed in place after async_save returned" in r["msg"] and "model._flat_param" in r["msg"], r["msg"]
         assert "background_staging=False" in r["msg"], r["msg"]
+        assert r["left"] == [], f"a failed save left {r['left']}"
+
+
+def _edits(model, optimizer) -> dict:
+    """In-place changes that bypass every version counter: through ``.data`` and numpy, on an
+    original parameter (FSDP's view into the flat parameter saved) and on an optimizer slot."""
+    p = next(q for q in model.parameters() if q.numel() > 0)
+    slot = optimizer.state[p]["exp_avg"]
+    return {"param.data.clamp_": lambda: p.data.clamp_(-1e-4, 1e-4),
+            "param numpy view": lambda: p.detach().numpy().__imul__(3.0),
+            "exp_avg.data.zero_": lambda: slot.data.zero_()}
+
+
+def edits_bypassing_version_counters(root: str, early: bool) -> dict:
+    """Each edit made right after ``async_save`` returned, staging held: the save fails on every
+    rank. ``early``: the CRC32s read by threads while the call plans (``Early``, used where a
+    rank has a core to spare, forced here), else by the call as it stages."""
+    tsm.init({"tensor_parallel_degree": 1})
+    model, optimizer = build()
+    train_step(model, optimizer, 0)
+    queue, out, taken = AsyncCallsQueue(), {}, []
+    pays, take = Early.pays, Early.take
+    Early.pays = classmethod(lambda cls: early)
+    Early.take = lambda self, t: taken.append(1) or take(self, t)
+    try:
+        for what, edit in _edits(model, optimizer).items():
+            release = threading.Event()
+            queue.saver.stager.before_copy = release.wait
+            save("local", model, optimizer, root, queue)
+            edit()
+            release.set()
+            with pytest.raises(CheckpointSaveError) as error:
+                queue.maybe_finalize_async_calls(blocking=True)
+            out[what] = str(error.value)
+    finally:
+        Early.pays, Early.take = pays, take
+    dist.barrier()
+    return {**out, "taken": len(taken), "left": sorted(os.listdir(root))}
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_changes_through_data_and_numpy_fail_the_save(tmp_path, early):
+    for r in harness.run(2, edits_bypassing_version_counters, str(tmp_path), early):
+        for what in ("param.data.clamp_", "param numpy view", "exp_avg.data.zero_"):
+            assert "changed in place after async_save returned" in r[what], (what, r[what])
+        assert (r["taken"] > 0) == early, r["taken"]
         assert r["left"] == [], f"a failed save left {r['left']}"
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .data import ByteTokenizer
+from .corpus import ByteTokenizer
 
 PRESETS: dict[str, dict] = {
     "gpt2-micro": dict(n_embd=64, n_layer=2, n_head=4),     # tests: seconds per run

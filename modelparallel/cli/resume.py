@@ -45,10 +45,10 @@ def tag_step(tag: str) -> int | None:
 
 def saved_tags(ckpt_dir: Path) -> list[str]:
     """Tags of the complete partial checkpoints in ``ckpt_dir``, newest first."""
+    if not ckpt_dir.is_dir():  # first: reading checkpoints imports the checkpoint package (torch)
+        return []
     from ..checkpoint.safety import commit
 
-    if not ckpt_dir.is_dir():
-        return []
     return [name[:-len(PARTIAL)] for _, name in reversed(commit.saved_checkpoints(ckpt_dir))]
 
 

@@ -1,0 +1,79 @@
+"""What starting the ``modelparallel`` command costs: its launcher imports none of the engine.
+
+Every ``modelparallel train`` / ``run`` is a launcher process that parses arguments, checks them
+and starts the ranks; importing transformers and the engine there (seconds) delays every launch.
+A failure in the first test names what got imported: a module-level ``import torch`` (or of an
+engine module) crept into ``modelparallel/cli/`` or ``sagemaker/launch.py``, or
+``modelparallel/__init__.py`` imports a name eagerly again. A failure in the second means
+``import modelparallel as smp`` lost a public name (``EXPORTS`` in ``modelparallel/__init__.py``
+names a module or attribute that is not there), or a submodule's import replaced the function of
+the same name (``smp.step``, ``smp.transform``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import pkgutil
+import subprocess
+import sys
+import types
+
+import modelparallel
+
+PARSING = """
+import json, sys
+import modelparallel.cli
+found = {"import": sorted(m for m in ("torch", "transformers") if m in sys.modules)}
+for argv in (["--help"], ["train", "--help"]):
+    try:
+        modelparallel.cli.build_parser().parse_args(argv)
+    except SystemExit:
+        pass
+    found[" ".join(argv)] = sorted(m for m in ("torch", "transformers") if m in sys.modules)
+found["engine"] = sorted(m for m in sys.modules if m.startswith("modelparallel.") and not m.startswith(
+    ("modelparallel.cli", "modelparallel.sagemaker.launch", "modelparallel.sagemaker.env",
+     "modelparallel.sagemaker.hook", "modelparallel.sagemaker.torch_calls")))
+print(json.dumps(found))
+"""
+
+
+def _run(code: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_parsing_imports_neither_torch_nor_transformers():
+    found = _run(PARSING)
+    assert found == {"import": [], "--help": [], "train --help": [],
+                     "engine": ["modelparallel.config", "modelparallel.config_keys", "modelparallel.sagemaker",
+                                "modelparallel.sagemaker.paths"]}, found
+
+
+def test_every_public_name_resolves_to_its_object():
+    """Every name of the table is the object its module holds, in ``dir(smp)``; the names that
+    are also submodules stay the API's functions once those submodules are imported."""
+    import modelparallel.step
+    import modelparallel.transform  # noqa: F401 - imported for what it does to the package
+
+    wrong = {}
+    for name, (module, attr) in modelparallel.EXPORTS.items():
+        real = importlib.import_module(module, "modelparallel")
+        if getattr(modelparallel, name) is not (real if attr is None else getattr(real, attr)):
+            wrong[name] = repr(getattr(modelparallel, name))
+    assert wrong == {}
+    assert not isinstance(modelparallel.step, types.ModuleType) and not isinstance(modelparallel.transform,
+                                                                                  types.ModuleType)
+    assert set(modelparallel.EXPORTS) <= set(dir(modelparallel))
+    assert set(modelparallel.__all__) <= set(modelparallel.EXPORTS)
+    submodules = {m.name for m in pkgutil.iter_modules(modelparallel.__path__)}
+    assert modelparallel._SHADOWED == set(modelparallel.EXPORTS) & submodules - set(modelparallel._MODULES)
+
+
+def test_device_variable_named_alike():
+    """The help text names the device variable without importing ``devices`` (torch)."""
+    from modelparallel import devices
+    from modelparallel.cli import train
+
+    assert train.DEVICE_ENV == devices.DEVICE_ENV

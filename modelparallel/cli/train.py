@@ -22,7 +22,8 @@ from pathlib import Path
 from ..config import Config, unbuilt_combinations
 from . import checks, launch, outcome, resume
 from .corpus import default_data_path, find_text_files, select_files
-from .presets import DEFAULT_PRESET, PRESETS, causal_lm_problems, load_config, load_tokenizer, size_problems
+from .presets import (DEFAULT_PRESET, PRESETS, causal_lm_problems, load_config, load_tokenizer, preset_shape,
+                      size_problems)
 
 HELP = ("train / fine-tune a causal LM with tensor and pipeline parallelism (default: tiny GPT-2 on the stdlib, "
         "TP=2 on CPU, one rank per GPU up to TP=2 on a GPU machine)")
@@ -218,9 +219,10 @@ def _device_problems(args: argparse.Namespace) -> list[str]:
 
 
 def _model_problems(args: argparse.Namespace) -> list[str]:
-    """The model must be a causal LM that the run's shape fits, with a tokenizer."""
+    """The model must be a causal LM that the run's shape fits, with a tokenizer (a preset's
+    shape is read without transformers: ``preset_shape``)."""
     try:
-        config = load_config(args.model, args.seq_len)
+        config = (preset_shape if args.model in PRESETS else load_config)(args.model, args.seq_len)
         problems = causal_lm_problems(args.model, config)
         if problems:
             return problems

@@ -13,6 +13,7 @@ the same name (``smp.step``, ``smp.transform``).
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import pkgutil
 import subprocess
@@ -51,6 +52,27 @@ def test_parsing_imports_neither_torch_nor_transformers():
                                 "modelparallel.sagemaker.paths"]}, found
 
 
+CHECKING = """
+import json, sys
+from modelparallel.cli import build_parser, train
+args = build_parser().parse_args(["train", "--model", "gpt2-micro", "--tp", "2", "--pp", "2", "--data", sys.argv[1],
+                                  "--seq-len", "16", "--out", sys.argv[2], "--save-every", "2", "--resume", "auto"])
+print(json.dumps({"problems": train.check_args(args), "transformers": "transformers" in sys.modules,
+                  "engine": sorted(m for m in sys.modules if m.startswith(("modelparallel.runtime",
+                                                                           "modelparallel.checkpoint")))}))
+"""
+
+
+def test_launcher_checks_a_preset_run_without_transformers(tmp_path):
+    """Every check before launch of a preset run (sizes, corpus, devices, resume lookup) needs
+    torch at most (to count GPUs), not transformers or the engine."""
+    (tmp_path / "a.py").write_text("x = 1\n" * 100)
+    done = subprocess.run([sys.executable, "-c", CHECKING, str(tmp_path / "a.py"), str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"problems": [], "transformers": False, "engine": []}
+
+
 def test_every_public_name_resolves_to_its_object():
     """Every name of the table is the object its module holds, in ``dir(smp)``; the names that
     are also submodules stay the API's functions once those submodules are imported."""
@@ -77,3 +99,14 @@ def test_device_variable_named_alike():
     from modelparallel.cli import train
 
     assert train.DEVICE_ENV == devices.DEVICE_ENV
+
+
+def test_preset_shape_checks_as_the_preset_config():
+    """The launcher checks a preset through ``preset_shape`` (no transformers): every size check
+    answers as it does for the preset's real config."""
+    from modelparallel.cli.presets import PRESETS, preset_config, preset_shape, size_problems
+
+    for name in PRESETS:
+        for seq_len, tp, pp, ep in itertools.product((16, 4096), (1, 2, 3, 8), (1, 3, 9), (1, 2, 3)):
+            real = size_problems(preset_config(name, seq_len), seq_len, tp, pp, ep)
+            assert size_problems(preset_shape(name, seq_len), seq_len, tp, pp, ep) == real, (name, seq_len, tp, pp, ep)

@@ -52,7 +52,8 @@ def preset_shape(name: str, seq_len: int) -> SimpleNamespace:
     sizes = PRESETS[name]
     if name in MOE_PRESETS:
         return SimpleNamespace(model_type="mixtral", num_attention_heads=sizes["num_attention_heads"],
-                               num_hidden_layers=sizes["num_hidden_layers"], num_local_experts=sizes["num_local_experts"],
+                               num_hidden_layers=sizes["num_hidden_layers"],
+                               num_local_experts=sizes["num_local_experts"],
                                max_position_embeddings=max(_DEFAULT_POSITIONS, seq_len))
     return SimpleNamespace(model_type="gpt2", num_attention_heads=sizes["n_head"], num_hidden_layers=sizes["n_layer"],
                            max_position_embeddings=max(_DEFAULT_POSITIONS, seq_len))

@@ -3,7 +3,9 @@
 A subcommand module provides ``HELP`` (one line), ``add_arguments(parser)`` and
 ``run(args, parser) -> exit code``; adding one (e.g. ``convert``) is one line in ``COMMANDS``.
 Modules are imported only to build the parser and keep torch/transformers imports inside
-``run``, so ``modelparallel --help`` stays quick.
+``run``, so ``modelparallel --help`` stays quick; the launcher of a preset run imports torch only
+(to count GPUs and run torchrun's agent), never transformers or the engine: it pays that before
+every launch, and the ranks pay it again (tests/cli/test_cli_imports.py holds both).
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ larger than the number of tokens seen do not overfit, and dropout only slows the
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
-from .data import ByteTokenizer
+from .corpus import ByteTokenizer
 
 PRESETS: dict[str, dict] = {
     "gpt2-micro": dict(n_embd=64, n_layer=2, n_head=4),     # tests: seconds per run
@@ -41,6 +42,21 @@ def preset_config(name: str, seq_len: int):
         return MixtralConfig(max_position_embeddings=max(_DEFAULT_POSITIONS, seq_len), **ids, **MOE_PRESETS[name])
     return GPT2Config(n_positions=max(_DEFAULT_POSITIONS, seq_len), resid_pdrop=0.0, embd_pdrop=0.0,
                       attn_pdrop=0.0, **ids, **PRESETS[name])
+
+
+def preset_shape(name: str, seq_len: int) -> SimpleNamespace:
+    """What ``size_problems`` reads of a preset's config (its type, heads, layers, positions and
+    experts), from ``PRESETS`` alone: the launcher checks a preset run without importing
+    transformers, which costs seconds in every launch. Its answers are ``preset_config``'s
+    (tests/cli/test_cli_imports.py compares them)."""
+    sizes = PRESETS[name]
+    if name in MOE_PRESETS:
+        return SimpleNamespace(model_type="mixtral", num_attention_heads=sizes["num_attention_heads"],
+                               num_hidden_layers=sizes["num_hidden_layers"],
+                               num_local_experts=sizes["num_local_experts"],
+                               max_position_embeddings=max(_DEFAULT_POSITIONS, seq_len))
+    return SimpleNamespace(model_type="gpt2", num_attention_heads=sizes["n_head"], num_hidden_layers=sizes["n_layer"],
+                           max_position_embeddings=max(_DEFAULT_POSITIONS, seq_len))
 
 
 def is_model_dir(model: str) -> bool:

@@ -45,10 +45,10 @@ def tag_step(tag: str) -> int | None:
 
 def saved_tags(ckpt_dir: Path) -> list[str]:
     """Tags of the complete partial checkpoints in ``ckpt_dir``, newest first."""
+    if not ckpt_dir.is_dir():  # first: reading checkpoints imports the checkpoint package (torch)
+        return []
     from ..checkpoint.safety import commit
 
-    if not ckpt_dir.is_dir():
-        return []
     return [name[:-len(PARTIAL)] for _, name in reversed(commit.saved_checkpoints(ckpt_dir))]
 
 
@@ -82,9 +82,11 @@ def _nothing_there(ckpt_dir: Path, how: str) -> str:
 def _newest(ckpt_dir: Path, verify: bool) -> tuple[str | None, str, list[str]]:
     """(tag, note, problems) of ``--resume``: the checkpoint ``newest`` names; without that file,
     the intact ``train`` checkpoint committed last, with a note saying so."""
+    if not ckpt_dir.is_dir():
+        return None, "", []
     from ..checkpoint.safety import commit
 
-    newest = commit.read_newest(ckpt_dir) if ckpt_dir.is_dir() else None
+    newest = commit.read_newest(ckpt_dir)
     tags = saved_tags(ckpt_dir)
     if newest is not None:
         if not newest.endswith(PARTIAL):

@@ -19,16 +19,19 @@ import os
 import sys
 from pathlib import Path
 
-from .. import devices
 from ..config import Config, unbuilt_combinations
 from . import checks, launch, outcome, resume
-from .data import default_data_path, find_text_files, select_files
-from .presets import DEFAULT_PRESET, PRESETS, causal_lm_problems, load_config, load_tokenizer, size_problems
+from .corpus import default_data_path, find_text_files, select_files
+from .presets import (DEFAULT_PRESET, PRESETS, causal_lm_problems, load_config, load_tokenizer, preset_shape,
+                      size_problems)
 
 HELP = ("train / fine-tune a causal LM with tensor and pipeline parallelism (default: tiny GPT-2 on the stdlib, "
         "TP=2 on CPU, one rank per GPU up to TP=2 on a GPU machine)")
 
 DEFAULT_TP = 2
+DEVICE_ENV = "MODELPARALLEL_DEVICE"
+"""``devices.DEVICE_ENV``, named here for the help text: ``devices`` imports torch, and parsing the
+arguments (``--help``) needs none of it."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp", type=int, default=None,
                    help=f"tensor-parallel degree (default: {DEFAULT_TP}, or the number of GPUs PyTorch sees when "
                         f"that is fewer: 1 on a one-GPU machine). Each rank takes one GPU (cuda:LOCAL_RANK) when "
-                        f"PyTorch sees any, else runs on CPU with gloo; {devices.DEVICE_ENV}=cpu keeps a run on CPU")
+                        f"PyTorch sees any, else runs on CPU with gloo; {DEVICE_ENV}=cpu keeps a run on CPU")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages: each holds a contiguous range of layers "
                    "(default: %(default)s)")
     g.add_argument("--microbatches", type=int, default=None,
@@ -195,6 +198,8 @@ def default_tp() -> int:
     """``DEFAULT_TP``, or the GPUs this machine shows when fewer (one rank per GPU): the default
     command runs as it is on a one-GPU machine (a bad ``MODELPARALLEL_DEVICE`` is reported by
     ``_device_problems``)."""
+    from .. import devices
+
     try:
         gpus = devices.gpu_count()
     except ValueError:
@@ -204,6 +209,8 @@ def default_tp() -> int:
 
 def _device_problems(args: argparse.Namespace) -> list[str]:
     """More ranks on this machine than GPUs, when it has GPUs: each rank takes ``cuda:LOCAL_RANK``."""
+    from .. import devices
+
     if launch.under_launcher():
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         return devices.launch_problems(local, "start fewer ranks per machine (torchrun --nproc-per-node)")
@@ -212,9 +219,10 @@ def _device_problems(args: argparse.Namespace) -> list[str]:
 
 
 def _model_problems(args: argparse.Namespace) -> list[str]:
-    """The model must be a causal LM that the run's shape fits, with a tokenizer."""
+    """The model must be a causal LM that the run's shape fits, with a tokenizer (a preset's
+    shape is read without transformers: ``preset_shape``)."""
     try:
-        config = load_config(args.model, args.seq_len)
+        config = (preset_shape if args.model in PRESETS else load_config)(args.model, args.seq_len)
         problems = causal_lm_problems(args.model, config)
         if problems:
             return problems

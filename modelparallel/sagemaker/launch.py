@@ -26,7 +26,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .. import devices
 from ..cli import launch, outcome
 from . import env, hook, torch_calls
 
@@ -112,6 +111,8 @@ def run_script(args: argparse.Namespace) -> int:
 def launch_ranks(args: argparse.Namespace) -> int:
     """The launcher part: torchrun's agent over ``modelparallel.run`` on every rank."""
     from torch.distributed.run import determine_local_world_size
+
+    from .. import devices
 
     if args.no_python:
         raise SystemExit("modelparallel run: --no-python cannot be used: the ranks run Python (the script)")

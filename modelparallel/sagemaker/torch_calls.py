@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 
-from .v2.wrapping import wrap_once
+from .wrapping import wrap_once
 
 SMDDP = "smddp"
 _MARK = "_mp_sagemaker_form"

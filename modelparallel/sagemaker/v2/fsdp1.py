@@ -44,7 +44,7 @@ from ...compat import FlatParamHandle, fsdp_init_utils, mesh_group_config, unfla
 from ...expert import fsdp1 as expert_fsdp1
 from ...meshes import kept
 from . import fsdp1_dtensor_views
-from .wrapping import wrap_once
+from ..wrapping import wrap_once
 
 _MARK = "_mp_v2_layout"
 _inside = contextvars.ContextVar("modelparallel_fsdp1_inside", default=False)

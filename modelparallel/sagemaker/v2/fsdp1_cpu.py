@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 
 from ...compat import FlatParamHandle
-from .wrapping import wrap_once
+from ..wrapping import wrap_once
 
 _MARK = "_mp_cpu_offload"
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 from torch.distributed.tensor import DTensor
 
 from ...compat import FlatParamHandle, SharedParamInfo, set_fsdp_flattened
-from .wrapping import wrap_once
+from ..wrapping import wrap_once
 
 _MARK = "_mp_stable_dtensor_params"
 

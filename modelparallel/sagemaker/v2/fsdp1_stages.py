@@ -16,7 +16,7 @@ import inspect
 
 from torch.distributed.fsdp import FullyShardedDataParallel
 
-from .wrapping import wrap_static_once
+from ..wrapping import wrap_static_once
 
 _MARK = "_mp_v2_stage_group"
 _CALLS = ("optim_state_dict", "optim_state_dict_to_load")

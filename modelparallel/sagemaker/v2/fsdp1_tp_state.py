@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from ...compat import StridedShard, tp_fsdp_extension
 from ...compat import fsdp_optim_utils as _optim_utils
 from ...compat import fsdp_state_dict_utils as _state_dict_utils
-from .wrapping import wrap_once
+from ..wrapping import wrap_once
 
 _MARK = "_mp_tp_local"
 

@@ -1,4 +1,5 @@
-"""One way to wrap a PyTorch function in place for v2 scripts: at most once per wrapper kind.
+"""One way to wrap a PyTorch function in place for SageMaker's call forms and v2's patches: at
+most once per wrapper kind (a module of its own, so the launcher's call forms import no engine).
 
 Every v2 patch replaces a PyTorch attribute (a method of FSDP1's handle, a hook of its state dict
 code) with a wrapper around it; ``init`` and ``transform`` install the patches each time they run,

@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from . import runtime
+from .pipeline.split import stage_within
 from .pipeline.ties import norm_holders
 from .training.flat_grads import flattened_by_fsdp1, fsdp1_units, unit_pieces
 from .training.grad_clip import clip_by_global_norm, clip_pieces, grad_pieces, norm_of_pieces
@@ -49,7 +50,7 @@ def _clip_module(model: nn.Module, max_norm: float, norm_type: float) -> torch.T
     holders = _stage_holders(list(model.modules()))
     norm = None
     if holders is not None:  # an FSDP1 unit lives on one stage: its blocks are on world / stages ranks
-        stages = next(m._mp_stage.count for m in model.modules() if getattr(m, "_mp_stage", None) is not None)
+        stages = stage_within(model).count
         norm = norm_of_pieces([(block, n * stages) for block, n in pieces] + grad_pieces(unmanaged, holders),
                               norm_type)
     return clip_pieces(pieces + grad_pieces(unmanaged), max_norm, norm_type, norm=norm)

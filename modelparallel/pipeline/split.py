@@ -252,6 +252,11 @@ def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent), name, new)
 
 
+def stage_within(module: nn.Module) -> Stage | None:
+    """The stage of the split model ``module`` is or wraps (an FSDP unit around it), or None."""
+    return next((m._mp_stage for m in module.modules() if getattr(m, "_mp_stage", None) is not None), None)
+
+
 def saved_names(module: nn.Module) -> dict[str, str]:
     """This rank's keys that a checkpoint stores under another key: a weight tied across ranks
     is stored once, under its first rank's key (GPT-2's ``lm_head.weight`` on the last stage

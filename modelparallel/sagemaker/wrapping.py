@@ -15,20 +15,12 @@ from typing import Any, Callable
 
 def wrap_once(owner: Any, name: str, wrap: Callable[[Callable], Callable], mark: str) -> None:
     """Set ``owner.name`` to ``wrap(original)`` (given the original's name and docstring), unless
-    the current one is already a wrapper marked ``mark``."""
-    original = getattr(owner, name)
+    the current one is already a wrapper marked ``mark``; a static method of a class stays one."""
+    raw = vars(owner).get(name) if isinstance(owner, type) else None
+    static = isinstance(raw, staticmethod)
+    original = raw.__func__ if static else getattr(owner, name)
     if getattr(original, mark, False):
         return
     wrapped = functools.wraps(original)(wrap(original))
     setattr(wrapped, mark, True)
-    setattr(owner, name, wrapped)
-
-
-def wrap_static_once(cls: type, name: str, wrap: Callable[[Callable], Callable], mark: str) -> None:
-    """``wrap_once`` for a static method of ``cls`` (it stays a static method)."""
-    original = cls.__dict__[name].__func__
-    if getattr(original, mark, False):
-        return
-    wrapped = functools.wraps(original)(wrap(original))
-    setattr(wrapped, mark, True)
-    setattr(cls, name, staticmethod(wrapped))
+    setattr(owner, name, staticmethod(wrapped) if static else wrapped)

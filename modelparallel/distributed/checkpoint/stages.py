@@ -24,14 +24,18 @@ import torch
 import torch.distributed as dist
 
 from ... import runtime
+from ...tp.layout import rank_coordinate
 
 
-def _stage_of() -> dict[int, int] | None:
-    """Global rank -> pipeline stage, or None without pipeline parallelism."""
+def _world_mesh():
+    """The job's ``[pp, dp, cp, tp]`` mesh under pipeline parallelism, else None."""
     if not runtime.is_initialized() or runtime.current().config.pipeline_parallel_degree == 1:
         return None
-    grid = runtime.current().world_mesh.mesh  # [pp, dp, cp, tp]
-    return {int(r): s for s in range(grid.shape[0]) for r in grid[s].flatten().tolist()}
+    return runtime.current().world_mesh
+
+
+def _stage(mesh, rank: int) -> int:
+    return rank_coordinate(mesh, rank)[0]  # "pp" is the mesh's first dimension
 
 
 def check_group(members: list[int]) -> None:
@@ -40,10 +44,10 @@ def check_group(members: list[int]) -> None:
     Raises:
         ValueError: naming the stages the group holds and the call that works.
     """
-    stage_of = _stage_of()
-    if stage_of is None:
+    mesh = _world_mesh()
+    if mesh is None:
         return
-    held, stages = sorted({stage_of[r] for r in members}), len(set(stage_of.values()))
+    held, stages = sorted({_stage(mesh, r) for r in members}), mesh.size(0)
     if len(held) < stages:
         raise ValueError(f"at pipeline_parallel_degree {stages} a checkpoint is saved and loaded by every pipeline "
                          f"stage together; this process group holds stage(s) {held} only (each stage holds other "
@@ -82,9 +86,9 @@ def qualified(state_dict: dict) -> tuple[dict, Callable[[], None]]:
     """``state_dict`` as this stage saves and loads it (new dicts, the same values; non-tensor
     entries under ``key@pp<stage>``), and a function that copies what a load put into it back
     into ``state_dict``. Without pipeline parallelism: ``state_dict`` itself and a no-op."""
-    stage_of = _stage_of()
-    if stage_of is None or not isinstance(state_dict, dict):
+    mesh = _world_mesh()
+    if mesh is None or not isinstance(state_dict, dict):
         return state_dict, lambda: None
-    suffix = f"@pp{stage_of[dist.get_rank()]}"
+    suffix = f"@pp{_stage(mesh, dist.get_rank())}"
     mine = _qualify(state_dict, suffix)
     return mine, lambda: _restore(state_dict, mine, suffix)

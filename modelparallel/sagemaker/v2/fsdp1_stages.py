@@ -16,14 +16,11 @@ import inspect
 
 from torch.distributed.fsdp import FullyShardedDataParallel
 
-from ..wrapping import wrap_static_once
+from ...pipeline.split import stage_within
+from ..wrapping import wrap_once
 
 _MARK = "_mp_v2_stage_group"
 _CALLS = ("optim_state_dict", "optim_state_dict_to_load")
-
-
-def _pipelined(model) -> bool:
-    return any(getattr(m, "_mp_stage", None) is not None for m in model.modules())
 
 
 def install() -> None:
@@ -35,11 +32,11 @@ def install() -> None:
         def call(*args, **kwargs):
             bound = signature.bind(*args, **kwargs)
             model = bound.arguments["model"]
-            if bound.arguments.get("group") is None and _pipelined(model):
+            if bound.arguments.get("group") is None and stage_within(model) is not None:
                 bound.arguments["group"] = model.process_group
             return original(*bound.args, **bound.kwargs)
 
         return call
 
     for name in _CALLS:
-        wrap_static_once(FullyShardedDataParallel, name, wrap, _MARK)
+        wrap_once(FullyShardedDataParallel, name, wrap, _MARK)

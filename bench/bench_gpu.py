@@ -149,6 +149,8 @@ def table(records: list[dict]) -> str:
         ck = r.get("checkpoint")
         ckpt = (f"sync {ck['sync_save_s']:.2f} s, async blocked {ck['async_blocked_s'][0]:.2f} s first / "
                 f"{statistics.median(ck['async_blocked_s'][1:] or [float('nan')]):.2f} s later, "
+                + (f"next step {max(ck['step_after_async_save_s']):.2f} s at most (alone {ck['step_s']:.2f} s), "
+                   if "step_s" in ck else "") +
                 f"resume {ck['resume_s']:.2f} s cached / {ck.get('resume_cold_s', float('nan')):.2f} s from disk, "
                 f"{ck['bytes'] / 2**30:.2f} GiB") if ck else ""
         lines.append(f"| {r['variant']} | {speed} | {mfu} | {r.get('peak_memory_gib', 0):.2f} | {ckpt} |")

@@ -203,18 +203,30 @@ def checkpoint_ours(args, device, step) -> dict:
     start = time.perf_counter()
     smp.save_checkpoint(root, "sync", async_save=False)
     sync_s = time.perf_counter() - start
-    blocked, written = [], []
+    blocked, written, after = [], [], []
+    alone = _step_s(step, device)
     for i in range(args.saves):
         step()
         sync(device)
         start = time.perf_counter()
         smp.save_checkpoint(root, f"async{i}", async_save=True, num_kept_partial_checkpoints=1)
         blocked.append(time.perf_counter() - start)
+        after.append(_step_s(step, device))  # its optimizer step waits for a live background copy
         smp.wait_for_checkpoints()  # the next save's blocked time is its own staging, not this write
         written.append(time.perf_counter() - start)
     resume = _resumes(root, device, lambda: smp.resume_from_checkpoint(root))  # the newest: the last async save
     return {"sync_save_s": sync_s, "async_blocked_s": blocked, "async_until_committed_s": written,
+            "step_s": alone, "step_after_async_save_s": after,
             **resume, "bytes": _dir_bytes(root / f"async{args.saves - 1}_partial")}
+
+
+def _step_s(step, device) -> float:
+    """Seconds of one training step (the device synchronized before and after)."""
+    sync(device)
+    start = time.perf_counter()
+    step()
+    sync(device)
+    return time.perf_counter() - start
 
 
 def _resumes(root: Path, device, load) -> dict:

@@ -223,7 +223,7 @@ def test_changes_through_data_and_numpy_fail_the_save(tmp_path, early):
 def test_the_stager_compares_bytes_for_every_dtype_and_copies_views_at_once():
     """One process: a bf16 tensor changed through ``.data`` after ``defer`` is named; a
     non-contiguous view is copied in the call (its later change does not reach the buffer)."""
-    from modelparallel.checkpoint.background.async_save import Stager, StagedTensorChanged
+    from modelparallel.checkpoint.background.stager import Stager, StagedTensorChanged
 
     stager = Stager()
     half = torch.arange(64, dtype=torch.bfloat16)

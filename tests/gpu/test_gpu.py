@@ -293,6 +293,65 @@ def test_checkpoint_from_device_memory_resumes_exactly(device, tmp_path, async_s
         on(device, [(f"optimizer state {name}.{k}", v) for k, v in state.items() if torch.is_tensor(v) and v.dim()])
 
 
+@pytest.mark.parametrize("way", ["snapshot", "live"])
+def test_async_saves_stage_device_tensors_without_pinning_in_the_call(device, tmp_path, way):
+    """The first asynchronous save stages device tensors by a snapshot on the device (room) or a
+    live copy in the background (no room; an edit through ``.data`` before it fails the save);
+    its buffers are pinned afterwards, so on a GPU the next save copies on the stream. Each
+    committed save resumes to the values of its call (host tensors take the same ways here)."""
+    import threading
+    from modelparallel.checkpoint.api import _saver
+    from modelparallel.checkpoint.background.deferred import LIVE, SNAPSHOT, STREAM
+
+    smp.init({"tensor_parallel_degree": 1, "random_seed": 0})
+    model = smp.DistributedModel(build())
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False))
+    train_step(model, ids_on(device))
+    opt.step()
+    stager, kinds = _saver().stager, []
+    stager.on_device = lambda t: True  # what a GPU tensor takes (host tensors too, here)
+    if way == "live":
+        stager.spare = lambda dev: 0
+    elif device.type == "cpu":
+        stager.spare = lambda dev: 1 << 40  # a GPU asks the device for its room
+    way_of = stager._on_device
+    stager._on_device = lambda *args: _kept(way_of(*args), kinds)
+    smp.save_checkpoint(tmp_path, "a", async_save=True)
+    want = _snapshot(model, opt)
+    train_step(model, ids_on(device))
+    opt.step()  # waits for a live copy; a snapshot is the call's already
+    smp.wait_for_checkpoints()
+    assert set(kinds) == {SNAPSHOT if way == "snapshot" else LIVE}, kinds
+    if stager.pinner._thread is not None:
+        stager.pinner._thread.join()  # the first save's buffers pinned in the background
+    assert not stager.pageable, "a device tensor's buffer was left unpinned"
+    kinds.clear()
+    release = threading.Event()
+    stager.before_copy = release.wait
+    smp.save_checkpoint(tmp_path, "b", async_save=True)
+    model.module.lm_head.weight.data.mul_(2)  # bypasses the version counter
+    release.set()
+    stager.before_copy = None
+    expected = {STREAM} if device.type == "cuda" else {SNAPSHOT if way == "snapshot" else LIVE}
+    assert set(kinds) == expected, kinds
+    if expected == {LIVE}:
+        with pytest.raises(Exception, match="lm_head.weight"):
+            smp.wait_for_checkpoints()
+    else:
+        smp.wait_for_checkpoints()  # a stream copy or a snapshot came before the edit
+    fresh = smp.DistributedModel(build(seed=5))
+    fresh_opt = smp.DistributedOptimizer(torch.optim.AdamW(fresh.parameters(), lr=1e-3, foreach=False))
+    smp.resume_from_checkpoint(tmp_path, "a")
+    got = _snapshot(fresh, fresh_opt)
+    for key, value in want.items():
+        assert torch.equal(got[key], value), f"{key}: the resumed value differs from the call's"
+
+
+def _kept(deferred, kinds: list):
+    kinds.append(deferred.kind)
+    return deferred
+
+
 # ---- the command line's own job -------------------------------------------------------------------
 
 def test_cli_default_train_runs_on_the_device(device, tmp_path):

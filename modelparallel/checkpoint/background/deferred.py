@@ -12,26 +12,39 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..safety.files import crc32
+from .device import word_sum
+
+
+HOST, STREAM, SNAPSHOT, LIVE = "host", "stream", "snapshot", "live"
+"""How a deferred tensor is staged: a host tensor copied by the background thread and checked by
+CRC32 (``HOST``); a GPU tensor copied by the call on its stream into a pinned buffer (``STREAM``),
+copied on the device by the call and moved to the host in the background (``SNAPSHOT``), or copied
+live by the background thread and checked by ``device.word_sum`` (``LIVE``; see ``device``)."""
 
 
 @dataclass
 class Deferred:
-    """A copy left to the background: the live tensor (a DTensor's local shard in ``local``),
-    its staging buffer, the CRC32 of its bytes at the call (``None``: already copied by the call
-    on a GPU stream, ``event`` marks the copy's end), and the version counters of the tensors
-    ``watched`` (itself and aliases such as FSDP's original parameters over a flat one) at the
-    call: a cheap second check, for a change through an alias whose memory is not the saved one."""
+    """A copy left to the background: the tensor to copy (the live local shard, or a snapshot of
+    it), its staging buffer, the fingerprint of its bytes at the call (``crc``: a CRC32 for
+    ``HOST``, a device ``word_sum`` for ``LIVE``), the event after the call's work on its GPU
+    stream, and the version counters of the tensors ``watched`` (itself and aliases such as
+    FSDP's original parameters over a flat one) at the call: a cheap second check, for a change
+    through an alias whose memory is not the saved one. Only ``HOST`` and ``LIVE`` copies read
+    live memory (``reads_live``): the optimizer's step waits for those alone."""
 
     name: str
     buffer: torch.Tensor
-    local: torch.Tensor
-    crc: int | None
+    local: torch.Tensor | None
+    kind: str = HOST
+    crc: Any = None
     event: Any = None
     watched: tuple = ()
     versions: tuple = ()
@@ -39,15 +52,41 @@ class Deferred:
     def __post_init__(self):
         self.versions = tuple(t._version for t in self.watched)
 
-    def copy(self) -> bool:
+    @property
+    def reads_live(self) -> bool:
+        return self.kind in (HOST, LIVE)
+
+    def copy(self, streams: Any = None) -> bool:
         """Fill the buffer; True if it now holds the bytes of the call and no watched tensor
-        was changed in place."""
-        if self.crc is None:
+        was changed in place. A GPU copy made here runs on ``streams``' side stream for the
+        device, after the call's work on the tensor's stream."""
+        if self.kind == STREAM:
             self.event.synchronize()
-        else:
+            return True
+        if self.kind == HOST:
             self.buffer.copy_(self.local.detach())
-        same = self.crc is None or fingerprint(self.buffer) == self.crc
+            same = fingerprint(self.buffer) == self.crc
+        else:
+            with after(self.event, self.local.device, streams):
+                self.buffer.copy_(self.local.detach())
+                want = int(self.crc.item()) if self.kind == LIVE else None
+            self.local = None  # a snapshot's device memory is freed now
+            same = want is None or int(word_sum(self.buffer).item()) == want
         return same and tuple(t._version for t in self.watched) == self.versions
+
+
+@contextmanager
+def after(event: Any, device: torch.device, streams: Any) -> Iterator[None]:
+    """Run the block on the device's side stream once ``event`` (the call's work) is done, and
+    wait for it; no event (a host tensor): run it as it is."""
+    if event is None:
+        yield
+        return
+    side = streams.of(device)
+    side.wait_event(event)
+    with torch.cuda.stream(side):
+        yield
+    side.synchronize()
 
 
 def fingerprint(t: torch.Tensor) -> int:

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner, SavePlanner
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.tensor import DTensor
 
-from ...checkpoint.background.async_save import Stager
+from ...checkpoint.background.stager import Stager
 from ...compat import ShardedTensor
 from .state_dict_utils import LocalStateDict
 
@@ -147,7 +147,7 @@ def stage(planner: SavePlanner, plan, stager: Stager | None, deferred_keys: dict
     staged, deferred_keys = {}, deferred_keys or {}
     serialized = stager.serialized if stager is not None and _own_serialization(planner) else None
     if stager is not None:
-        stager.copied_bytes = stager.deferred_bytes = 0
+        stager.begin()
     for item in plan.items:
         if item.type == WriteItemType.BYTE_IO:
             staged[item.index] = _object_bytes(planner, item, serialized)

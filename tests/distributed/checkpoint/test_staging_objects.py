@@ -17,7 +17,7 @@ import torch
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from modelparallel.checkpoint.background.async_save import Stager
+from modelparallel.checkpoint.background.stager import Stager
 from modelparallel.distributed.checkpoint.staging import plain_form, stage
 
 

@@ -238,7 +238,7 @@ def test_a_load_right_after_an_async_save_waits_for_its_copy(tmp_path):
 
 def sync_save_copies_nothing(root: str) -> int:
     """``save`` writes from the tensors themselves: no staging buffer is made."""
-    from modelparallel.checkpoint.background.async_save import Stager
+    from modelparallel.checkpoint.background.stager import Stager
 
     tsm.init({"tensor_parallel_degree": 1})
     model, optimizer = build()

@@ -296,9 +296,10 @@ def test_checkpoint_from_device_memory_resumes_exactly(device, tmp_path, async_s
 @pytest.mark.parametrize("way", ["snapshot", "live"])
 def test_async_saves_stage_device_tensors_without_pinning_in_the_call(device, tmp_path, way):
     """The first asynchronous save stages device tensors by a snapshot on the device (room) or a
-    live copy in the background (no room; an edit through ``.data`` before it fails the save);
-    its buffers are pinned afterwards, so on a GPU the next save copies on the stream. Each
-    committed save resumes to the values of its call (host tensors take the same ways here)."""
+    live copy in the background (no room: an edit through ``.data`` before that copy fails the
+    save, a snapshot never sees it); the buffers are pinned afterwards, so on a GPU the next save
+    copies on a side stream that the step waits for. Each committed save resumes to the values
+    of its call, though training went on right after it (host tensors take the same ways here)."""
     import threading
     from modelparallel.checkpoint.api import _saver
     from modelparallel.checkpoint.background.deferred import LIVE, SNAPSHOT, STREAM
@@ -310,41 +311,45 @@ def test_async_saves_stage_device_tensors_without_pinning_in_the_call(device, tm
     opt.step()
     stager, kinds = _saver().stager, []
     stager.on_device = lambda t: True  # what a GPU tensor takes (host tensors too, here)
-    if way == "live":
-        stager.spare = lambda dev: 0
-    elif device.type == "cpu":
-        stager.spare = lambda dev: 1 << 40  # a GPU asks the device for its room
+    stager.spare = (lambda dev: 0) if way == "live" else stager.spare if device.type == "cuda" else (lambda dev: 1 << 40)
     way_of = stager._on_device
     stager._on_device = lambda *args: _kept(way_of(*args), kinds)
-    smp.save_checkpoint(tmp_path, "a", async_save=True)
-    want = _snapshot(model, opt)
-    train_step(model, ids_on(device))
-    opt.step()  # waits for a live copy; a snapshot is the call's already
-    smp.wait_for_checkpoints()
-    assert set(kinds) == {SNAPSHOT if way == "snapshot" else LIVE}, kinds
-    if stager.pinner._thread is not None:
-        stager.pinner._thread.join()  # the first save's buffers pinned in the background
-    assert not stager.pageable, "a device tensor's buffer was left unpinned"
-    kinds.clear()
+    first = {SNAPSHOT if way == "snapshot" else LIVE}
+
     release = threading.Event()
     stager.before_copy = release.wait
-    smp.save_checkpoint(tmp_path, "b", async_save=True)
+    smp.save_checkpoint(tmp_path, "edited", async_save=True)
     model.module.lm_head.weight.data.mul_(2)  # bypasses the version counter
     release.set()
     stager.before_copy = None
-    expected = {STREAM} if device.type == "cuda" else {SNAPSHOT if way == "snapshot" else LIVE}
-    assert set(kinds) == expected, kinds
-    if expected == {LIVE}:
+    if way == "live":
         with pytest.raises(Exception, match="lm_head.weight"):
             smp.wait_for_checkpoints()
     else:
-        smp.wait_for_checkpoints()  # a stream copy or a snapshot came before the edit
-    fresh = smp.DistributedModel(build(seed=5))
-    fresh_opt = smp.DistributedOptimizer(torch.optim.AdamW(fresh.parameters(), lr=1e-3, foreach=False))
-    smp.resume_from_checkpoint(tmp_path, "a")
-    got = _snapshot(fresh, fresh_opt)
-    for key, value in want.items():
-        assert torch.equal(got[key], value), f"{key}: the resumed value differs from the call's"
+        smp.wait_for_checkpoints()
+    assert set(kinds) == first, kinds
+
+    wanted = {}
+    for tag in ("a", "b"):
+        kinds.clear()
+        smp.save_checkpoint(tmp_path, tag, async_save=True, num_kept_partial_checkpoints=3)
+        wanted[tag] = _snapshot(model, opt)
+        train_step(model, ids_on(device))
+        opt.step()  # waits for a live copy on the host, for a stream copy on the device
+        opt.zero_grad()
+        smp.wait_for_checkpoints()
+        pinned = device.type == "cuda" and (tag == "b" or way == "snapshot")  # after a committed save
+        assert set(kinds) == ({STREAM} if pinned else first), (tag, kinds)
+        if stager.pinner._thread is not None:
+            stager.pinner._thread.join()  # the first save's buffers pinned in the background
+        assert not stager.pageable, "a device tensor's buffer was left unpinned"
+    for tag, want in wanted.items():
+        fresh = smp.DistributedModel(build(seed=5))
+        fresh_opt = smp.DistributedOptimizer(torch.optim.AdamW(fresh.parameters(), lr=1e-3, foreach=False))
+        smp.resume_from_checkpoint(tmp_path, tag)
+        got = _snapshot(fresh, fresh_opt)
+        for key, value in want.items():
+            assert torch.equal(got[key], value), f"{tag} {key}: the resumed value differs from the call's"
 
 
 def _kept(deferred, kinds: list):

@@ -33,6 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -54,9 +55,14 @@ class Job:
     result: Any = None
     held_s: float = 0.0
     """Seconds the steps held by this job waited for its staging (training time blocked)."""
+    events: list = field(default_factory=list)
+    """(device, event) after the call's side-stream copies: a step's stream waits for them."""
 
     def hold(self, *_) -> None:
-        """A step pre-hook: wait until staging is done."""
+        """A step pre-hook: wait until staging is done (side-stream copies: the current stream
+        waits for them on the device, the host goes on)."""
+        for device, event in self.events:
+            torch.cuda.current_stream(device).wait_event(event)
         if not self.staged.is_set():
             start = time.perf_counter()
             self.staged.wait()
@@ -118,7 +124,7 @@ class AsyncSaver:
         ``at_exit``: the interpreter's exit waits for it and logs its error."""
         if self.job is not None:
             self.job.join()
-        job = self.job = Job(tag)
+        job = self.job = Job(tag, events=self.stager.stream_events())
         job.hooks = [opt.register_step_pre_hook(job.hold) for opt in hold]
         if hold_every_optimizer:
             job.hooks.append(register_optimizer_step_pre_hook(job.hold))

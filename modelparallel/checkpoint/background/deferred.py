@@ -25,20 +25,22 @@ from .device import word_sum
 
 HOST, STREAM, SNAPSHOT, LIVE = "host", "stream", "snapshot", "live"
 """How a deferred tensor is staged: a host tensor copied by the background thread and checked by
-CRC32 (``HOST``); a GPU tensor copied by the call on its stream into a pinned buffer (``STREAM``),
-copied on the device by the call and moved to the host in the background (``SNAPSHOT``), or copied
-live by the background thread and checked by ``device.word_sum`` (``LIVE``; see ``device``)."""
+CRC32 (``HOST``); a GPU tensor copied into a pinned buffer on a side stream enqueued by the call
+(``STREAM``), copied on the device by the call and moved to the host in the background
+(``SNAPSHOT``), or copied live by the background thread (``LIVE``); ``STREAM`` and ``LIVE`` copies
+are checked by ``device.word_sum`` (see ``device``)."""
 
 
 @dataclass
 class Deferred:
     """A copy left to the background: the tensor to copy (the live local shard, or a snapshot of
     it), its staging buffer, the fingerprint of its bytes at the call (``crc``: a CRC32 for
-    ``HOST``, a device ``word_sum`` for ``LIVE``), the event after the call's work on its GPU
-    stream, and the version counters of the tensors ``watched`` (itself and aliases such as
+    ``HOST``, a device ``word_sum`` for ``STREAM`` and ``LIVE``), the event after the call's work
+    on its GPU stream (after the side stream's copy for ``STREAM``), and the version counters of the tensors ``watched`` (itself and aliases such as
     FSDP's original parameters over a flat one) at the call: a cheap second check, for a change
-    through an alias whose memory is not the saved one. Only ``HOST`` and ``LIVE`` copies read
-    live memory (``reads_live``): the optimizer's step waits for those alone."""
+    through an alias whose memory is not the saved one. The optimizer's step waits on the host
+    for the copies the background thread makes of live memory (``reads_live``), on its GPU stream
+    for ``STREAM`` copies (``Stager.stream_events``)."""
 
     name: str
     buffer: torch.Tensor
@@ -60,16 +62,14 @@ class Deferred:
         """Fill the buffer; True if it now holds the bytes of the call and no watched tensor
         was changed in place. A GPU copy made here runs on ``streams``' side stream for the
         device, after the call's work on the tensor's stream."""
-        if self.kind == STREAM:
-            self.event.synchronize()
-            return True
         if self.kind == HOST:
             self.buffer.copy_(self.local.detach())
             same = fingerprint(self.buffer) == self.crc
-        else:
+        else:  # on the side stream: after the call's work (a stream copy: after itself)
             with after(self.event, self.local.device, streams):
-                self.buffer.copy_(self.local.detach())
-                want = int(self.crc.item()) if self.kind == LIVE else None
+                if self.kind != STREAM:
+                    self.buffer.copy_(self.local.detach())
+                want = int(self.crc.item()) if self.crc is not None else None
             self.local = None  # a snapshot's device memory is freed now
             same = want is None or int(word_sum(self.buffer).item()) == want
         return same and tuple(t._version for t in self.watched) == self.versions

@@ -4,16 +4,21 @@ An asynchronous save's call returns once what it saves is safe from the training
 For a deferred GPU tensor (one only the optimizer's step changes) ``Stager.defer`` takes the first
 of three ways that applies:
 
-1. ``stream``: a pinned host buffer from an earlier save fits: the call enqueues the copy on the
-   tensor's stream without waiting; the stream orders it before any later change there.
+1. ``stream``: a pinned host buffer from an earlier save fits: the call enqueues ``word_sum`` of
+   the tensor on its stream and the copy on a side stream after the work enqueued so far, and
+   returns; the copy overlaps the next forward and backward, the optimizer's next step makes its
+   stream wait for it (the host does not wait), and the background thread compares the copy's
+   ``word_sum`` with the call's (a change through ``.data`` meanwhile is not ordered after it).
 2. ``snapshot``: the device has room (``Room``): the call enqueues a device-to-device copy on the
    tensor's stream (milliseconds for gigabytes); the background thread moves it to the host and
    frees it. The step is not held for it.
 3. ``live``: no room: the call only enqueues ``word_sum`` of the tensor (one read at device
    memory speed); the background thread copies the live tensor on a stream of its own while the
-   forward and backward run, the optimizer's next step waits for that copy (as for host tensors),
-   and the copy's ``word_sum`` must equal the call's, or the save fails naming the tensor: a change
-   through ``.data`` does not move the version counter.
+   forward and backward run, the optimizer's next step waits for that copy on the host (as for
+   host tensors), and the copy's ``word_sum`` must equal the call's.
+
+A ``word_sum`` that differs fails the save on every rank, naming the tensor: a change through
+``.data`` does not move the version counter.
 
 Pinning host memory is slow (about 1 s per GB on an H100 host: 7.7 s for a 7.6 GB checkpoint), so
 a GPU tensor's first buffer is ordinary host memory; ``Pinner`` replaces those by pinned ones in

@@ -132,11 +132,25 @@ class Stager:
         Copies ordered on the stream need no version check: a later change there comes after."""
         local = local.detach()
         if local.is_cuda and buf.is_pinned():
-            buf.copy_(local, non_blocking=True)
-            return Deferred(name, buf, local, STREAM, None, _recorded(local))
+            return Deferred(name, buf, local, STREAM, word_sum(local), self._copied_aside(local, buf))
         if self.room.take(local):
             return Deferred(name, buf, local.clone(), SNAPSHOT, None, _recorded(local))
         return Deferred(name, buf, local, LIVE, word_sum(local), _recorded(local), watched)
+
+    def _copied_aside(self, local: torch.Tensor, buf: torch.Tensor):
+        """Enqueue the copy of ``local`` into pinned ``buf`` on the device's side stream, after
+        the work enqueued so far on the current one; the event after it (the optimizer's step
+        makes its stream wait for it: ``stream_events``)."""
+        side = self.streams.of(local.device)
+        side.wait_stream(torch.cuda.current_stream(local.device))
+        with torch.cuda.stream(side):
+            buf.copy_(local, non_blocking=True)
+            return _recorded(local)
+
+    def stream_events(self) -> list:
+        """(device, the last side-stream copy's event there) of the save staged: a step waits
+        for these on its own stream, not on the host."""
+        return list({d.local.device: d.event for d in self.deferred if d.kind == STREAM}.items())
 
     def copy_now(self, t: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
         buf.copy_(t.detach())

@@ -151,3 +151,30 @@ def test_device_snapshots_keep_the_call_values_whatever_changes_after(tmp_path):
         assert r["kinds"] == [SNAPSHOT] and r["released"], r
         assert all(r[what] is None for what in ("data.clamp_", "data.mul_", "numpy view", "exp_avg.data.zero_")), r
         assert r["newest"] == "b3_partial" and r["diff"] == [], r
+
+
+def test_the_pinner_swaps_every_buffer_and_none_after_a_halt():
+    """Pinning (here: any new allocation) replaces each pageable buffer under the lock; after
+    ``halt`` returns no buffer changes, though an allocation was in hand."""
+    lock = threading.Lock()
+    buffers = {k: torch.zeros(4) for k in "abc"}
+    pinner = device.Pinner(lock, allocate=lambda old: torch.ones(4))
+    pageable = set(buffers)
+    pinner.start(buffers, pageable)
+    pinner.join()
+    assert pageable == set() and all(torch.equal(b, torch.ones(4)) for b in buffers.values())
+    entered, go = threading.Event(), threading.Event()
+
+    def slow(old):
+        entered.set()
+        go.wait(30)
+        return torch.full((4,), 2.0)
+
+    buffers, pageable = {k: torch.zeros(4) for k in "ab"}, {"a", "b"}
+    pinner = device.Pinner(lock, allocate=slow)
+    pinner.start(buffers, pageable)
+    assert entered.wait(30)
+    pinner.halt()  # returns at once, the allocation still in hand
+    go.set()
+    pinner.stop()
+    assert pageable == {"a", "b"} and all(torch.equal(b, torch.zeros(4)) for b in buffers.values())

@@ -107,37 +107,55 @@ class Streams:
 
 class Pinner:
     """Replaces the pageable host buffers of GPU tensors by pinned ones, in a thread of its own,
-    one buffer at a time; ``stop`` ends it after the buffer in hand (a save's call stops it
-    before it reads the buffers)."""
+    one buffer at a time, under the stager's ``lock``. ``halt`` (a save's call, before it reads
+    the buffers) stops all swapping at once without waiting for the allocation in hand, which
+    that thread then drops."""
 
-    def __init__(self):
+    def __init__(self, lock: threading.Lock, allocate=None):
+        self._lock = lock
+        self.allocate = allocate or (lambda old: torch.empty(old.shape, dtype=old.dtype, device="cpu", pin_memory=True))
         self._halt = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def start(self, buffers: dict, pageable: set, lock: threading.Lock) -> None:
+    def start(self, buffers: dict, pageable: set) -> None:
         self.stop()
-        if not pageable:
+        with self._lock:
+            keys = list(pageable)
+        if not keys:
             return
-        self._halt.clear()
-        self._thread = threading.Thread(target=self._run, args=(buffers, pageable, lock),
+        self._halt = threading.Event()  # the thread's own flag
+        self._thread = threading.Thread(target=self._run, args=(buffers, pageable, keys, self._halt),
                                         name="modelparallel-pin", daemon=True)
         self._thread.start()
 
-    def _run(self, buffers: dict, pageable: set, lock: threading.Lock) -> None:
-        for key in list(pageable):
-            if self._halt.is_set():
-                return
+    def _run(self, buffers: dict, pageable: set, keys: list, halt: threading.Event) -> None:
+        for key in keys:
             old = buffers.get(key)
+            if halt.is_set():
+                return
             if old is None:
                 continue
-            new = torch.empty(old.shape, dtype=old.dtype, device="cpu", pin_memory=True)
-            with lock:
+            new = self.allocate(old)
+            with self._lock:
+                if halt.is_set():
+                    return
                 if buffers.get(key) is old:
                     buffers[key] = new
                     pageable.discard(key)
 
-    def stop(self) -> None:
-        if self._thread is not None:
+    def halt(self) -> None:
+        """No buffer is swapped after this returns."""
+        with self._lock:
             self._halt.set()
+
+    def join(self) -> None:
+        """Wait until the buffers are pinned (or the thread halted)."""
+        if self._thread is not None:
+            self._thread.join()
+
+    def stop(self) -> None:
+        """Halt, and wait for the thread to end (its allocation in hand included)."""
+        self.halt()
+        if self._thread is not None:
             self._thread.join()
             self._thread = None

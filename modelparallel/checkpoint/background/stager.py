@@ -66,9 +66,9 @@ class Stager:
         self.room = Room(self.spare)
         self.pageable: set = set()
         """Keys of GPU tensors' buffers still in ordinary host memory (``device.Pinner`` pins them)."""
-        self.pinner = Pinner()
-        self.streams = Streams()
         self._lock = threading.Lock()
+        self.pinner = Pinner(self._lock)
+        self.streams = Streams()
 
     @property
     def nbytes(self) -> int:
@@ -77,8 +77,8 @@ class Stager:
             return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
     def begin(self) -> None:
-        """Start a save's staging: the pinning thread stopped (it swaps buffers), counts reset."""
-        self.pinner.stop()
+        """Start a save's staging: the pinning thread halted (it swaps buffers), counts reset."""
+        self.pinner.halt()
         self.copied_bytes = self.deferred_bytes = 0
         self.room = Room(self.spare)
 
@@ -87,7 +87,7 @@ class Stager:
         DTensors around the old buffers are dropped with them."""
         if self.pageable:
             self.wrappers.clear()
-            self.pinner.start(self.buffers, self.pageable, self._lock)
+            self.pinner.start(self.buffers, self.pageable)
 
     def buffer(self, key: tuple, t: torch.Tensor) -> torch.Tensor:
         """The buffer kept under ``key`` for a tensor like ``t`` (a new one if none fits; for a

@@ -183,8 +183,9 @@ def _finish_at_exit(ref) -> None:
     if saver is None or saver.job is None or saver.job.future is None:
         return
     tag = saver.tag
-    saver.stager.pinner.stop()  # no pinning thread is left in the driver while the interpreter ends
     try:
         saver.wait()
     except BaseException as e:  # noqa: BLE001 - nothing left to raise to
         logger.error("asynchronous checkpoint %r was not committed: %s", tag, str(e).splitlines()[0])
+    finally:
+        saver.stager.pinner.stop()  # the save's end may start it: no pinning left while the interpreter ends

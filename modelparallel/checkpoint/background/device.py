@@ -66,8 +66,13 @@ def spare_bytes(device: torch.device) -> int:
     """Device memory a snapshot may take without making the training's next steps run out: what
     this process can hold (free now plus what its allocator reserves) less the most it has
     reserved so far (the training's peak, reached in earlier steps) and a margin. None on a
-    host (a snapshot there is a copy in the call)."""
+    host (a snapshot there is a copy in the call), and none before the peak shows a step (it
+    stands at least an eighth above what is held now: activations come and go), e.g. a save
+    right after loading: the next step's peak is then unknown."""
     if device.type != "cuda":
+        return 0
+    now, most = torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
+    if most < now + now // 8:  # no forward and backward seen yet: the peak says nothing of the next one
         return 0
     free, total = torch.cuda.mem_get_info(device)
     held = torch.cuda.memory_reserved(device)

@@ -178,3 +178,19 @@ def test_the_pinner_swaps_every_buffer_and_none_after_a_halt():
     go.set()
     pinner.stop()
     assert pageable == {"a", "b"} and all(torch.equal(b, torch.zeros(4)) for b in buffers.values())
+
+
+def test_the_room_on_a_gpu_is_what_the_peak_leaves_and_none_before_a_step(monkeypatch):
+    """``spare_bytes`` with the CUDA memory queries answered here: free + reserved - peak reserved
+    - the margin (1 GiB or a twentieth of the device), and nothing while the allocated peak is
+    not yet an eighth above what is held (no forward and backward seen)."""
+    gib = 1 << 30
+    answers = {"mem_get_info": (30 * gib, 80 * gib), "memory_reserved": 40 * gib, "max_memory_reserved": 50 * gib,
+               "memory_allocated": 32 * gib, "max_memory_allocated": 44 * gib}
+    for name, value in answers.items():
+        monkeypatch.setattr(torch.cuda, name, lambda dev, v=value: v)
+    gpu = torch.device("cuda", 0)
+    assert device.spare_bytes(gpu) == 30 * gib + 40 * gib - 50 * gib - 4 * gib
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda dev: 32 * gib + 32 * gib // 8 - 1)
+    assert device.spare_bytes(gpu) == 0
+    assert device.spare_bytes(torch.device("cpu")) == 0

@@ -16,23 +16,28 @@ import functools
 
 import pytest
 import torch
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl,
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl, CheckpointWrapper,
                                                                          apply_activation_checkpointing,
-                                                                         checkpoint_wrapper)
+                                                                         checkpoint_wrapper, offload_wrapper)
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import harness
 import modelparallel as smp
+from modelparallel.activations.wrappers import lifted
 from reference import training_rtol
 from test_pipeline_training import assert_stage_grads_match, build, global_batch, my_rows, train_step
+
+MICROBATCHES = 2
 
 
 def checkpoint(model, form: str) -> None:
     """Checkpoint every block of ``model`` (an HF model, or a DistributedModel) in ``form``."""
     kind, _, variant = form.partition("-")
     if kind == "hf":
-        kwargs = None if variant == "default" else {"use_reentrant": variant == "reentrant"}
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        if variant == "default":  # transformers 5's name (non-reentrant unless told)
+            model.activation_checkpointing_enable()
+        else:  # the older name, still what most scripts call
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": variant == "reentrant"})
         return
     impl = CheckpointImpl.REENTRANT if variant == "reentrant" else CheckpointImpl.NO_REENTRANT
     hf = model.module if isinstance(model, smp.DistributedModel) else model
@@ -43,7 +48,7 @@ def checkpoint(model, form: str) -> None:
 def checkpointed_steps(form: str, when: str, config: dict):
     """One step's gradients, and two steps' losses (the second on another batch, gradients
     accumulating), equal HF's with the same checkpointing."""
-    smp.init({"microbatches": 2, "pipeline": "interleaved", "random_seed": 1, **config})
+    smp.init({"microbatches": MICROBATCHES, "pipeline": "interleaved", "random_seed": 1, **config})
     torch.manual_seed(1)
     ref = build("llama")
     ref.train()
@@ -53,6 +58,7 @@ def checkpointed_steps(form: str, when: str, config: dict):
     else:
         model = smp.DistributedModel(copy.deepcopy(build_like(ref)))
         checkpoint(model, form)
+    runs = count_block_runs(model.module)
     losses = []
     for step in range(2):
         ids = global_batch(step)
@@ -63,7 +69,21 @@ def checkpointed_steps(form: str, when: str, config: dict):
         losses.append((sum(mean).item() / len(mean), want.item()))
         if step == 0:
             assert_stage_grads_match(ref, model, ids)
+    wrapped = [type(m).__name__ for m in model.module.model.layers]
+    assert form.startswith("hf") or set(wrapped) == {"CheckpointWrapper"}, wrapped
+    assert runs and all(n == 2 * 2 * MICROBATCHES for n in runs.values()), runs  # 2 steps, forward + recompute
     return losses
+
+
+def count_block_runs(module) -> dict[str, int]:
+    """Per local block, how many times the inside of its checkpointed region runs (a forward
+    and a recompute per microbatch when checkpointing is on)."""
+    runs = {}
+    for name, m in module.named_modules():
+        if name.endswith("input_layernorm"):
+            runs[name] = 0
+            m.register_forward_pre_hook(lambda *_, n=name: runs.__setitem__(n, runs[n] + 1))
+    return runs
 
 
 def build_like(ref):
@@ -92,3 +112,34 @@ def test_checkpointed_pipeline_equals_one_process(form, when):
 def test_checkpointed_virtual_stages_equal_one_process(form):
     _assert_losses(harness.run(2, checkpointed_steps, form, "after",
                                {"pipeline_parallel_degree": 2, "pipeline_virtual_stages": 2}))
+
+
+def test_checkpointed_pipeline_with_sharded_data_parallelism():
+    """pp 2 x sharded dp 2: PyTorch's wrappers applied before DistributedModel end up around
+    the FSDP2-sharded blocks, the stage edges on the wrappers."""
+    _assert_losses(harness.run(4, checkpointed_steps, "torch-nonreentrant", "before",
+                               {"pipeline_parallel_degree": 2, "sharded_data_parallel_degree": 2}))
+
+
+def test_wrappers_are_set_aside_and_put_back():
+    """``lifted``: nested wrappers come off for the duration and go back in their order around
+    what is then in their place; none around a block removed meanwhile (the pipeline split)."""
+    layers = torch.nn.ModuleList([torch.nn.Linear(2, 2) for _ in range(3)])
+    apply_activation_checkpointing(layers, check_fn=lambda m: isinstance(m, torch.nn.Linear))
+    layers[0] = offload_wrapper(layers[0])
+    wrappers = list(layers)
+    replaced = torch.nn.Linear(2, 2)
+    with lifted(layers):
+        assert all(type(m) is torch.nn.Linear for m in layers)
+        layers[1] = replaced
+        del layers._modules["2"]
+    assert list(layers) == wrappers[:2] and len(layers) == 2
+    assert isinstance(layers[0]._checkpoint_wrapped_module, CheckpointWrapper)
+    assert layers[1]._checkpoint_wrapped_module is replaced
+
+
+def test_a_wrapped_model_is_refused():
+    model = checkpoint_wrapper(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="CheckpointWrapper .*wrap what smp.DistributedModel returns"):
+        with lifted(model):
+            pass

@@ -64,6 +64,8 @@ class StageExit(BaseException):
 
 NOT_IN_STEP = ("at pipeline_parallel_degree > 1 the model runs inside an @smp.step function (the step's "
                "microbatches flow through the stages); calling it directly (or model.generate) is not supported")
+RECOMPUTED = (" (or, during backward, an activation checkpoint around several blocks is recomputing a stage's first "
+              "or last block: checkpoint each block instead)")
 
 
 class Boundary:
@@ -121,7 +123,7 @@ class Boundary:
 
     def _enter(self, module, args, kwargs):
         if not self.active:
-            raise RuntimeError(NOT_IN_STEP)
+            raise RuntimeError(NOT_IN_STEP + RECOMPUTED)
         if self.pending is None:
             raise RuntimeError("at pipeline_parallel_degree > 1 the step function calls the model once per "
                                "microbatch; it was called again")
@@ -132,7 +134,7 @@ class Boundary:
 
     def _exit(self, module, args, output):
         if not self.active:
-            raise RuntimeError(NOT_IN_STEP)
+            raise RuntimeError(NOT_IN_STEP + RECOMPUTED)
         raise StageExit(output[0] if isinstance(output, (tuple, list)) else output)
 
 

@@ -143,3 +143,20 @@ def test_a_wrapped_model_is_refused():
     with pytest.raises(ValueError, match="CheckpointWrapper .*wrap what smp.DistributedModel returns"):
         with lifted(model):
             pass
+
+
+def _decoder_checkpointed():
+    """One checkpointed region around a stage's whole decoder (its blocks inside): the
+    recompute in backward would run the stage's edges again."""
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": MICROBATCHES, "random_seed": 1})
+    torch.manual_seed(1)
+    model = smp.DistributedModel(build("llama"))
+    smp.set_activation_checkpointing(model.module.model)
+    with pytest.raises(smp.pipeline.StepFailed) as failed:
+        train_step(model, my_rows(global_batch(0)))
+    return str(failed.value).splitlines()[0]
+
+
+def test_a_region_around_several_blocks_fails_on_every_rank():
+    for message in harness.run(2, _decoder_checkpointed):
+        assert "an activation checkpoint around several blocks" in message and "checkpoint each block" in message

@@ -121,6 +121,12 @@ def test_checkpointed_pipeline_with_sharded_data_parallelism():
                                {"pipeline_parallel_degree": 2, "sharded_data_parallel_degree": 2}))
 
 
+def test_wrapped_before_distributed_model_without_pipeline():
+    """PyTorch's wrappers applied before DistributedModel at pp 1 x tp 2: the tensor-parallel
+    plan finds the blocks' own paths, and the wrappers end up around the sharded blocks."""
+    _assert_losses(harness.run(2, checkpointed_steps, "torch-reentrant", "before", {"tensor_parallel_degree": 2}))
+
+
 def test_wrappers_are_set_aside_and_put_back():
     """``lifted``: nested wrappers come off for the duration and go back in their order around
     what is then in their place; none around a block removed meanwhile (the pipeline split)."""

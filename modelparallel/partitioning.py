@@ -23,6 +23,7 @@ from .models import architecture_for
 from .models._sagemaker import offer_tree
 from .parallelize import Request, parallelize
 from .pipeline import Runner
+from .pipeline.marks import MARK as partition_mark
 from .topology import Topology
 
 logger = logging.getLogger("modelparallel")
@@ -38,7 +39,7 @@ def shard(model, module: nn.Module, topo: Topology) -> None:
     pipeline runner (at pipeline degree > 1). A collective."""
     cfg = topo.config
     dtype = torch.float16 if cfg.fp16 else torch.bfloat16 if cfg.bf16 else None
-    with lifted(module):  # a script's checkpoint wrappers, back around the parallelized blocks
+    with lifted(module, marks=(partition_mark,)):  # a script's checkpoint wrappers, put back after
         done = parallelize(module, topo, Request("v1", topo.device, dtype))
     if done.replicated and dist.get_rank() == 0:
         logger.info("replicated on every TP rank: %s", ", ".join(done.replicated))

@@ -8,7 +8,8 @@ plans, written against the model's own paths, would match nothing under it. ``li
 wrapped module in its wrapper's place for the duration, and the wrappers back around whatever
 is then in that place (the parallelized block; nothing where the pipeline split removed it),
 so the parallelized model checkpoints as the script asked, as if it had wrapped the blocks
-after ``smp.DistributedModel``.
+after ``smp.DistributedModel``. Marks the caller names (a partition index ``smp.set_partition``
+put on the wrapper, the entry the script sees) are copied to the wrapped module meanwhile.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ def _next_wrapper(module: nn.Module) -> tuple[nn.Module, str, nn.Module] | None:
 
 
 @contextmanager
-def lifted(module: nn.Module) -> Iterator[None]:
-    """While inside, ``module`` holds no activation wrapper (see the module docstring).
+def lifted(module: nn.Module, marks: tuple[str, ...] = ()) -> Iterator[None]:
+    """While inside, ``module`` holds no activation wrapper (see the module docstring); the
+    attributes ``marks`` that a wrapper has and its wrapped module lacks are the wrapped module's.
 
     Raises:
         ValueError: for an activation wrapper that is ``module`` itself (nothing to put back
@@ -47,12 +49,16 @@ def lifted(module: nn.Module) -> Iterator[None]:
     taken = []
     while (found := _next_wrapper(module)) is not None:
         parent, name, wrapper = found
-        parent._modules[name] = wrapper._modules[_INNER]
-        taken.append(found)
+        inner = parent._modules[name] = wrapper._modules[_INNER]
+        copied = [m for m in marks if m in wrapper.__dict__ and m not in inner.__dict__]
+        inner.__dict__.update((m, wrapper.__dict__[m]) for m in copied)
+        taken.append((parent, name, wrapper, inner, copied))
     try:
         yield
     finally:
-        for parent, name, wrapper in reversed(taken):  # inner wrappers first, as they were nested
+        for parent, name, wrapper, inner, copied in reversed(taken):  # inner wrappers first, as nested
+            for m in copied:
+                inner.__dict__.pop(m, None)
             if parent._modules.get(name) is not None:
                 wrapper._modules[_INNER] = parent._modules[name]
                 parent._modules[name] = wrapper

@@ -45,9 +45,10 @@ def checkpoint(model, form: str) -> None:
                                    check_fn=lambda m: isinstance(m, LlamaDecoderLayer))
 
 
-def checkpointed_steps(form: str, when: str, config: dict):
+def checkpointed_steps(form: str, when: str, config: dict, partitions: tuple[int, ...] = ()):
     """One step's gradients, and two steps' losses (the second on another batch, gradients
-    accumulating), equal HF's with the same checkpointing."""
+    accumulating), equal HF's with the same checkpointing. ``partitions``: each block's
+    ``smp.set_partition`` after DistributedModel (on the list's entries, wrappers or blocks)."""
     smp.init({"microbatches": MICROBATCHES, "pipeline": "interleaved", "random_seed": 1, **config})
     torch.manual_seed(1)
     ref = build("llama")
@@ -58,6 +59,8 @@ def checkpointed_steps(form: str, when: str, config: dict):
     else:
         model = smp.DistributedModel(copy.deepcopy(build_like(ref)))
         checkpoint(model, form)
+    for entry, index in zip(model.module.model.layers, partitions):
+        smp.set_partition(entry, index)
     runs = count_block_runs(model.module)
     losses = []
     for step in range(2):
@@ -69,9 +72,13 @@ def checkpointed_steps(form: str, when: str, config: dict):
         losses.append((sum(mean).item() / len(mean), want.item()))
         if step == 0:
             assert_stage_grads_match(ref, model, ids)
+    if partitions:
+        marked = tuple((partitions.index(p), len(partitions) - partitions[::-1].index(p)) for p in sorted(set(partitions)))
+        assert model.module._mp_stage.ranges == marked, (model.module._mp_stage.ranges, marked)
     wrapped = [type(m).__name__ for m in model.module.model.layers]
     assert form.startswith("hf") or set(wrapped) == {"CheckpointWrapper"}, wrapped
-    assert runs and all(n == 2 * 2 * MICROBATCHES for n in runs.values()), runs  # 2 steps, forward + recompute
+    local = {n: runs[n] for n, _ in model.module.named_modules() if n in runs}  # counted before a deferred split
+    assert local and all(n == 2 * 2 * MICROBATCHES for n in local.values()), runs  # 2 steps, forward + recompute
     return losses
 
 
@@ -125,6 +132,14 @@ def test_wrapped_before_distributed_model_without_pipeline():
     """PyTorch's wrappers applied before DistributedModel at pp 1 x tp 2: the tensor-parallel
     plan finds the blocks' own paths, and the wrappers end up around the sharded blocks."""
     _assert_losses(harness.run(2, checkpointed_steps, "torch-reentrant", "before", {"tensor_parallel_degree": 2}))
+
+
+def test_partition_marks_on_wrapped_blocks_place_them():
+    """auto_partition false, ``smp.set_partition`` on the wrappers after DistributedModel (the
+    split waits for the marks): layers 0-2 on stage 0, layer 3 on stage 1, as marked."""
+    out = harness.run(2, checkpointed_steps, "torch-nonreentrant", "before",
+                      {"pipeline_parallel_degree": 2, "auto_partition": False}, partitions=(0, 0, 0, 1))
+    _assert_losses(out)
 
 
 def test_wrappers_are_set_aside_and_put_back():

@@ -10,16 +10,20 @@ in one ``ModuleList``; while one of them runs, the list holds only that stage's 
 model's forward loops over the list), so the others neither run nor see its activation.
 
 The hooks sit on the block list's entries, not on the blocks: on whatever the entry is when a
-microbatch runs (the block, or what the script wrapped it in after the split: PyTorch's
-``CheckpointWrapper``), moved there at the start of each microbatch. An activation checkpoint
-recomputes what is inside the entry during backward; hooks inside it would run again there (no
-activation pending, or a stage exit in the middle of backward). Outside it, the checkpoint
-saves, and recomputes from, the received activation, and the stage exits after the checkpointed
-call has returned. Checkpointing that replaces a block's ``forward`` (``smp.set_activation_
-checkpointing``, Hugging Face's ``gradient_checkpointing_enable``) leaves the block's own hooks
-outside already. Hooks that recomputation could re-run safely (the same activation handed out
-twice, no exit while recomputing) would have to tell a recompute from a second call of the model
-in one microbatch, which the hooks refuse; outside the region there is nothing to tell apart.
+microbatch runs (the block, or what the script wrapped it in: PyTorch's ``CheckpointWrapper``,
+applied after ``DistributedModel`` or put back by it), moved there at the start of each
+microbatch. An activation checkpoint recomputes what is inside the entry during backward; hooks
+inside it would run again there (no activation pending, or a stage exit in the middle of
+backward). Outside it, the checkpoint saves, and recomputes from, the received activation, and
+the stage exits after the checkpointed call has returned. Checkpointing that replaces a block's
+``forward`` (``smp.set_activation_checkpointing``, Hugging Face's
+``gradient_checkpointing_enable``) leaves the entry's hooks outside already. Hooks that
+recomputation could re-run safely (the same activation handed out twice, no exit while
+recomputing) would have to tell a recompute from a second call of the model in one microbatch,
+which they refuse; outside the region there is nothing to tell apart. A region around several
+blocks (the whole decoder) still holds the edges, and is refused when it recomputes. The
+entry's pre-hook runs before its other pre-hooks (sequence parallelism's cut, FSDP's input
+cast), which then see the received activation; the exit hook after its other hooks.
 
 ``build_schedule`` makes a ``PipelineStage`` (one that survives a failing backward) with static
 tensor metadata (the activation is one

@@ -2,13 +2,19 @@
 pipeline parallelism (``smp.DistributedModel`` + ``@smp.step``): gradients and losses equal one
 Hugging Face process with the same checkpointing on the global batch.
 
-The forms: HF's ``gradient_checkpointing_enable()`` (reentrant or not) and PyTorch's
-``apply_activation_checkpointing`` (``CheckpointWrapper`` around each block, non-reentrant or
-reentrant), each applied before or after ``smp.DistributedModel``; SageMaker's
-``smp.set_activation_checkpointing`` is in test_pipeline_compose.py. A failure here means the
-hooks at a stage's edges (modelparallel/pipeline/stage.py ``Boundary``) sit inside the
-checkpointed region: the received activation is swapped in again, or the stage exits, while
-backward recomputes the first or last block.
+The forms: HF's ``activation_checkpointing_enable()`` and ``gradient_checkpointing_enable(...)``
+(reentrant or not) and PyTorch's ``apply_activation_checkpointing`` (``CheckpointWrapper`` around
+each block, non-reentrant or reentrant), each applied before or after ``smp.DistributedModel``, at
+pp 2 on 2 ranks, with virtual stages, and pp 2 x sharded dp 2 on 4; SageMaker's
+``smp.set_activation_checkpointing`` is in test_pipeline_compose.py. Each case also counts that
+every local block's region runs twice per microbatch (checkpointing is on) and that PyTorch's
+wrappers are still around the blocks.
+
+A failure of an "after" case means the hooks at a stage's edges (modelparallel/pipeline/stage.py
+``Boundary``) sit inside the checkpointed region: the received activation is swapped in again,
+or the stage exits, while backward recomputes the first or last block. A "before" case failing
+alone points at modelparallel/activations/wrappers.py (the wrappers set aside while
+``DistributedModel`` parallelizes, and put back).
 """
 
 import copy
@@ -41,7 +47,8 @@ def checkpoint(model, form: str) -> None:
         return
     impl = CheckpointImpl.REENTRANT if variant == "reentrant" else CheckpointImpl.NO_REENTRANT
     hf = model.module if isinstance(model, smp.DistributedModel) else model
-    apply_activation_checkpointing(hf, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=impl),
+    wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=impl)
+    apply_activation_checkpointing(hf, checkpoint_wrapper_fn=wrapper,
                                    check_fn=lambda m: isinstance(m, LlamaDecoderLayer))
 
 
@@ -73,7 +80,8 @@ def checkpointed_steps(form: str, when: str, config: dict, partitions: tuple[int
         if step == 0:
             assert_stage_grads_match(ref, model, ids)
     if partitions:
-        marked = tuple((partitions.index(p), len(partitions) - partitions[::-1].index(p)) for p in sorted(set(partitions)))
+        marked = tuple((partitions.index(p), len(partitions) - partitions[::-1].index(p))
+                       for p in sorted(set(partitions)))
         assert model.module._mp_stage.ranges == marked, (model.module._mp_stage.ranges, marked)
     wrapped = [type(m).__name__ for m in model.module.model.layers]
     assert form.startswith("hf") or set(wrapped) == {"CheckpointWrapper"}, wrapped

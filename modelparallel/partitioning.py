@@ -18,10 +18,12 @@ import torch.distributed as dist
 from torch import nn
 
 from . import runtime
+from .activations.wrappers import lifted
 from .models import architecture_for
 from .models._sagemaker import offer_tree
 from .parallelize import Request, parallelize
 from .pipeline import Runner
+from .pipeline.marks import MARK as partition_mark
 from .topology import Topology
 
 logger = logging.getLogger("modelparallel")
@@ -37,7 +39,8 @@ def shard(model, module: nn.Module, topo: Topology) -> None:
     pipeline runner (at pipeline degree > 1). A collective."""
     cfg = topo.config
     dtype = torch.float16 if cfg.fp16 else torch.bfloat16 if cfg.bf16 else None
-    done = parallelize(module, topo, Request("v1", topo.device, dtype))
+    with lifted(module, marks=(partition_mark,)):  # a script's checkpoint wrappers, put back after
+        done = parallelize(module, topo, Request("v1", topo.device, dtype))
     if done.replicated and dist.get_rank() == 0:
         logger.info("replicated on every TP rank: %s", ", ".join(done.replicated))
     layout = getattr(architecture_for(module), "sagemaker", None)

@@ -17,7 +17,8 @@ from torch import nn
 
 from ..tp.creation_marks import CreationMarks
 
-_MARKS = CreationMarks("_mp_partition")
+MARK = "_mp_partition"  # the attribute a module's partition index is kept in
+_MARKS = CreationMarks(MARK)
 
 
 def _check_index(index, where: str) -> int:
@@ -58,7 +59,7 @@ def set_partition(module: nn.Module, index: int) -> None:
         raise ValueError(f"smp.set_partition({type(module).__name__}, {index}): the model was already split "
                          f"and this module runs on partition {placed}; call set_partition before the first "
                          "@smp.step call (or before DistributedModel with auto_partition true)")
-    module._mp_partition = index
+    setattr(module, MARK, index)
 
 
 def partition_of(model: nn.Module, path: str, default: int) -> tuple[int, bool]:
@@ -66,7 +67,7 @@ def partition_of(model: nn.Module, path: str, default: int) -> tuple[int, bool]:
     mark or its nearest marked ancestor's, else (``default``, False)."""
     segs = path.split(".") if path else []
     for i in range(len(segs), -1, -1):
-        index = model.get_submodule(".".join(segs[:i])).__dict__.get("_mp_partition")
+        index = model.get_submodule(".".join(segs[:i])).__dict__.get(MARK)
         if index is not None:
             return index, True
     return default, False

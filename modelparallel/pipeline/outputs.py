@@ -67,6 +67,9 @@ class StepFailed(RuntimeError):
     """Raised on every rank when a rank failed during a pipelined ``@smp.step`` call."""
 
 
+_STAGE_BACKWARD = "Failed to run stage backward"  # torch.distributed.pipelining's wrapper of a backward's error
+
+
 @dataclass
 class Failure:
     """One rank's error during a step: where, and the text of its traceback."""
@@ -79,8 +82,13 @@ class Failure:
 
     @classmethod
     def of(cls, error: BaseException, stage: int) -> Failure:
+        """``error``'s record; a stage's backward that PyTorch's schedule re-raised (its message
+        lists the stage's tensors) is named by the error that ended it."""
         trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-        return cls(dist.get_rank(), stage, type(error).__name__, str(error), trace)
+        named = error
+        if error.__cause__ is not None and _STAGE_BACKWARD in str(error):
+            named = error.__cause__
+        return cls(dist.get_rank(), stage, type(named).__name__, str(named), trace)
 
     def describe(self) -> str:
         return (f"@smp.step failed on rank {self.rank} (pipeline stage {self.stage}): {self.kind}: {self.message}\n"

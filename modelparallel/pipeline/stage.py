@@ -9,6 +9,22 @@ outside ``@smp.step`` is refused. With virtual stages a rank holds the blocks of
 in one ``ModuleList``; while one of them runs, the list holds only that stage's blocks (the
 model's forward loops over the list), so the others neither run nor see its activation.
 
+The hooks sit on the block list's entries, not on the blocks: on whatever the entry is when a
+microbatch runs (the block, or what the script wrapped it in: PyTorch's ``CheckpointWrapper``,
+applied after ``DistributedModel`` or put back by it), moved there at the start of each
+microbatch. An activation checkpoint recomputes what is inside the entry during backward; hooks
+inside it would run again there (no activation pending, or a stage exit in the middle of
+backward). Outside it, the checkpoint saves, and recomputes from, the received activation, and
+the stage exits after the checkpointed call has returned. Checkpointing that replaces a block's
+``forward`` (``smp.set_activation_checkpointing``, Hugging Face's
+``gradient_checkpointing_enable``) leaves the entry's hooks outside already. Hooks that
+recomputation could re-run safely (the same activation handed out twice, no exit while
+recomputing) would have to tell a recompute from a second call of the model in one microbatch,
+which they refuse; outside the region there is nothing to tell apart. A region around several
+blocks (the whole decoder) still holds the edges, and is refused when it recomputes. The
+entry's pre-hook runs before its other pre-hooks (sequence parallelism's cut, FSDP's input
+cast), which then see the received activation; the exit hook after its other hooks.
+
 ``build_schedule`` makes a ``PipelineStage`` (one that survives a failing backward) with static
 tensor metadata (the activation is one
 ``[batch, sequence, hidden]`` tensor between every pair of stages; the last stage's output is
@@ -30,6 +46,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleLoopedBFS)
 
@@ -51,6 +68,8 @@ class StageExit(BaseException):
 
 NOT_IN_STEP = ("at pipeline_parallel_degree > 1 the model runs inside an @smp.step function (the step's "
                "microbatches flow through the stages); calling it directly (or model.generate) is not supported")
+RECOMPUTED = (" (or, during backward, an activation checkpoint around several blocks is recomputing a stage's first "
+              "or last block: checkpoint each block instead)")
 
 
 class Boundary:
@@ -60,17 +79,38 @@ class Boundary:
         self.stage, self.hidden_arg = stage, hidden_arg
         self.active = False
         self.pending: torch.Tensor | None = None
-        last = len(stage.ranges) - 1
-        for s, blocks in zip(stage.stages, stage.blocks):
+        self.hooked: dict[tuple[int, str], tuple[nn.Module, RemovableHandle]] = {}
+        self.follow()
+
+    def follow(self) -> None:
+        """Put each hook on the list entry now at its block's index, wherever that moved (a
+        wrapper applied since the last microbatch); the entry it was on loses it."""
+        last = len(self.stage.ranges) - 1
+        modules = self.stage.block_list._modules
+        for s in self.stage.stages:
+            lo, hi = self.stage.ranges[s]
             if s != 0:
-                blocks[0].register_forward_pre_hook(self._enter, with_kwargs=True)
+                self._hook((lo, "enter"), modules[str(lo)])
             if s != last:
-                blocks[-1].register_forward_hook(self._exit)
+                self._hook((hi - 1, "exit"), modules[str(hi - 1)])
+
+    def _hook(self, key: tuple[int, str], entry: nn.Module) -> None:
+        held = self.hooked.get(key)
+        if held is not None and held[0] is entry:
+            return
+        if held is not None:
+            held[1].remove()
+        if key[1] == "enter":  # first, so other pre-hooks (FSDP's input cast) see the activation
+            handle = entry.register_forward_pre_hook(self._enter, with_kwargs=True, prepend=True)
+        else:  # last, after the others (FSDP's post-forward) have run
+            handle = entry.register_forward_hook(self._exit)
+        self.hooked[key] = (entry, handle)
 
     @contextmanager
     def running(self, s: int, activation: torch.Tensor | None) -> Iterator[None]:
         """Stage ``s`` runs one microbatch (``activation``: its input from the previous stage)."""
         swap = self.stage.virtual > 1
+        self.follow()
         modules = self.stage.block_list._modules
         held = dict(modules)
         if swap:  # the list's own entries for stage s's blocks (whatever wraps them now)
@@ -87,7 +127,7 @@ class Boundary:
 
     def _enter(self, module, args, kwargs):
         if not self.active:
-            raise RuntimeError(NOT_IN_STEP)
+            raise RuntimeError(NOT_IN_STEP + RECOMPUTED)
         if self.pending is None:
             raise RuntimeError("at pipeline_parallel_degree > 1 the step function calls the model once per "
                                "microbatch; it was called again")
@@ -98,7 +138,7 @@ class Boundary:
 
     def _exit(self, module, args, output):
         if not self.active:
-            raise RuntimeError(NOT_IN_STEP)
+            raise RuntimeError(NOT_IN_STEP + RECOMPUTED)
         raise StageExit(output[0] if isinstance(output, (tuple, list)) else output)
 
 

@@ -140,6 +140,13 @@ def test_one_step_equals_one_process(world, arch, pp, tp, microbatches, schedule
     assert abs(mean - out[0][2]) <= training_rtol(0) * abs(out[0][2]), (mean, out[0][2], dp)
 
 
+def test_sequence_parallel_stages_equal_one_process():
+    """pp 2 x tp 2 with sequence_parallel: the activation a stage receives is its first block's
+    input before sequence parallelism cuts it (pipeline/stage.py's hook runs first)."""
+    out = harness.run(4, one_sgd_step, "llama", 2, 2, 2, "interleaved", sequence_parallel=True)
+    assert abs(out[0][1] - out[0][2]) <= training_rtol(0) * abs(out[0][2]), out[0][1:]
+
+
 @pytest.mark.parametrize("schedule", ["simple", "interleaved"])
 def test_active_microbatches_run_in_rounds(schedule):
     """8 microbatches in rounds of 2 (an in-flight limit): the same gradients."""

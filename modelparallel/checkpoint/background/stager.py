@@ -127,9 +127,10 @@ class Stager:
         self.deferred_bytes += buf.numel() * buf.element_size()
 
     def _on_device(self, name: str, local: torch.Tensor, buf: torch.Tensor, watched: tuple) -> Deferred:
-        """A GPU tensor's way (``device``): a copy on its stream into a pinned buffer, a snapshot
-        on the device where there is room, else a live copy in the background checked by sum.
-        Copies ordered on the stream need no version check: a later change there comes after."""
+        """A GPU tensor's way (``device``): a copy on a side stream into a pinned buffer, a
+        snapshot on the device where there is room, else a live copy in the background; the
+        first and the last are checked by ``word_sum`` (the stream copy by no version counter:
+        the optimizer's step moves it legitimately before the background thread looks)."""
         local = local.detach()
         if local.is_cuda and buf.is_pinned():
             return Deferred(name, buf, local, STREAM, word_sum(local), self._copied_aside(local, buf))

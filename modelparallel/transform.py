@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from . import context, runtime
+from .activations.wrappers import lifted
 from .config import unbuilt_combinations
 from .expert.config import MoEConfig
 from .materialize.rank0_sync import (  # noqa: F401 - SYNCED_FROM_RANK0, meta_states, move: re-exported
@@ -82,6 +83,10 @@ def transform(model: nn.Module, device=None, dtype: torch.dtype | None = None,
             "p2p" (ring attention: keys and values passed rank to rank, overlapped with compute)
             or "all_gather" (gathered once per layer). Checked, and without effect, at degree 1.
 
+    PyTorch's activation wrappers (``apply_activation_checkpointing``) applied before ``transform``
+    are set aside while it shards the model and put back around the sharded blocks
+    (``activations/wrappers.py``).
+
     Without ``load_state_dict_from_rank0``, a model built on meta stays on meta (shards
     described, not allocated) until ``smp.load_hf_checkpoint`` or ``DelayedParamIniter``
     initializes it.
@@ -91,8 +96,8 @@ def transform(model: nn.Module, device=None, dtype: torch.dtype | None = None,
 
     Raises:
         MetaTensorError: with ``load_state_dict_from_rank0`` when rank 0's model is on meta.
-        ValueError: when the plan does not fit the model (before any tensor is touched), or for
-            an unknown ``cp_comm_type``.
+        ValueError: when the plan does not fit the model (before any tensor is touched), for
+            an unknown ``cp_comm_type``, or for a model that is itself an activation wrapper.
         NotImplementedError: context parallelism of an architecture it cannot run (an encoder),
             weights tied across pipeline stages, or virtual pipeline stages.
 
@@ -103,17 +108,18 @@ def transform(model: nn.Module, device=None, dtype: torch.dtype | None = None,
     context.check_comm_type(cp_comm_type)
     moe = config if isinstance(config, MoEConfig) else None
     rt = _runtime(None if moe is not None else config)
-    check(model, rt.topology, cp_comm_type, moe)  # before the rank-0 sync's first collective
     pipelined = rt.config.pipeline_parallel_degree > 1
-    if pipelined:
-        whole.check(model, rt.config.pipeline_virtual_stages)
-    sharded = rt.tp_mesh.size() > 1 or _registered_or_marked(model)
-    ask = Request("v2", torch.device(device) if device is not None else rt.device, dtype, cp_comm_type, moe,
-                  from_rank0=load_state_dict_from_rank0, tensor_parallel=sharded)
-    parallelize(model, rt.topology, ask)
+    with lifted(model, caller="smp.transform"):  # a script's checkpoint wrappers, put back after
+        check(model, rt.topology, cp_comm_type, moe)  # before the rank-0 sync's first collective
+        if pipelined:
+            whole.check(model, rt.config.pipeline_virtual_stages)
+        sharded = rt.tp_mesh.size() > 1 or _registered_or_marked(model)
+        ask = Request("v2", torch.device(device) if device is not None else rt.device, dtype, cp_comm_type, moe,
+                      from_rank0=load_state_dict_from_rank0, tensor_parallel=sharded)
+        parallelize(model, rt.topology, ask)
+        mark_transformer_layers(model)  # isinstance(block, TransformerLayer) for FSDP's wrap policy
     if load_state_dict_from_rank0:
         model.__dict__[SYNCED_FROM_RANK0] = True
-    mark_transformer_layers(model)  # isinstance(block, TransformerLayer) for FSDP's wrap policy
     if pipelined:  # one call = one batch through every stage (pipeline/whole.py)
         whole.install(model, whole.link_of(rt.group(runtime.PP_GROUP), rt.device))
     return model

@@ -2,13 +2,14 @@
 ``apply_activation_checkpointing`` puts around each block) set aside while a model is
 parallelized.
 
-A script may wrap the blocks before handing the model to ``smp.DistributedModel``. The wrapper
+A script may wrap the blocks before handing the model to ``smp.DistributedModel`` (v1) or
+``smp.transform`` (v2). The wrapper
 adds a path segment (``layers.0._checkpoint_wrapped_module.self_attn``), so the architecture's
 plans, written against the model's own paths, would match nothing under it. ``lifted`` puts each
 wrapped module in its wrapper's place for the duration, and the wrappers back around whatever
 is then in that place (the parallelized block; nothing where the pipeline split removed it),
 so the parallelized model checkpoints as the script asked, as if it had wrapped the blocks
-after ``smp.DistributedModel``. Marks the caller names (a partition index ``smp.set_partition``
+afterwards. Marks the caller names (a partition index ``smp.set_partition``
 put on the wrapper, the entry the script sees) are copied to the wrapped module meanwhile.
 """
 
@@ -34,18 +35,17 @@ def _next_wrapper(module: nn.Module) -> tuple[nn.Module, str, nn.Module] | None:
 
 
 @contextmanager
-def lifted(module: nn.Module, marks: tuple[str, ...] = ()) -> Iterator[None]:
+def lifted(module: nn.Module, marks: tuple[str, ...] = (), caller: str = "smp.DistributedModel") -> Iterator[None]:
     """While inside, ``module`` holds no activation wrapper (see the module docstring); the
     attributes ``marks`` that a wrapper has and its wrapped module lacks are the wrapped module's.
 
     Raises:
         ValueError: for an activation wrapper that is ``module`` itself (nothing to put back
-            around: wrap the model after ``smp.DistributedModel``).
+            around: wrap the model after ``caller``, the entry named in the message).
     """
     if isinstance(module, _wrappers.ActivationWrapper):
-        raise ValueError(f"smp.DistributedModel of a {type(module).__name__} (an activation checkpoint or offload "
-                         "wrapper around the whole model): pass the model itself, and wrap what "
-                         "smp.DistributedModel returns (model.module)")
+        raise ValueError(f"{caller} of a {type(module).__name__} (an activation checkpoint or offload "
+                         f"wrapper around the whole model): pass the model itself, and wrap what {caller} returns")
     taken = []
     while (found := _next_wrapper(module)) is not None:
         parent, name, wrapper = found

@@ -1,7 +1,8 @@
 """Multi-rank test harness: long-lived gloo ranks that run module-level check functions.
 
-Spawning a rank costs seconds (importing torch and transformers), so each world size gets one
-pool of processes kept alive for the whole session; a test sends a function reference and its
+Starting a rank costs seconds (importing torch and transformers), so the ranks are forks of one
+fork server that imported them once (``PRELOAD``), and each world size gets one pool of processes
+kept alive for the whole session; a test sends a function reference and its
 arguments to every rank and gets every rank's return value back. An exception on any rank fails
 the test with that rank's traceback; a rank that hangs (its peers died mid-collective) makes the
 pool be torn down and respawned for the next test, so one failure never hangs the suite.
@@ -23,12 +24,9 @@ AFTER_ERROR_WAIT_S = 15
 
 
 def _worker(rank: int, world: int, store_path: str, tasks, results) -> None:
-    threads = os.environ.get("OMP_NUM_THREADS", "1")  # one per rank unless the run asks for more
-    # before torch: gloo ranks on CPU also on a machine with GPUs (rank r would take cuda:r, which
-    # a one-GPU machine lacks; NCCL refuses two ranks on one GPU)
-    os.environ.update(OMP_NUM_THREADS=threads, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-                      CUDA_VISIBLE_DEVICES="", MODELPARALLEL_DEVICE="cpu")
+    env = _rank_env()  # already the fork server's; set again for what reads it later
+    os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    threads = env["OMP_NUM_THREADS"]
     from datetime import timedelta
 
     import torch
@@ -50,12 +48,46 @@ def _worker(rank: int, world: int, store_path: str, tasks, results) -> None:
             results.put((rank, "error", traceback.format_exc()))
 
 
+PRELOAD = ("torch", "torch.distributed.tensor", "transformers", "transformers.modeling_utils",
+           "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama", "modelparallel",
+           "modelparallel.model", "modelparallel.parallelize", "modelparallel.optimizer", "modelparallel.checkpoint")
+"""Imported once by the fork server that starts every pool's ranks (a rank's seconds of start-up are
+these imports): a rank is a fork of that server, with nothing but the imports done (no thread, no
+OpenMP pool, no process group, no CUDA), then sets its environment and joins its own group as a
+spawned rank would."""
+
+
+def _rank_env() -> dict[str, str]:
+    threads = os.environ.get("OMP_NUM_THREADS", "1")  # one per rank unless the run asks for more
+    # gloo ranks on CPU also on a machine with GPUs (rank r would take cuda:r, which a one-GPU
+    # machine lacks; NCCL refuses two ranks on one GPU)
+    return dict(OMP_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+                CUDA_VISIBLE_DEVICES="", MODELPARALLEL_DEVICE="cpu")
+
+
+def _context():
+    """A fork server's context that has imported ``PRELOAD`` (started once, at the first pool), in
+    the ranks' environment: torch and OpenMP read it when they load, there."""
+    from multiprocessing import forkserver
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    saved = dict(os.environ)
+    os.environ.update(_rank_env())
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return ctx
+
+
 class RankPool:
     """``world`` live ranks; ``run(fn, ...)`` calls ``fn`` on all of them and returns their results."""
 
     def __init__(self, world: int):
         self.world = world
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         fd, self.store_path = tempfile.mkstemp(prefix="mp-store-")
         os.close(fd)
         os.unlink(self.store_path)

@@ -36,6 +36,10 @@ import torch  # noqa: E402
 
 SURVIVOR_LIMIT_S = 45.0
 SAVES_PER_TRIAL = 2
+ROLL_CALL_S = 0.2
+"""The survivor's roll call (``errors.ROLL_CALL_S``, 3 s by default) in a trial's job: the roll call
+waits for other survivors, and a 2-rank job has none, so its wait always ends at the limit with the
+dead rank named; a shorter limit names the same rank without the survivor idling 3 s per kill."""
 ASYNC_ENV = "MODELPARALLEL_KILL_ASYNC"
 """Set to 1 (``--async``): the trials save asynchronously, so kills land in the background writer."""
 FULL_ENV = "MODELPARALLEL_KILL_FULL"
@@ -79,8 +83,9 @@ def _job(rank: int, root: Path, trial: int, kill_at: int, store: str) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     import modelparallel as smp
-    from modelparallel.checkpoint.safety import commit
+    from modelparallel.checkpoint.safety import commit, errors
 
+    errors.ROLL_CALL_S = ROLL_CALL_S  # this forked job's own copy of the module
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
                             timeout=timedelta(seconds=30))
     smp.init({"tensor_parallel_degree": 2, "random_seed": 0})

@@ -54,12 +54,23 @@ def set_partition(module: nn.Module, index: int) -> None:
     if not isinstance(module, nn.Module):
         raise TypeError(f"smp.set_partition: expected an nn.Module, got {type(module).__name__}")
     index = _check_index(index, "smp.set_partition")
-    placed = module.__dict__.get("_mp_stage_of")
+    placed = _placed(module)
     if placed is not None and placed != index:
         raise ValueError(f"smp.set_partition({type(module).__name__}, {index}): the model was already split "
                          f"and this module runs on partition {placed}; call set_partition before the first "
                          "@smp.step call (or before DistributedModel with auto_partition true)")
     setattr(module, MARK, index)
+
+
+def _placed(module: nn.Module) -> int | None:
+    """The stage the split put ``module`` on, looking through activation wrappers (PyTorch's
+    checkpoint and offload wrappers hold the block as ``_checkpoint_wrapped_module``)."""
+    while module is not None:
+        placed = module.__dict__.get("_mp_stage_of")
+        if placed is not None:
+            return placed
+        module = module._modules.get("_checkpoint_wrapped_module")
+    return None
 
 
 def partition_of(model: nn.Module, path: str, default: int) -> tuple[int, bool]:

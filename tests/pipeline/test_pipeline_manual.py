@@ -11,6 +11,7 @@ after ``DistributedModel``, the optimizer still holds parameters the split repla
 import copy
 
 import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 import harness
@@ -52,13 +53,19 @@ def _script(pp):
         smp.set_partition(mine[0], 1 - smp.pp_rank())
     except ValueError as e:
         late = str(e)
-    return model.module._mp_stage.ranges, [len(g["params"]) for g in opt.param_groups], late
+    wrapped_late = None
+    try:  # a block wrapped after the split (PyTorch's checkpoint wrapper) is refused the same way
+        smp.set_partition(checkpoint_wrapper(mine[0]), 1 - smp.pp_rank())
+    except ValueError as e:
+        wrapped_late = str(e)
+    return model.module._mp_stage.ranges, [len(g["params"]) for g in opt.param_groups], late, wrapped_late
 
 
 def test_set_partition_after_distributed_model_as_sagemaker_scripts_do():
     out = harness.run(2, _script, 2)
     assert all(r[0] == ((0, 2), (2, 4)) for r in out)
     assert all("the model was already split and this module runs on partition" in r[2] for r in out)
+    assert all(r[3] is not None and "the model was already split" in r[3] for r in out), out
 
 
 def _context():

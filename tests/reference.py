@@ -270,3 +270,14 @@ def context_replicas_train_like_one_process(ref, opt_ref, model, optimizer, back
         mean = mean.item() / (replicas * smp.cp_size())
         rel = abs(mean - want.item()) / abs(want.item())
         assert rel < training_rtol(step), f"step {step}: loss {mean} vs one process {want.item()} (rel {rel:.1e})"
+
+
+def count_block_runs(module) -> dict[str, int]:
+    """Per block, how many times the inside of its checkpointed region runs (a forward and, when
+    checkpointing is on, a recompute: counted at each block's ``input_layernorm``)."""
+    runs = {}
+    for name, m in module.named_modules():
+        if name.endswith("input_layernorm"):
+            runs[name] = 0
+            m.register_forward_pre_hook(lambda *_, n=name: runs.__setitem__(n, runs[n] + 1))
+    return runs

@@ -22,7 +22,8 @@ from torch import nn
 
 from ..compat import torch_checkpoint_wrappers as _wrappers
 
-_INNER = "_checkpoint_wrapped_module"
+INNER = "_checkpoint_wrapped_module"
+"""Where PyTorch's activation wrappers hold the module they wrap."""
 
 
 def _next_wrapper(module: nn.Module) -> tuple[nn.Module, str, nn.Module] | None:
@@ -49,7 +50,7 @@ def lifted(module: nn.Module, marks: tuple[str, ...] = (), caller: str = "smp.Di
     taken = []
     while (found := _next_wrapper(module)) is not None:
         parent, name, wrapper = found
-        inner = parent._modules[name] = wrapper._modules[_INNER]
+        inner = parent._modules[name] = wrapper._modules[INNER]
         copied = [m for m in marks if m in wrapper.__dict__ and m not in inner.__dict__]
         inner.__dict__.update((m, wrapper.__dict__[m]) for m in copied)
         taken.append((parent, name, wrapper, inner, copied))
@@ -60,5 +61,5 @@ def lifted(module: nn.Module, marks: tuple[str, ...] = (), caller: str = "smp.Di
             for m in copied:
                 inner.__dict__.pop(m, None)
             if parent._modules.get(name) is not None:
-                wrapper._modules[_INNER] = parent._modules[name]
+                wrapper._modules[INNER] = parent._modules[name]
                 parent._modules[name] = wrapper

@@ -15,6 +15,7 @@ import contextlib
 
 from torch import nn
 
+from ..activations.wrappers import INNER
 from ..tp.creation_marks import CreationMarks
 
 MARK = "_mp_partition"  # the attribute a module's partition index is kept in
@@ -64,12 +65,12 @@ def set_partition(module: nn.Module, index: int) -> None:
 
 def _placed(module: nn.Module) -> int | None:
     """The stage the split put ``module`` on, looking through activation wrappers (PyTorch's
-    checkpoint and offload wrappers hold the block as ``_checkpoint_wrapped_module``)."""
+    checkpoint and offload wrappers hold the block under ``wrappers.INNER``)."""
     while module is not None:
         placed = module.__dict__.get("_mp_stage_of")
         if placed is not None:
             return placed
-        module = module._modules.get("_checkpoint_wrapped_module")
+        module = module._modules.get(INNER)
     return None
 
 

@@ -21,20 +21,10 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import harness
 import modelparallel as smp
-from reference import assert_replicas_train_like_one_process, sharded, token_batches
+from reference import assert_replicas_train_like_one_process, count_block_runs, sharded, token_batches
 from test_v2_fsdp import llama_cfg
 
 STEPS = 3
-
-
-def count_block_runs(model) -> dict[str, int]:
-    """Per block, how many times the inside of its checkpointed region runs."""
-    runs = {}
-    for name, m in model.named_modules():
-        if name.endswith("input_layernorm"):
-            runs[name] = 0
-            m.register_forward_pre_hook(lambda *_, n=name: runs.__setitem__(n, runs[n] + 1))
-    return runs
 
 
 def checkpointed_before_transform(fsdp: bool):

@@ -30,7 +30,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 import harness
 import modelparallel as smp
 from modelparallel.activations.wrappers import lifted
-from reference import training_rtol
+from reference import count_block_runs, training_rtol
 from test_pipeline_training import assert_stage_grads_match, build, global_batch, my_rows, train_step
 
 MICROBATCHES = 2
@@ -88,17 +88,6 @@ def checkpointed_steps(form: str, when: str, config: dict, partitions: tuple[int
     local = {n: runs[n] for n, _ in model.module.named_modules() if n in runs}  # counted before a deferred split
     assert local and all(n == 2 * 2 * MICROBATCHES for n in local.values()), runs  # 2 steps, forward + recompute
     return losses
-
-
-def count_block_runs(module) -> dict[str, int]:
-    """Per local block, how many times the inside of its checkpointed region runs (a forward
-    and a recompute per microbatch when checkpointing is on)."""
-    runs = {}
-    for name, m in module.named_modules():
-        if name.endswith("input_layernorm"):
-            runs[name] = 0
-            m.register_forward_pre_hook(lambda *_, n=name: runs.__setitem__(n, runs[n] + 1))
-    return runs
 
 
 def build_like(ref):

@@ -141,7 +141,7 @@ class AsyncSaver:
         try:
             self.stager.copy_deferred(live=True)
         except BaseException:
-            self.stager.deferred.clear()  # the save failed: its snapshots are not moved
+            self.stager.abandon()  # the save failed: its snapshots are not moved
             raise
         finally:
             if self.job is not None:

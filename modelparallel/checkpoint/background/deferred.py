@@ -2,10 +2,13 @@
 
 A tensor whose copy is left to the background thread (``async_save.Stager.defer``) may be
 changed in place before that copy by any means: ``p.data.mul_()`` and numpy views bypass the
-version counter. So the call takes the CRC32 of its bytes (``fingerprint``; ``Early`` reads them
-in a few threads while the call does its other work, where a rank has a core to spare), and the
-copy is compared with it (``Deferred``). Reading is the cheaper way: a CRC32 (zlib-ng) reads about
-1.7x faster than a copy writes (``bench/bench_v2_async_save.py``'s ``read_vs_copy``).
+version counter. Where the kernel tracks writes, the call write-protects its pages
+(``pages.PageWatch``) and the background thread asks after the copy whether any was written:
+nothing is read in the call. Elsewhere the call takes the CRC32 of its bytes (``fingerprint``;
+``Early`` reads them in a few threads while the call does its other work, where a rank has a core
+to spare), and the copy is compared with it (``Deferred``). Reading is the cheaper of the two other
+ways: a CRC32 (zlib-ng) reads about 1.7x faster than a copy writes
+(``bench/bench_v2_async_save.py``'s ``read_vs_copy``).
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ class Deferred:
     event: Any = None
     watched: tuple = ()
     versions: tuple = ()
+    pages: Any = None
+    """For ``HOST``: the tensor's pages write-protected at the call (``pages.Protected``; ``crc`` is
+    then the CRC32 of its bytes outside them), or None (``crc`` covers all its bytes)."""
 
     def __post_init__(self):
         self.versions = tuple(t._version for t in self.watched)
@@ -64,7 +70,10 @@ class Deferred:
         device, after the call's work on the tensor's stream."""
         if self.kind == HOST:
             self.buffer.copy_(self.local.detach())
-            same = fingerprint(self.buffer) == self.crc
+            if self.pages is None:
+                same = fingerprint(self.buffer) == self.crc
+            else:  # asked after the copy: no page written since the call means the copy is the call's
+                same = self.pages.edges(self.buffer) == self.crc and not self.pages.written()
         else:  # on the side stream: after the call's work (a stream copy: after itself)
             with after(self.event, self.local.device, streams):
                 if self.kind != STREAM:

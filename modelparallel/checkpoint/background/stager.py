@@ -6,10 +6,12 @@ reused by the next save when shapes and dtypes match. What only an optimizer ste
 while the call copies at once what a forward can change (buffers, the loss scaler, step counters,
 anything else); the optimizer's step waits until that copy is done (``async_save.Job.hold``).
 Anything else that changes a deferred tensor in place, by any means (``p.data.mul_()``, a numpy
-view, another thread), is caught on the memory itself: the call takes the CRC32 of each deferred
-host tensor's bytes (a read at memory speed, about half the cost of copying them), and the
-background thread compares it with the CRC32 of its copy; a tensor whose copy differs fails that
-save on every rank, naming it, so a checkpoint never holds values other than the call's. The
+view, another thread), is caught on the memory itself: where the kernel tracks writes
+(``pages``), the call write-protects the tensor's pages and the background thread asks, after its
+copy, whether any was written; elsewhere the call takes the CRC32 of the tensor's bytes (a read at
+memory speed, about half the cost of copying them) and the background thread compares it with
+the CRC32 of its copy. A tensor written in between fails that save on every rank, naming it, so a
+checkpoint never holds values other than the call's. The
 version counters of the tensor and its aliases (FSDP's original parameters over a flat one) are
 compared too, which also refuses a change through an alias that missed the saved memory. A
 deferred tensor on a GPU takes one of the ways in ``device`` (a copy ordered on its stream, a
@@ -28,6 +30,9 @@ from torch.distributed.tensor import DTensor
 from ...tp.layout import from_local_like
 from .deferred import HOST, LIVE, SNAPSHOT, STREAM, Deferred, Early, fingerprint
 from .device import Pinner, Room, Streams, spare_bytes, word_sum
+from .pages import PageWatch
+
+_UNOPENED = object()
 
 
 class StagedTensorChanged(RuntimeError):
@@ -69,6 +74,19 @@ class Stager:
         self._lock = threading.Lock()
         self.pinner = Pinner(self._lock)
         self.streams = Streams()
+        self._pages: Any = _UNOPENED
+
+    @property
+    def pages(self) -> PageWatch | None:
+        """The kernel's write tracking for deferred host tensors (opened at the first use; None
+        where unavailable, and where a test sets it so: the call reads the tensors instead)."""
+        if self._pages is _UNOPENED:
+            self._pages = PageWatch.open()
+        return self._pages
+
+    @pages.setter
+    def pages(self, watch: PageWatch | None) -> None:
+        self._pages = watch
 
     @property
     def nbytes(self) -> int:
@@ -81,6 +99,14 @@ class Stager:
         self.pinner.halt()
         self.copied_bytes = self.deferred_bytes = 0
         self.room = Room(self.spare)
+        if self.pages is not None:
+            self.pages.start()
+
+    def abandon(self) -> None:
+        """A save failed before its deferred copies: drop them and clear their page protections."""
+        self.deferred.clear()
+        if self.pages is not None:
+            self.pages.release()
 
     def pin_later(self) -> None:
         """After a save is written: pin GPU tensors' buffers in the background (``device``); the
@@ -103,7 +129,11 @@ class Stager:
         """Start the CRC32s of ``tensors`` (those ``defer`` will get) in a thread now, so that
         the call's other work (state dicts, collectives) overlaps their reading; the save's
         call must not return before ``defer`` took them. ``None``: drop what is left. Without a
-        core to spare for them (``Early.pays``) nothing starts: ``defer`` reads them itself."""
+        core to spare for them (``Early.pays``) nothing starts: ``defer`` reads them itself.
+        Tensors whose writes the kernel tracks (``pages``) are not read."""
+        if tensors and self.pages is not None:
+            self.pages.start()
+            tensors = [t for t in tensors if not self.pages.eligible(t)]
         self._early = Early(tensors) if tensors and Early.pays() else None
 
     def _crc(self, local: torch.Tensor) -> int:
@@ -113,7 +143,8 @@ class Stager:
     def defer(self, name: str, source: torch.Tensor, local: torch.Tensor, buf: torch.Tensor,
               aliases: tuple = ()) -> None:
         """Leave the copy of ``local`` (``source``'s local tensor) into ``buf`` to
-        ``copy_deferred``, recording the CRC32 of its bytes now, and the version counters of
+        ``copy_deferred``, write-protecting its pages (``pages``) or recording the CRC32 of its
+        bytes now, and the version counters of
         ``source``, ``local`` and ``aliases`` (e.g. FSDP's original parameters over a flat one).
         A GPU tensor takes one of the ways in ``device``; a non-contiguous host one is copied now."""
         watched = (source, local, *aliases)
@@ -123,7 +154,9 @@ class Stager:
             self.copy_now(local, buf)
             return
         else:
-            self.deferred.append(Deferred(name, buf, local, HOST, self._crc(local), None, watched))
+            pages = self.pages.protect(local) if self.pages is not None else None
+            crc = pages.edges(local) if pages is not None else self._crc(local)
+            self.deferred.append(Deferred(name, buf, local, HOST, crc, None, watched, pages=pages))
         self.deferred_bytes += buf.numel() * buf.element_size()
 
     def _on_device(self, name: str, local: torch.Tensor, buf: torch.Tensor, watched: tuple) -> Deferred:
@@ -207,10 +240,14 @@ class Stager:
         counter (or an alias's) moved."""
         pending = [d for d in self.deferred if d.reads_live == live]
         self.deferred = [d for d in self.deferred if d.reads_live != live]
-        if self.before_copy is not None and pending:
-            self.before_copy()
-        with torch.no_grad():
-            changed = [d.name for d in pending if not d.copy(self.streams)]
+        try:
+            if self.before_copy is not None and pending:
+                self.before_copy()
+            with torch.no_grad():
+                changed = [d.name for d in pending if not d.copy(self.streams)]
+        finally:
+            if live and self.pages is not None:  # each copy was checked right after it was made
+                self.pages.release()
         if changed:
             raise StagedTensorChanged(
                 f"{len(changed)} tensor(s) changed in place after {self.wording[0]} returned and before they were "

@@ -100,7 +100,7 @@ def save(path: Path, tag: str, model, optimizer, user_content: Any, keep: int | 
     try:
         run_phase("save (stage)", lambda: found.update(states=saver.stager.stage(states, defer)))
     except Exception:
-        saver.stager.deferred.clear()
+        saver.stager.abandon()
         phases.discard()
         raise
     finally:

@@ -216,7 +216,7 @@ def _plan_and_stage(state_dict, writer, planner, custom: bool, group: Group, sav
             staged = stage(planner, plan, None if staging == "none" else saver.stager, deferred_keys)
         except Exception as e:  # noqa: BLE001 - raised by this rank's write, so by finish() on every rank
             error = e
-            saver.stager.deferred.clear()
+            saver.stager.abandon()
     return staged, error, plan, metadata, hidden
 
 

@@ -1,0 +1,262 @@
+"""Which pages of host memory were written since a moment, told by the kernel, not by reading them.
+
+An asynchronous save leaves the copy of what only the optimizer's step changes to its background
+thread, so it must know whether anything wrote those bytes between the call and the copy, by any
+means (``p.data``, a numpy view, another thread: the version counter sees none of these). Reading
+the bytes at the call (a CRC32) answers that but costs a pass over them in the call: about as
+long as a quarter of a synchronous save's write. Linux (6.7 and later) answers it for a page-table
+walk: memory registered with a userfaultfd in asynchronous write-protect mode can be write-
+protected (``protect``: a flag per page table entry, nothing copied, nothing read), every later
+write clears that page's flag without stopping the writer, and ``PAGEMAP_SCAN`` lists the pages
+whose flag is gone (``written``). After the copy the flags are cleared (``release``) so the
+optimizer's step pays no fault per page.
+
+Only whole pages a tensor's bytes cover alone are protected; the bytes it shares a page with
+other memory (at most a page's worth at each end) are still read at the call (``Protected``), so a
+write to a neighbour is never taken for a write to the tensor. Only private anonymous memory is
+watched (the heap, ``malloc``'s own mappings): a file or shared mapping can change without a
+write through this process's page tables. Where the kernel, the architecture or a sandbox
+refuses any step (``open`` returns None), the caller reads the bytes as before.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import logging
+import mmap
+import os
+import platform
+import sys
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..safety.crc import crc32
+
+logger = logging.getLogger("modelparallel")
+
+_SYSCALL = {"x86_64": 323, "aarch64": 282}
+"""``userfaultfd``'s system call number by machine."""
+PAGE = mmap.PAGESIZE
+MIN_BYTES = 1 << 16
+"""Smaller tensors are read at the call: a few system calls cost more than reading them."""
+
+
+def _iowr(kind: int, nr: int, size: int) -> int:
+    return (3 << 30) | (size << 16) | (kind << 8) | nr
+
+
+_UFFDIO_API, _UFFDIO_REGISTER, _UFFDIO_WRITEPROTECT = _iowr(0xAA, 0x3F, 24), _iowr(0xAA, 0x00, 32), _iowr(0xAA, 0x06, 24)
+_PAGEMAP_SCAN = _iowr(ord("f"), 16, 96)
+_UFFD_API, _USER_MODE_ONLY, _REGISTER_WP = 0xAA, 1, 2
+_WP_UNPOPULATED, _WP_ASYNC = 1 << 13, 1 << 15
+_PAGE_IS_WRITTEN, _CHECK_WPASYNC = 1 << 1, 1 << 1
+_VEC = 8
+"""Regions one ``PAGEMAP_SCAN`` may return: one written page is enough to know."""
+
+
+class _Kernel:
+    """The two system calls, with their errors as ``OSError``."""
+
+    def __init__(self):
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.libc.syscall.restype = ctypes.c_long
+        self.libc.ioctl.argtypes = (ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p)
+
+    def userfaultfd(self) -> int:
+        fd = self.libc.syscall(_SYSCALL[platform.machine()], os.O_CLOEXEC | os.O_NONBLOCK | _USER_MODE_ONLY)
+        if fd < 0:
+            raise OSError(ctypes.get_errno(), "userfaultfd")
+        return fd
+
+    def ioctl(self, fd: int, request: int, *words: int) -> tuple[int, ctypes.Array]:
+        arg = (ctypes.c_uint64 * len(words))(*words)
+        ret = self.libc.ioctl(fd, request, ctypes.addressof(arg))
+        if ret < 0:
+            raise OSError(ctypes.get_errno(), f"ioctl {request:#x}")
+        return ret, arg
+
+
+def _private_anonymous(line: str) -> bool:
+    """A ``/proc/self/maps`` line for memory only this process's own writes can change."""
+    fields = line.split(None, 5)
+    name = fields[5].strip() if len(fields) > 5 else ""
+    return fields[1] == "rw-p" and (name in ("", "[heap]") or name.startswith("[anon:"))
+
+
+class PageWatch:
+    """A userfaultfd in asynchronous write-protect mode and this process's pagemap, with the
+    ranges protected by the save in progress (``release`` clears them)."""
+
+    def __init__(self, kernel: _Kernel, uffd: int, pagemap: int):
+        self.kernel, self.uffd, self.pagemap = kernel, uffd, pagemap
+        self.protected: list[tuple[int, int]] = []
+        self.min_bytes = MIN_BYTES
+        self._maps: tuple[list[int], list[tuple[int, int, bool]]] | None = None
+        self._registered: set[int] = set()
+        self._reread = False
+        self._vec = (ctypes.c_uint64 * (3 * _VEC))()
+        weakref.finalize(self, _close, uffd, pagemap)
+
+    @classmethod
+    def open(cls) -> PageWatch | None:
+        """A watch, or None where this machine cannot give one (logged once at debug level)."""
+        if sys.platform != "linux" or platform.machine() not in _SYSCALL:
+            return None
+        fds: list[int] = []
+        try:
+            kernel = _Kernel()
+            fds.append(kernel.userfaultfd())
+            _, api = kernel.ioctl(fds[0], _UFFDIO_API, _UFFD_API, _WP_ASYNC | _WP_UNPOPULATED, 0)
+            if api[1] & (_WP_ASYNC | _WP_UNPOPULATED) != _WP_ASYNC | _WP_UNPOPULATED:
+                raise OSError(0, "no asynchronous write-protect")
+            fds.append(os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC))
+            watch = cls(kernel, *fds)
+            watch._probe()
+            return watch
+        except (OSError, AttributeError, KeyError) as e:
+            for fd in fds:
+                os.close(fd)
+            logger.debug("write tracking unavailable (%s): asynchronous saves read deferred tensors at the call", e)
+            return None
+
+    def _probe(self) -> None:
+        """Protect two pages of a fresh mapping, write the second: exactly it must show."""
+        area = mmap.mmap(-1, 2 * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        view = np.frombuffer(area, dtype=np.uint8)
+        try:
+            lo = view.ctypes.data
+            self.kernel.ioctl(self.uffd, _UFFDIO_REGISTER, lo, 2 * PAGE, _REGISTER_WP, 0)
+            view[:] = 1
+            self._protect(lo, lo + 2 * PAGE)
+            view[PAGE] = 2
+            if self.written(lo, lo + PAGE) or not self.written(lo + PAGE, lo + 2 * PAGE):
+                raise OSError(0, "write tracking probe gave wrong pages")
+            self._protect(lo, lo + 2 * PAGE, on=False)
+        finally:
+            del view
+            area.close()
+
+    def start(self) -> None:
+        """Begin a save: clear what an earlier one left protected; the process's mappings are read
+        again at the first question (and kept until ``release``: the saved tensors exist
+        throughout)."""
+        self.release()
+        self._maps, self._reread = None, False
+        self._registered.clear()
+
+    def _vmas(self) -> tuple[list[int], list[tuple[int, int, bool]]]:
+        if self._maps is None:
+            with open("/proc/self/maps") as f:
+                spans = []
+                for line in f:
+                    lo, hi = line.split("-", 1)[0], line.split("-", 1)[1].split(None, 1)[0]
+                    spans.append((int(lo, 16), int(hi, 16), _private_anonymous(line)))
+            self._maps = ([s[0] for s in spans], spans)
+        return self._maps
+
+    def eligible(self, t: torch.Tensor) -> bool:
+        """Whether ``protect`` would take ``t``: a contiguous host tensor of ``min_bytes`` or more
+        (and a whole page at least), in private anonymous memory."""
+        nbytes = t.numel() * t.element_size()
+        if t.device.type != "cpu" or not t.is_contiguous() or nbytes < max(self.min_bytes, 3 * PAGE):
+            return False
+        return self._covering(t.data_ptr(), t.data_ptr() + nbytes) is not None
+
+    def _covering(self, lo: int, hi: int) -> list[tuple[int, int, bool]] | None:
+        """The mappings that hold ``[lo, hi)``, if all private anonymous and without a gap (the
+        mappings are read again once per save if they hold none of it: memory mapped since)."""
+        found = self._within(lo, hi)
+        if found is None and not self._reread and not any(s[0] <= lo < s[1] for s in self._vmas()[1]):
+            self._maps, self._reread = None, True
+            found = self._within(lo, hi)
+        return found
+
+    def _within(self, lo: int, hi: int) -> list[tuple[int, int, bool]] | None:
+        starts, spans = self._vmas()
+        i = bisect.bisect_right(starts, lo) - 1
+        out, at = [], lo
+        while 0 <= i < len(spans) and at < hi:
+            vma = spans[i]
+            if not (vma[0] <= at < vma[1] and vma[2]):
+                return None
+            out.append(vma)
+            at, i = vma[1], i + 1
+        return out if at >= hi else None
+
+    def protect(self, t: torch.Tensor) -> Protected | None:
+        """Write-protect the pages ``t`` covers alone; None (the caller reads ``t`` instead) if it
+        is not ``eligible`` or the kernel refuses."""
+        if not self.eligible(t):
+            return None
+        start = t.data_ptr()
+        end = start + t.numel() * t.element_size()
+        lo, hi = -(-start // PAGE) * PAGE, end // PAGE * PAGE
+        try:
+            for vma in self._covering(start, end):
+                if vma[0] not in self._registered:
+                    self.kernel.ioctl(self.uffd, _UFFDIO_REGISTER, vma[0], vma[1] - vma[0], _REGISTER_WP, 0)
+                    self._registered.add(vma[0])
+            self._protect(lo, hi)
+        except OSError as e:
+            logger.debug("write tracking refused for %#x-%#x (%s): read at the call instead", lo, hi, e)
+            return None
+        self.protected.append((lo, hi))
+        return Protected(self, lo, hi, lo - start, end - hi)
+
+    def _protect(self, lo: int, hi: int, on: bool = True) -> None:
+        self.kernel.ioctl(self.uffd, _UFFDIO_WRITEPROTECT, lo, hi - lo, 1 if on else 0)
+
+    def written(self, lo: int, hi: int) -> bool:
+        """Whether any page of ``[lo, hi)`` was written since it was protected (an error reading
+        the flags counts as written: a save is never trusted on a question the kernel did not answer)."""
+        try:
+            found, _ = self.kernel.ioctl(self.pagemap, _PAGEMAP_SCAN, 96, _CHECK_WPASYNC, lo, hi, 0,
+                                         ctypes.addressof(self._vec), _VEC, 1, 0, _PAGE_IS_WRITTEN, 0,
+                                         _PAGE_IS_WRITTEN)
+        except OSError as e:
+            logger.debug("write tracking scan of %#x-%#x failed (%s)", lo, hi, e)
+            return True
+        return found > 0
+
+    def release(self) -> None:
+        """Clear every protection of the save in progress (nothing is checked after its copies;
+        writes then cost no fault)."""
+        ranges, self.protected = self.protected, []
+        self._maps = None  # read again by the next save: memory may be mapped and unmapped meanwhile
+        for lo, hi in ranges:
+            try:
+                self._protect(lo, hi, on=False)
+            except OSError as e:  # its memory was unmapped since: nothing left to clear
+                logger.debug("write tracking release of %#x-%#x failed (%s)", lo, hi, e)
+
+
+@dataclass
+class Protected:
+    """A tensor watched by ``PageWatch``: its whole pages ``[lo, hi)`` protected, and the ``head``
+    and ``tail`` bytes it shares pages with other memory, whose CRC32 the caller takes."""
+
+    watch: PageWatch
+    lo: int
+    hi: int
+    head: int
+    tail: int
+
+    def edges(self, t: torch.Tensor) -> int:
+        """CRC32 of ``t``'s bytes outside the protected pages (``t``: the tensor or its copy)."""
+        flat = t.detach().reshape(-1).view(torch.uint8).numpy()
+        return crc32(flat[len(flat) - self.tail:], crc32(flat[:self.head]))
+
+    def written(self) -> bool:
+        return self.watch.written(self.lo, self.hi)
+
+
+def _close(*fds: int) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass

@@ -1,0 +1,192 @@
+"""The kernel's write tracking for asynchronous saves (``checkpoint/background/pages.py``): a
+deferred host tensor's pages are write-protected at the call and asked about after the copy.
+
+A failure means a write after the call could reach a checkpoint unseen (a page not protected, a
+scan that misses a write, an edge byte nobody reads), a write to a neighbouring tensor fails a
+save it does not concern, memory another process can change is trusted to the page flags, or the
+protections outlive the save (every later write would fault). One process; where the machine
+gives no write tracking (``PageWatch.open()`` is None: not Linux 6.7+, or a sandbox refusing
+userfaultfd) the tests that need it are skipped, and the last test shows the CRC32 path catching
+the same edits.
+"""
+
+import ctypes
+import os
+import platform
+import threading
+
+import pytest
+import torch
+
+from modelparallel.checkpoint.background import pages as pages_mod
+from modelparallel.checkpoint.background.pages import PAGE, PageWatch
+from modelparallel.checkpoint.background.stager import StagedTensorChanged, Stager
+
+WATCH = PageWatch.open()
+needs_watch = pytest.mark.skipif(WATCH is None, reason="no asynchronous write-protect on this machine")
+
+
+def _kernel_offers_it() -> bool:
+    """Asked of the kernel directly, not through the code under test: a userfaultfd whose
+    handshake grants asynchronous write-protect (and write-protect of unpopulated pages), and a
+    pagemap that answers PAGEMAP_SCAN."""
+    number = {"x86_64": 323, "aarch64": 282}.get(platform.machine())
+    if number is None or not os.path.exists("/proc/self/pagemap"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.ioctl.argtypes = (ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p)
+    fd = libc.syscall(number, os.O_CLOEXEC | 1)  # 1: user-mode faults only (allowed unprivileged)
+    if fd < 0:
+        return False
+    try:
+        api = (ctypes.c_uint64 * 3)(0xAA, (1 << 15) | (1 << 13), 0)
+        if libc.ioctl(fd, (3 << 30) | (24 << 16) | (0xAA << 8) | 0x3F, ctypes.addressof(api)) < 0:
+            return False
+    finally:
+        os.close(fd)
+    pagemap = os.open("/proc/self/pagemap", os.O_RDONLY)
+    try:
+        scan = (ctypes.c_uint64 * 12)(96, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)  # an empty range
+        return libc.ioctl(pagemap, (3 << 30) | (96 << 16) | (ord("f") << 8) | 16, ctypes.addressof(scan)) >= 0
+    finally:
+        os.close(pagemap)
+
+
+def test_write_tracking_is_used_wherever_the_kernel_offers_it():
+    assert (WATCH is not None) == _kernel_offers_it(), (
+        "PageWatch.open() disagrees with the kernel: a probe that fails on a kernel offering write tracking "
+        "(every save would read its tensors), or one that trusts a kernel that does not")
+
+
+def _edits(t: torch.Tensor) -> dict:
+    """Ways to write one element of ``t`` that its version counter does not see, by position."""
+    n = t.numel()
+    return {
+        "data, first element": lambda: t.data[0].add_(1),
+        "numpy, middle page": lambda: t.detach().numpy().__setitem__(n // 2, 7.0),
+        "memset, last element": lambda: ctypes.memset(t.data_ptr() + (n - 1) * t.element_size(), 0x41, 1),
+        "another thread": lambda: _in_thread(lambda: t.data[n // 3].mul_(3)),
+    }
+
+
+def _in_thread(fn) -> None:
+    worker = threading.Thread(target=fn)
+    worker.start()
+    worker.join()
+
+
+def _stager(watch) -> Stager:
+    stager = Stager()
+    stager.pages = watch
+    stager.begin()  # as every save's staging does
+    return stager
+
+
+def _defer(stager: Stager, name: str, t: torch.Tensor) -> torch.Tensor:
+    buf = stager.buffer((name,), t)
+    stager.defer(name, t, t, buf)
+    return buf
+
+
+@needs_watch
+def test_every_write_after_the_call_is_seen_and_reads_are_not():
+    for what in _edits(torch.zeros(1)):
+        t = torch.randn(50_000)
+        WATCH.start()
+        mark = WATCH.protect(t)
+        assert mark is not None and mark.hi - mark.lo >= PAGE, "a 200 kB tensor is watched"
+        edges = mark.edges(t)
+        t.sum(), t.clone(), t.detach().numpy().copy()
+        assert not mark.written(), "reads were taken for writes"
+        _edits(t)[what]()
+        inside = mark.lo <= _written_address(t, what) < mark.hi
+        seen = mark.written() if inside else mark.edges(t) != edges
+        WATCH.release()
+        assert seen, f"{what}: a write {'to a protected page' if inside else 'to an edge byte'} was missed"
+
+
+def _written_address(t: torch.Tensor, what: str) -> int:
+    n = t.numel()
+    index = {"data, first element": 0, "numpy, middle page": n // 2, "memset, last element": n - 1,
+             "another thread": n // 3}[what]
+    return t.data_ptr() + index * t.element_size()
+
+
+@needs_watch
+def test_the_stager_names_a_tensor_written_before_its_copy_and_keeps_the_rest():
+    for what in _edits(torch.zeros(1)):
+        stager = _stager(WATCH)
+        a, b = torch.randn(50_000), torch.randn(70_000)
+        want_b = b.clone()
+        _defer(stager, "a", a)
+        buf_b = _defer(stager, "b", b)
+        assert all(d.pages is not None for d in stager.deferred), "both tensors are watched, not read"
+        _edits(a)[what]()
+        with pytest.raises(StagedTensorChanged, match=r"1 tensor\(s\) .* a\. "):
+            stager.copy_deferred()
+        assert torch.equal(buf_b, want_b), what
+        assert WATCH.protected == [], "protections outlived the save"
+
+
+@needs_watch
+def test_a_neighbour_sharing_a_page_does_not_fail_the_save_but_the_shared_bytes_are_checked():
+    flat = torch.randn(100_000)
+    cut = 40_000 + 7  # not on a page boundary: the two halves share a page
+    a, b = flat[:cut], flat[cut:]
+    stager = _stager(WATCH)
+    want = a.clone()
+    buf = _defer(stager, "a", a)
+    b.data[0] = 5.0  # the neighbour, on a's last (shared) page
+    stager.copy_deferred()
+    assert torch.equal(buf, want), "a write to the neighbour changed the copy"
+    stager.begin()
+    _defer(stager, "a", a)
+    a.data[-1] = 5.0  # a's own byte on the shared page: not protected, read at the call instead
+    with pytest.raises(StagedTensorChanged, match="a"):
+        stager.copy_deferred()
+
+
+@needs_watch
+def test_memory_another_process_can_write_is_read_not_watched():
+    shared = torch.randn(50_000).share_memory_()
+    small = torch.randn(100)
+    assert not WATCH.eligible(shared), "shared memory changes without this process's page tables"
+    assert not WATCH.eligible(small) and not WATCH.eligible(torch.randn(400, 400).t())
+    stager = _stager(WATCH)
+    _defer(stager, "shared", shared)
+    assert stager.deferred[0].pages is None
+    shared.detach().numpy()[123] += 1
+    with pytest.raises(StagedTensorChanged, match="shared"):
+        stager.copy_deferred()
+
+
+@needs_watch
+def test_protections_end_with_the_copy_and_with_an_abandoned_save():
+    t = torch.randn(50_000)
+    stager = _stager(WATCH)
+    _defer(stager, "t", t)
+    mark = stager.deferred[0].pages
+    assert not mark.written()
+    stager.copy_deferred()
+    assert mark.written(), "the page flags are still set after the copy: the next step would fault per page"
+    stager.begin()
+    _defer(stager, "t", t)
+    mark = stager.deferred[0].pages
+    stager.abandon()
+    assert mark.written() and stager.deferred == [] and WATCH.protected == []
+
+
+def test_without_write_tracking_the_call_reads_the_tensors_and_catches_the_same_edits(monkeypatch):
+    def refused(self):
+        raise OSError(1, "userfaultfd (refused by the sandbox)")
+
+    monkeypatch.setattr(pages_mod._Kernel, "userfaultfd", refused)
+    stager = Stager()
+    assert stager.pages is None, "a refused userfaultfd must leave the CRC32 path"
+    for what in _edits(torch.zeros(1)):
+        t = torch.randn(50_000)
+        _defer(stager, "t", t)
+        assert stager.deferred[0].pages is None and stager.deferred[0].crc is not None
+        _edits(t)[what]()
+        with pytest.raises(StagedTensorChanged, match="t"):
+            stager.copy_deferred()

@@ -173,25 +173,34 @@ def _edits(model, optimizer) -> dict:
             "numpy view": lambda: local.detach().numpy().__imul__(3.0)}
 
 
-def edits_that_bypass_version_counters(path: str, early: bool = False) -> dict:
+def edits_that_bypass_version_counters(path: str, way: str) -> dict:
     """Each edit, made while staging is held: the save is refused on every rank and the previous
-    newest still holds the values of its own call. ``early``: the CRC32s read by threads while
-    the call does the rest (``Early``, used where a rank has a core to spare; forced here)."""
+    newest still holds the values of its own call. ``way``: ``"pages"``, the deferred tensors'
+    pages write-protected by the call (the kernel's write tracking, ``background/pages.py``; its
+    size floor lowered to this model's shards); ``"early"``, their CRC32s read by threads while the
+    call does the rest (``Early``, used where a rank has a core to spare; forced here); ``"read"``,
+    read by the call as it stages."""
     pays, take, taken = Early.pays, Early.take, []
-    Early.pays = classmethod(lambda cls: early)
+    Early.pays = classmethod(lambda cls: way == "early")
     Early.take = lambda self, t: taken.append(1) or take(self, t)
     try:
-        return {**_edits_that_bypass_version_counters(path), "taken": len(taken)}
+        return {**_edits_that_bypass_version_counters(path, way), "taken": len(taken)}
     finally:
         Early.pays, Early.take = pays, take
 
 
-def _edits_that_bypass_version_counters(path: str) -> dict:
-    model, optimizer = build()
+def _edits_that_bypass_version_counters(path: str, way: str) -> dict:
+    model, optimizer = build(n_embd=64)  # c_fc's shard: 32 kB, eight pages
+    stager = _saver().stager
+    watched: set = set()
+    stager.defer = _recording(stager, watched)
+    if way == "pages":
+        stager.pages.min_bytes = 0
+    else:
+        stager.pages = None
     smp.save_checkpoint(path, "a", async_save=True)
     smp.wait_for_checkpoints()
     want = snapshot(model, optimizer)
-    stager = runtime.current().checkpoint_saver.stager
     out = {}
     for i, (what, edit) in enumerate(_edits(model, optimizer).items()):
         release = threading.Event()
@@ -203,21 +212,36 @@ def _edits_that_bypass_version_counters(path: str) -> dict:
     stager.before_copy = None
     smp.barrier()
     out["newest"] = commit.read_newest(path)
-    fresh, fresh_opt = build(seed=5)
+    fresh, fresh_opt = build(seed=5, n_embd=64)
     smp.resume_from_checkpoint(path)
     out["intact"] = changed(want, snapshot(fresh, fresh_opt))
+    out["watched"] = sorted(watched)
     return out
 
 
-@pytest.mark.parametrize("early", [False, True])
-def test_changes_through_data_and_numpy_fail_the_save(tmp_path, early):
-    results = harness.run(2, edits_that_bypass_version_counters, str(tmp_path), early)
+def _recording(stager, watched: set):
+    """``stager.defer`` adding the names of the tensors it left to write tracking to ``watched``."""
+    defer = stager.defer
+
+    def recording(name, *args, **kwargs):
+        defer(name, *args, **kwargs)
+        if stager.deferred and stager.deferred[-1].name == name and stager.deferred[-1].pages is not None:
+            watched.add(name)
+
+    return recording
+
+
+@pytest.mark.parametrize("way", ["read", "early", "pages"])
+def test_changes_through_data_and_numpy_fail_the_save(tmp_path, way):
+    results = harness.run(2, edits_that_bypass_version_counters, str(tmp_path), way)
     for r in results:
-        assert (r["taken"] > 0) == early, r["taken"]
+        assert (r["taken"] > 0) == (way == "early"), r["taken"]
         assert r["newest"] == "a_partial" and r["intact"] == [], r
         for what in ("data.clamp_", "data.mul_", "numpy view"):
             assert "model.transformer.h.0.mlp.c_fc.weight" in r[what] and "changed in place" in r[what], (what, r)
         assert "changed in place" in r["exp_avg.data.zero_"] and "exp_avg" in r["exp_avg.data.zero_"], r
+        edited = {"model.transformer.h.0.mlp.c_fc.weight", "optimizer.optimizer.state.transformer.h.0.mlp.c_fc.weight.exp_avg"}
+        assert (edited <= set(r["watched"])) if way == "pages" else r["watched"] == [], r["watched"]
 
 
 def test_the_stager_compares_bytes_for_every_dtype_and_copies_views_at_once():

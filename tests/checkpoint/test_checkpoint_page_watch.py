@@ -190,3 +190,16 @@ def test_without_write_tracking_the_call_reads_the_tensors_and_catches_the_same_
         _edits(t)[what]()
         with pytest.raises(StagedTensorChanged, match="t"):
             stager.copy_deferred()
+
+
+@needs_watch
+def test_two_savers_in_one_process_take_turns_with_the_same_memory():
+    """A v1 saver and a v2 queue (or a job started again) each have a watch; a mapping belongs
+    to one watch only while that watch's save stages, so each save is watched, not read."""
+    t = torch.randn(50_000)
+    for stager in (_stager(PageWatch.open()), _stager(PageWatch.open()), _stager(PageWatch.open())):
+        _defer(stager, "t", t)
+        assert stager.deferred[0].pages is not None, "the memory was still held by another saver's watch"
+        t.data[25_000] += 1
+        with pytest.raises(StagedTensorChanged, match="t"):
+            stager.copy_deferred()

@@ -50,6 +50,7 @@ def _iowr(kind: int, nr: int, size: int) -> int:
 
 
 _UFFDIO_API, _UFFDIO_REGISTER, _UFFDIO_WRITEPROTECT = _iowr(0xAA, 0x3F, 24), _iowr(0xAA, 0x00, 32), _iowr(0xAA, 0x06, 24)
+_UFFDIO_UNREGISTER = (2 << 30) | (16 << 16) | (0xAA << 8) | 0x01
 _PAGEMAP_SCAN = _iowr(ord("f"), 16, 96)
 _UFFD_API, _USER_MODE_ONLY, _REGISTER_WP = 0xAA, 1, 2
 _WP_UNPOPULATED, _WP_ASYNC = 1 << 13, 1 << 15
@@ -96,7 +97,9 @@ class PageWatch:
         self.protected: list[tuple[int, int]] = []
         self.min_bytes = MIN_BYTES
         self._maps: tuple[list[int], list[tuple[int, int, bool]]] | None = None
-        self._registered: set[int] = set()
+        self._registered: dict[int, int] = {}
+        """Mappings registered for the save in progress (start -> end): only for its duration, so
+        another watch in the process (another saver) can register them for its own saves."""
         self._reread = False
         self._vec = (ctypes.c_uint64 * (3 * _VEC))()
         weakref.finalize(self, _close, uffd, pagemap)
@@ -146,7 +149,6 @@ class PageWatch:
         throughout)."""
         self.release()
         self._maps, self._reread = None, False
-        self._registered.clear()
 
     def _vmas(self) -> tuple[list[int], list[tuple[int, int, bool]]]:
         if self._maps is None:
@@ -199,7 +201,7 @@ class PageWatch:
             for vma in self._covering(start, end):
                 if vma[0] not in self._registered:
                     self.kernel.ioctl(self.uffd, _UFFDIO_REGISTER, vma[0], vma[1] - vma[0], _REGISTER_WP, 0)
-                    self._registered.add(vma[0])
+                    self._registered[vma[0]] = vma[1]
             self._protect(lo, hi)
         except OSError as e:
             logger.debug("write tracking refused for %#x-%#x (%s): read at the call instead", lo, hi, e)
@@ -224,14 +226,20 @@ class PageWatch:
 
     def release(self) -> None:
         """Clear every protection of the save in progress (nothing is checked after its copies;
-        writes then cost no fault)."""
+        writes then cost no fault) and its registrations."""
         ranges, self.protected = self.protected, []
+        registered, self._registered = self._registered, {}
         self._maps = None  # read again by the next save: memory may be mapped and unmapped meanwhile
         for lo, hi in ranges:
-            try:
-                self._protect(lo, hi, on=False)
-            except OSError as e:  # its memory was unmapped since: nothing left to clear
-                logger.debug("write tracking release of %#x-%#x failed (%s)", lo, hi, e)
+            self._quietly(_UFFDIO_WRITEPROTECT, lo, hi - lo, 0)
+        for lo, hi in registered.items():
+            self._quietly(_UFFDIO_UNREGISTER, lo, hi - lo)
+
+    def _quietly(self, request: int, *words: int) -> None:
+        try:
+            self.kernel.ioctl(self.uffd, request, *words)
+        except OSError as e:  # the memory was unmapped since: nothing left to clear
+            logger.debug("write tracking: %#x over %#x-%#x failed (%s)", request, words[0], words[0] + words[1], e)
 
 
 @dataclass

@@ -140,23 +140,44 @@ def test_an_in_place_change_before_staging_fails_the_save_on_every_rank(tmp_path
 def _edits(model, optimizer) -> dict:
     """In-place changes that bypass every version counter: through ``.data`` and numpy, on an
     original parameter (FSDP's view into the flat parameter saved) and on an optimizer slot."""
-    p = next(q for q in model.parameters() if q.numel() > 0)
+    p = max(model.parameters(), key=lambda q: q.numel())  # large enough for write tracking's pages
     slot = optimizer.state[p]["exp_avg"]
     return {"param.data.clamp_": lambda: p.data.clamp_(-1e-4, 1e-4),
             "param numpy view": lambda: p.detach().numpy().__imul__(3.0),
             "exp_avg.data.zero_": lambda: slot.data.zero_()}
 
 
-def edits_bypassing_version_counters(root: str, early: bool) -> dict:
+def _recording(stager, watched: set):
+    """``stager.defer`` adding the names of the tensors it left to write tracking to ``watched``
+    (looked at in the call: the background thread takes the list as soon as the call returns)."""
+    defer = stager.defer
+
+    def recording(name, *args, **kwargs):
+        defer(name, *args, **kwargs)
+        if stager.deferred and stager.deferred[-1].name == name and stager.deferred[-1].pages is not None:
+            watched.add(name)
+
+    return recording
+
+
+def edits_bypassing_version_counters(root: str, way: str) -> dict:
     """Each edit made right after ``async_save`` returned, staging held: the save fails on every
-    rank. ``early``: the CRC32s read by threads while the call plans (``Early``, used where a
-    rank has a core to spare, forced here), else by the call as it stages."""
+    rank. ``way``: ``"pages"``, the tensors' pages write-protected by the call (the kernel's write
+    tracking, ``background/pages.py``; its size floor lowered to this model's shards); ``"early"``,
+    their CRC32s read by threads while the call plans (``Early``, used where a rank has a core to
+    spare, forced here); ``"read"``, by the call as it stages."""
     tsm.init({"tensor_parallel_degree": 1})
     model, optimizer = build()
     train_step(model, optimizer, 0)
-    queue, out, taken = AsyncCallsQueue(), {}, []
+    queue, out, taken, watched = AsyncCallsQueue(), {}, [], set()
+    stager = queue.saver.stager
+    stager.defer = _recording(stager, watched)
+    if way == "pages":
+        stager.pages.min_bytes = 0
+    else:
+        stager.pages = None
     pays, take = Early.pays, Early.take
-    Early.pays = classmethod(lambda cls: early)
+    Early.pays = classmethod(lambda cls: way == "early")
     Early.take = lambda self, t: taken.append(1) or take(self, t)
     try:
         for what, edit in _edits(model, optimizer).items():
@@ -171,15 +192,21 @@ def edits_bypassing_version_counters(root: str, early: bool) -> dict:
     finally:
         Early.pays, Early.take = pays, take
     dist.barrier()
-    return {**out, "taken": len(taken), "left": sorted(os.listdir(root))}
+    return {**out, "taken": len(taken), "watched": sorted(watched), "left": sorted(os.listdir(root))}
 
 
-@pytest.mark.parametrize("early", [False, True])
-def test_changes_through_data_and_numpy_fail_the_save(tmp_path, early):
-    for r in harness.run(2, edits_bypassing_version_counters, str(tmp_path), early):
+@pytest.mark.parametrize("way", ["read", "early", "pages"])
+def test_changes_through_data_and_numpy_fail_the_save(tmp_path, way):
+    for r in harness.run(2, edits_bypassing_version_counters, str(tmp_path), way):
         for what in ("param.data.clamp_", "param numpy view", "exp_avg.data.zero_"):
             assert "changed in place after async_save returned" in r[what], (what, r[what])
-        assert (r["taken"] > 0) == early, r["taken"]
+        assert (r["taken"] > 0) == (way == "early"), r["taken"]
+        named = [r[what].split("returned and before they were staged: ")[1].split(". ")[0] for what in r
+                 if what.startswith(("param", "exp_avg"))]
+        if way == "pages":  # the edited tensors were watched by their pages, not read
+            assert all(name in r["watched"] for names in named for name in names.split(", ")), (named, r["watched"])
+        else:
+            assert r["watched"] == [], r["watched"]
         assert r["left"] == [], f"a failed save left {r['left']}"
 
 

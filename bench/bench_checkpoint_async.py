@@ -16,6 +16,8 @@ Two ranks (TP=2, one thread each) hold a GPT-2 with AdamW state (``bench_checkpo
   programs held the cores); then
   training steps while the background write runs (their time against steps without a save: the
   slowdown), then ``wait_for_checkpoints`` (the time to commit after the call);
+* ``async_read``: the same with the kernel's write tracking turned off (the call reads every
+  deferred tensor for its CRC32, as on a machine without it: ``background/pages.py``);
 * ``async_sync_staging``: the same with ``async_staging=False`` (everything copied in the call);
 * the staging bytes of the asynchronous saver (copied in the call / left to the background) and
   the peak RSS above the process's RSS before the saves (VmHWM reset through
@@ -59,10 +61,18 @@ def _step(model, optimizer) -> None:
     optimizer.zero_grad()
 
 
-def _async_round(model, optimizer, work: Path, tag: str, steps: int, background: bool) -> dict:
+_WATCH: dict = {}
+"""The saver's write tracking, kept while a round turns it off."""
+
+
+def _async_round(model, optimizer, work: Path, tag: str, steps: int, background: bool, watch: bool = True) -> dict:
     import modelparallel as smp
     from modelparallel import runtime
+    from modelparallel.checkpoint.api import _saver
 
+    stager = _saver().stager
+    _WATCH.setdefault("watch", stager.pages)
+    stager.pages = _WATCH["watch"] if watch else None
     cpu = []
 
     def save() -> None:
@@ -102,7 +112,7 @@ def worker(args) -> None:
     model, optimizer = base._build(args.preset)
     work = Path(args.work)
     quiet = [base._timed(lambda: _step(model, optimizer)) for _ in range(3)]
-    rows: dict[str, list] = {"disk": [], "sync": [], "dcp": [], "async": [], "async_sync_staging": []}
+    rows: dict[str, list] = {"disk": [], "sync": [], "dcp": [], "async": [], "async_read": [], "async_sync_staging": []}
     rss_base = common.reset_peak()
     for r in range(-1, args.repeats):
         rows["sync"].append(base._timed(lambda: smp.save_checkpoint(work / "sync", f"r{r}",
@@ -113,6 +123,7 @@ def worker(args) -> None:
         if smp.rank() == 0:
             shutil.rmtree(work / f"dcp{r}")
         rows["async"].append(_async_round(model, optimizer, work, f"r{r}", args.steps, True))
+        rows["async_read"].append(_async_round(model, optimizer, work, f"c{r}", args.steps, True, watch=False))
         rows["async_sync_staging"].append(_async_round(model, optimizer, work, f"s{r}", args.steps, False))
         if r < 0:
             rows = {k: [] for k in rows}
@@ -121,15 +132,19 @@ def worker(args) -> None:
     asy = {k: statistics.median(x[k] for x in rows["async"]) for k in rows["async"][0]}
     quiet_s = statistics.median(quiet)
     spread = {f"{mode}.{k}": _spread([x[k] / (med["sync"] if k == "blocked_s" else 1) for x in rows[mode]])
-              for mode in ("async", "async_sync_staging") for k in ("blocked_s", "call_s", "hook_wait_s")}
+              for mode in ("async", "async_read", "async_sync_staging") for k in ("blocked_s", "call_s", "hook_wait_s")}
+    spread.update({f"{mode}.{k}": _spread([x[k] for x in rows[mode]]) for mode in ("async", "async_read")
+                   for k in ("call_cpu_s", "first_step_s")})
     spread.update({f"{mode}.step_slowdown": _spread([x["step_s_during"] / quiet_s for x in rows[mode]])
-                   for mode in ("async", "async_sync_staging")})
+                   for mode in ("async", "async_read", "async_sync_staging")})
+    read = {k: statistics.median(x[k] for x in rows["async_read"]) for k in rows["async_read"][0]}
     result = {"preset": args.preset, "checkpoint_bytes": size, "steps_during_async": args.steps,
               "seconds": rows, "disk_mb_s": size / 1e6 / med["disk"], "sync_mb_s": size / 1e6 / med["sync"],
               "dcp_mb_s": size / 1e6 / med["dcp"], "sync_vs_disk": med["disk"] / med["sync"],
               "async_blocked_s": asy["blocked_s"], "async_blocked_vs_sync": asy["blocked_s"] / med["sync"],
               "async_call_s": asy["call_s"], "async_call_cpu_s": asy["call_cpu_s"],
-              "async_hook_wait_s": asy["hook_wait_s"],
+              "async_hook_wait_s": asy["hook_wait_s"], "write_tracking": _WATCH.get("watch") is not None,
+              "async_read_blocked_vs_sync": read["blocked_s"] / med["sync"], "async_read_call_cpu_s": read["call_cpu_s"],
               "async_sync_staging_blocked_vs_sync": statistics.median(x["blocked_s"] for x in rows["async_sync_staging"])
               / med["sync"],
               "spread": spread, "spread_note": "blocked_s entries are fractions of the median sync save",
@@ -169,6 +184,8 @@ def main() -> None:
           f"({100 * result['async_blocked_vs_sync']:.1f}% of a sync save: call {result['async_call_s']:.3f} s "
           f"(CPU {result.get('async_call_cpu_s', float('nan')):.3f} s) + "
           f"step hook {result['async_hook_wait_s']:.3f} s; spread {_pct(result['spread']['async.blocked_s'])}; "
+          f"write tracking {'on' if result['write_tracking'] else 'unavailable'}; without it (reading) "
+          f"{100 * result['async_read_blocked_vs_sync']:.1f}%, CPU {result['async_read_call_cpu_s']:.3f} s; "
           f"staging in the call {100 * result['async_sync_staging_blocked_vs_sync']:.1f}%), committed after "
           f"{result['async_committed_s']:.2f} s, steps {result['step_slowdown_during_async']:.2f}x slower meanwhile; "
           f"staging {result['staging_bytes'] / 1e6:.0f} MB ({result['staged_in_background_bytes'] / 1e6:.0f} MB in the "

@@ -351,6 +351,27 @@ def test_async_saves_stage_device_tensors_without_pinning_in_the_call(device, tm
             assert torch.equal(got[key], value), f"{tag} {key}: the resumed value differs from the call's"
 
 
+def test_host_memory_a_device_writes_by_dma_is_read_at_the_call_not_watched(device):
+    """Pinned host memory (a GPU writes it by DMA, past the page tables that write tracking asks)
+    is read for its CRC32 at the call; an ordinary host tensor is watched by its pages where the
+    kernel tracks writes. Either way a write after the call, here a copy from the device, fails
+    the staging, naming the tensor."""
+    from modelparallel.checkpoint.background.stager import StagedTensorChanged, Stager
+
+    stager = Stager()
+    stager.begin()
+    host = torch.randn(50_000)
+    host = host.pin_memory() if device.type == "cuda" else host
+    buf = stager.buffer(("host",), host)
+    stager.defer("host", host, host, buf)
+    watched = stager.deferred[0].pages is not None
+    assert not (watched and device.type == "cuda"), "pinned memory was left to the page flags"
+    assert watched == (device.type == "cpu" and stager.pages is not None)
+    host.data.copy_(torch.ones(50_000, device=device))  # a DMA write on a GPU
+    with pytest.raises(StagedTensorChanged, match="host"):
+        stager.copy_deferred()
+
+
 def _kept(deferred, kinds: list):
     kinds.append(deferred.kind)
     return deferred

@@ -14,8 +14,9 @@ optimizer's step pays no fault per page.
 Only whole pages a tensor's bytes cover alone are protected; the bytes it shares a page with
 other memory (at most a page's worth at each end) are still read at the call (``Protected``), so a
 write to a neighbour is never taken for a write to the tensor. Only private anonymous memory is
-watched (the heap, ``malloc``'s own mappings): a file or shared mapping can change without a
-write through this process's page tables. Where the kernel, the architecture or a sandbox
+watched (the heap, ``malloc``'s own mappings), not pinned for a GPU: a file or shared mapping
+can change without a write through this process's page tables, and a device writes pinned memory
+by DMA. Where the kernel, the architecture or a sandbox
 refuses any step (``open`` returns None), the caller reads the bytes as before.
 """
 
@@ -27,6 +28,7 @@ import logging
 import mmap
 import os
 import platform
+import re
 import sys
 import weakref
 from dataclasses import dataclass
@@ -81,11 +83,13 @@ class _Kernel:
         return ret, arg
 
 
-def _private_anonymous(line: str) -> bool:
-    """A ``/proc/self/maps`` line for memory only this process's own writes can change."""
-    fields = line.split(None, 5)
-    name = fields[5].strip() if len(fields) > 5 else ""
-    return fields[1] == "rw-p" and (name in ("", "[heap]") or name.startswith("[anon:"))
+_MAPS_LINE = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ \S+ \S+ *(.*)$", re.M)
+"""A ``/proc/self/maps`` line: start, end, permissions, (offset, device, inode), name."""
+
+
+def _private_anonymous(perms: str, name: str) -> bool:
+    """Memory only this process's own writes can change (a mapping's permissions and name)."""
+    return perms == "rw-p" and (name in ("", "[heap]") or name.startswith("[anon:"))
 
 
 class PageWatch:
@@ -153,18 +157,19 @@ class PageWatch:
     def _vmas(self) -> tuple[list[int], list[tuple[int, int, bool]]]:
         if self._maps is None:
             with open("/proc/self/maps") as f:
-                spans = []
-                for line in f:
-                    lo, hi = line.split("-", 1)[0], line.split("-", 1)[1].split(None, 1)[0]
-                    spans.append((int(lo, 16), int(hi, 16), _private_anonymous(line)))
+                spans = [(int(m[1], 16), int(m[2], 16), _private_anonymous(m[3], m[4]))
+                         for m in _MAPS_LINE.finditer(f.read())]
             self._maps = ([s[0] for s in spans], spans)
         return self._maps
 
     def eligible(self, t: torch.Tensor) -> bool:
         """Whether ``protect`` would take ``t``: a contiguous host tensor of ``min_bytes`` or more
-        (and a whole page at least), in private anonymous memory."""
+        (and a whole page at least), in private anonymous memory, not pinned for a GPU (a copy
+        from the device writes it by DMA, past the page tables)."""
         nbytes = t.numel() * t.element_size()
         if t.device.type != "cpu" or not t.is_contiguous() or nbytes < max(self.min_bytes, 3 * PAGE):
+            return False
+        if torch.cuda.is_initialized() and t.is_pinned():  # nothing is pinned before CUDA starts
             return False
         return self._covering(t.data_ptr(), t.data_ptr() + nbytes) is not None
 

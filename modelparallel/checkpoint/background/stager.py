@@ -75,6 +75,8 @@ class Stager:
         self.pinner = Pinner(self._lock)
         self.streams = Streams()
         self._pages: Any = _UNOPENED
+        self._pages_started = False
+        """``fingerprint_early`` began this save's watch (its mappings read once per save)."""
 
     @property
     def pages(self) -> PageWatch | None:
@@ -99,8 +101,9 @@ class Stager:
         self.pinner.halt()
         self.copied_bytes = self.deferred_bytes = 0
         self.room = Room(self.spare)
-        if self.pages is not None:
+        if self.pages is not None and not self._pages_started:
             self.pages.start()
+        self._pages_started = False
 
     def abandon(self) -> None:
         """A save failed before its deferred copies: drop them and clear their page protections."""
@@ -131,9 +134,11 @@ class Stager:
         call must not return before ``defer`` took them. ``None``: drop what is left. Without a
         core to spare for them (``Early.pays``) nothing starts: ``defer`` reads them itself.
         Tensors whose writes the kernel tracks (``pages``) are not read."""
-        if tensors and self.pages is not None:
+        self._pages_started = bool(tensors) and self.pages is not None
+        if self._pages_started:  # this save's watch begins here (``begin`` then leaves it)
             self.pages.start()
-            tensors = [t for t in tensors if not self.pages.eligible(t)]
+            if Early.pays():
+                tensors = [t for t in tensors if not self.pages.eligible(t)]
         self._early = Early(tensors) if tensors and Early.pays() else None
 
     def _crc(self, local: torch.Tensor) -> int:

@@ -128,6 +128,26 @@ def _one_round(kind, model, optimizer, root, queue) -> dict:
     size = sum(f.stat().st_size for f in Path(where).rglob("*") if f.is_file())
     plain = _step(model, optimizer)
     hits = queue.plans.hits
+    watched = _async_part(kind, model, optimizer, queue, kwargs, group, watch=True)
+    read = _async_part(kind, model, optimizer, queue, kwargs, group, watch=False)
+    slow = common.slowest([sync, plain, made, *watched, *read])
+    names = ("async_blocked_s", "async_call_s", "hook_wait_s", "step_while_writing_s", "finalize_s", "async_call_cpu_s")
+    return dict(zip(("sync_s", "step_s", "state_dict_s", *names, *(f"read_{n}" for n in names)), slow),
+                bytes_on_this_rank=size, staging_bytes=queue.staging_bytes, plan_reused=queue.plans.hits > hits)
+
+
+_WATCH: dict = {}
+"""The queue's write tracking, kept while a round turns it off."""
+
+
+def _async_part(kind, model, optimizer, queue, kwargs, group, watch: bool) -> list[float]:
+    """One ``async_save`` with the kernel's write tracking (``watch``) or with the call reading the
+    deferred tensors (as where the kernel offers none): blocked, call, step wait, step, finalize,
+    call CPU (this rank)."""
+    from modelparallel.distributed.checkpoint.state_dict_saver import async_save
+
+    _WATCH.setdefault(id(queue), queue.saver.stager.pages)
+    queue.saver.stager.pages = _WATCH[id(queue)] if watch else None
     state_dict = _state_dict(kind, model, optimizer)
     t0, c0 = time.perf_counter(), time.process_time()
     async_save(state_dict, queue=queue, **kwargs)
@@ -137,22 +157,21 @@ def _one_round(kind, model, optimizer, root, queue) -> dict:
     during = _step(model, optimizer)  # its optimizer step waits for the background copy, if not done
     t0 = time.perf_counter()
     queue.maybe_finalize_async_calls(blocking=True, process_group=group)
-    finalize = time.perf_counter() - t0
-    slow = common.slowest([sync, call + job.held_s, call, job.held_s, plain, during, finalize, made, call_cpu])
-    return dict(zip(("sync_s", "async_blocked_s", "async_call_s", "hook_wait_s", "step_s", "step_while_writing_s",
-                     "finalize_s", "state_dict_s", "async_call_cpu_s"), slow),
-                bytes_on_this_rank=size, staging_bytes=queue.staging_bytes, plan_reused=queue.plans.hits > hits)
+    return [call + job.held_s, call, job.held_s, during, time.perf_counter() - t0, call_cpu]
 
 
 def _read_vs_copy(kind: str, model, optimizer, tries: int = 5) -> dict:
-    """What the call pays per deferred byte, both ways it could keep a checkpoint from a change
-    through ``.data`` (issue 41): the CRC-32 of every deferred tensor (what it does: the copy is
-    left to the background) against copying them all into reused buffers (what
+    """What the call pays per deferred byte, each way it could keep a checkpoint from a change
+    through ``.data`` (issue 41): write-protecting their pages and clearing it again (``protect_s``,
+    the kernel's write tracking, where it exists: the call pays the protection, the background
+    thread the clearing), the CRC-32 of every deferred tensor (where it does not: the copy is
+    left to the background) and copying them all into reused buffers (what
     ``background_staging=False`` does); medians over ``tries``, both ranks at once, slowest rank."""
     import torch
     import torch.distributed as dist
 
     from modelparallel.checkpoint.background.deferred import fingerprint
+    from modelparallel.checkpoint.background.pages import PageWatch
     from modelparallel.distributed.checkpoint.staging import deferrable
 
     memory: list = []
@@ -160,10 +179,19 @@ def _read_vs_copy(kind: str, model, optimizer, tries: int = 5) -> dict:
         deferrable(_state_dict(kind, model, optimizer), memory)
     memory = [t for t in memory if t.is_contiguous() and t.numel() > 0]
     buffers = [torch.empty_like(t) for t in memory]
-    times: dict[str, list] = {"crc_s": [], "copy_s": []}
+    times: dict[str, list] = {"crc_s": [], "copy_s": [], "protect_s": []}
+    watch = PageWatch.open()
+
+    def protect():
+        watch.start()
+        marks = [watch.protect(t) for t in memory]
+        watch.release()
+        return marks
+
     for _ in range(tries):
         for key, run in (("crc_s", lambda: [fingerprint(t) for t in memory]),
-                         ("copy_s", lambda: [b.copy_(t) for b, t in zip(buffers, memory)])):
+                         ("copy_s", lambda: [b.copy_(t) for b, t in zip(buffers, memory)]),
+                         ("protect_s", protect if watch is not None else lambda: None)):
             dist.barrier()
             t0 = time.perf_counter()
             run()
@@ -197,7 +225,11 @@ def rank_main(hidden: int, layers: int, repeats: int) -> dict:
             rounds = [_one_round(kind, model, optimizer, box[0], queues[kind]) for _ in range(repeats + 1)][1:]
             med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
             med["async_blocked_over_sync"] = med["async_blocked_s"] / med["sync_s"]
+            med["read_async_blocked_over_sync"] = med["read_async_blocked_s"] / med["sync_s"]
             spread = {"async_blocked_over_sync": _spread(r["async_blocked_s"] / r["sync_s"] for r in rounds),
+                      "read_async_blocked_over_sync": _spread(r["read_async_blocked_s"] / r["sync_s"] for r in rounds),
+                      "async_call_cpu_s": _spread(r["async_call_cpu_s"] for r in rounds),
+                      "read_async_call_cpu_s": _spread(r["read_async_call_cpu_s"] for r in rounds),
                       "step_slowdown_while_writing": _spread(r["step_while_writing_s"] / r["step_s"] for r in rounds),
                       "async_blocked_s": _spread(r["async_blocked_s"] for r in rounds)}
             out[kind] = {"median": med, "spread": spread, "rounds": rounds,
@@ -231,10 +263,12 @@ def main() -> None:
               f"{m['hook_wait_s']:.3f}s), "
               f"step {m['step_s']:.3f}s / while writing {m['step_while_writing_s']:.3f}s, "
               f"finalize {m['finalize_s']:.3f}s, state dicts {m['state_dict_s']:.3f}s, "
-              f"staging {m['staging_bytes'] / 1e6:.1f} MB/rank")
+              f"staging {m['staging_bytes'] / 1e6:.1f} MB/rank; without write tracking (reading): blocked "
+              f"{m['read_async_blocked_over_sync']:.1%}, call CPU {m['read_async_call_cpu_s']:.3f}s")
         rc = rec["read_vs_copy"]
         print(f"{kind}: the deferred {rc['bytes'] / 1e6:.1f} MB/rank: CRC-32 {rc['crc_s'] * 1e3:.1f} ms "
-              f"({rc['crc_gb_s']:.1f} GB/s), copy {rc['copy_s'] * 1e3:.1f} ms ({rc['copy_gb_s']:.1f} GB/s)")
+              f"({rc['crc_gb_s']:.1f} GB/s), copy {rc['copy_s'] * 1e3:.1f} ms ({rc['copy_gb_s']:.1f} GB/s), "
+              f"write-protect and clear {rc['protect_s'] * 1e3:.1f} ms")
     print(f"load average before {load_before}, after {result['load_average_after']}")
     common.write_result("v2_async_save", result, args.out)
 

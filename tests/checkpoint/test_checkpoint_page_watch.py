@@ -91,10 +91,11 @@ def _defer(stager: Stager, name: str, t: torch.Tensor) -> torch.Tensor:
 @needs_watch
 def test_every_write_after_the_call_is_seen_and_reads_are_not():
     for what in _edits(torch.zeros(1)):
-        t = torch.randn(50_000)
+        t = torch.randn(100_000)
         WATCH.start()
-        mark = WATCH.protect(t)
-        assert mark is not None and mark.hi - mark.lo >= PAGE, "a 200 kB tensor is watched"
+        mark = WATCH.claim(t)
+        assert mark is not None and mark.hi - mark.lo >= PAGE, "a 400 kB tensor is watched"
+        assert WATCH.protect_claimed() == []
         edges = mark.edges(t)
         t.sum(), t.clone(), t.detach().numpy().copy()
         assert not mark.written(), "reads were taken for writes"
@@ -116,10 +117,11 @@ def _written_address(t: torch.Tensor, what: str) -> int:
 def test_the_stager_names_a_tensor_written_before_its_copy_and_keeps_the_rest():
     for what in _edits(torch.zeros(1)):
         stager = _stager(WATCH)
-        a, b = torch.randn(50_000), torch.randn(70_000)
+        a, b = torch.randn(100_000), torch.randn(140_000)
         want_b = b.clone()
         _defer(stager, "a", a)
         buf_b = _defer(stager, "b", b)
+        stager.seal()
         assert all(d.pages is not None for d in stager.deferred), "both tensors are watched, not read"
         _edits(a)[what]()
         with pytest.raises(StagedTensorChanged, match=r"1 tensor\(s\) .* a\. "):
@@ -130,17 +132,19 @@ def test_the_stager_names_a_tensor_written_before_its_copy_and_keeps_the_rest():
 
 @needs_watch
 def test_a_neighbour_sharing_a_page_does_not_fail_the_save_but_the_shared_bytes_are_checked():
-    flat = torch.randn(100_000)
-    cut = 40_000 + 7  # not on a page boundary: the two halves share a page
+    flat = torch.randn(300_000)
+    cut = 140_000 + 7  # not on a page boundary: the two halves share a page
     a, b = flat[:cut], flat[cut:]
     stager = _stager(WATCH)
     want = a.clone()
     buf = _defer(stager, "a", a)
+    stager.seal()
     b.data[0] = 5.0  # the neighbour, on a's last (shared) page
     stager.copy_deferred()
     assert torch.equal(buf, want), "a write to the neighbour changed the copy"
     stager.begin()
     _defer(stager, "a", a)
+    stager.seal()
     a.data[-1] = 5.0  # a's own byte on the shared page: not protected, read at the call instead
     with pytest.raises(StagedTensorChanged, match="a"):
         stager.copy_deferred()
@@ -148,12 +152,13 @@ def test_a_neighbour_sharing_a_page_does_not_fail_the_save_but_the_shared_bytes_
 
 @needs_watch
 def test_memory_another_process_can_write_is_read_not_watched():
-    shared = torch.randn(50_000).share_memory_()
+    shared = torch.randn(100_000).share_memory_()
     small = torch.randn(100)
     assert not WATCH.eligible(shared), "shared memory changes without this process's page tables"
     assert not WATCH.eligible(small) and not WATCH.eligible(torch.randn(400, 400).t())
     stager = _stager(WATCH)
     _defer(stager, "shared", shared)
+    stager.seal()
     assert stager.deferred[0].pages is None
     shared.detach().numpy()[123] += 1
     with pytest.raises(StagedTensorChanged, match="shared"):
@@ -162,18 +167,23 @@ def test_memory_another_process_can_write_is_read_not_watched():
 
 @needs_watch
 def test_protections_end_with_the_copy_and_with_an_abandoned_save():
-    t = torch.randn(50_000)
+    t = torch.randn(100_000)
     stager = _stager(WATCH)
     _defer(stager, "t", t)
+    stager.seal()
     mark = stager.deferred[0].pages
     assert not mark.written()
     stager.copy_deferred()
     assert mark.written(), "the page flags are still set after the copy: the next step would fault per page"
+    assert WATCH._registered, "the registrations end after the step is released (settle), not with the copy"
+    stager.settle()
+    assert WATCH._registered == []
     stager.begin()
     _defer(stager, "t", t)
+    stager.seal()
     mark = stager.deferred[0].pages
     stager.abandon()
-    assert mark.written() and stager.deferred == [] and WATCH.protected == []
+    assert mark.written() and stager.deferred == [] and WATCH.protected == [] and WATCH._registered == []
 
 
 def test_without_write_tracking_the_call_reads_the_tensors_and_catches_the_same_edits(monkeypatch):
@@ -184,7 +194,7 @@ def test_without_write_tracking_the_call_reads_the_tensors_and_catches_the_same_
     stager = Stager()
     assert stager.pages is None, "a refused userfaultfd must leave the CRC32 path"
     for what in _edits(torch.zeros(1)):
-        t = torch.randn(50_000)
+        t = torch.randn(100_000)
         _defer(stager, "t", t)
         assert stager.deferred[0].pages is None and stager.deferred[0].crc is not None
         _edits(t)[what]()
@@ -196,10 +206,28 @@ def test_without_write_tracking_the_call_reads_the_tensors_and_catches_the_same_
 def test_two_savers_in_one_process_take_turns_with_the_same_memory():
     """A v1 saver and a v2 queue (or a job started again) each have a watch; a mapping belongs
     to one watch only while that watch's save stages, so each save is watched, not read."""
-    t = torch.randn(50_000)
+    t = torch.randn(100_000)
     for stager in (_stager(PageWatch.open()), _stager(PageWatch.open()), _stager(PageWatch.open())):
         _defer(stager, "t", t)
+        stager.seal()
         assert stager.deferred[0].pages is not None, "the memory was still held by another saver's watch"
         t.data[25_000] += 1
         with pytest.raises(StagedTensorChanged, match="t"):
             stager.copy_deferred()
+        stager.settle()  # as the background thread does once the step is released
+
+
+@needs_watch
+def test_memory_another_savers_save_holds_is_read_instead():
+    t = torch.randn(100_000)
+    first, second = _stager(PageWatch.open()), _stager(PageWatch.open())
+    _defer(first, "t", t)
+    first.seal()
+    _defer(second, "t", t)
+    second.seal()
+    assert first.deferred[0].pages is not None and second.deferred[0].pages is None, "refused: read instead"
+    t.data[25_000] += 1
+    for stager in (first, second):
+        with pytest.raises(StagedTensorChanged, match="t"):
+            stager.copy_deferred()
+        stager.settle()

@@ -146,6 +146,7 @@ class AsyncSaver:
         finally:
             if self.job is not None:
                 self.job.staged.set()
+            self.stager.settle()
         self.stager.copy_deferred(live=False)
 
     def wait_staged(self) -> None:

@@ -109,7 +109,12 @@ class Stager:
         """A save failed before its deferred copies: drop them and clear their page protections."""
         self.deferred.clear()
         if self.pages is not None:
-            self.pages.release()
+            self.pages.start()
+
+    def settle(self) -> None:
+        """After the held steps were released: end the save's page registrations (``pages``)."""
+        if self.pages is not None:
+            self.pages.unregister()
 
     def pin_later(self) -> None:
         """After a save is written: pin GPU tensors' buffers in the background (``device``); the
@@ -159,10 +164,20 @@ class Stager:
             self.copy_now(local, buf)
             return
         else:
-            pages = self.pages.protect(local) if self.pages is not None else None
+            pages = self.pages.claim(local) if self.pages is not None else None
             crc = pages.edges(local) if pages is not None else self._crc(local)
             self.deferred.append(Deferred(name, buf, local, HOST, crc, None, watched, pages=pages))
         self.deferred_bytes += buf.numel() * buf.element_size()
+
+    def seal(self) -> None:
+        """End the call's staging: the claimed pages write-protected at once (``pages``); a tensor
+        whose pages the kernel refused is read now instead."""
+        if self.pages is None:
+            return
+        failed = {id(mark) for mark in self.pages.protect_claimed()}
+        for d in self.deferred:
+            if d.pages is not None and id(d.pages) in failed:
+                d.pages, d.crc = None, fingerprint(d.local)
 
     def _on_device(self, name: str, local: torch.Tensor, buf: torch.Tensor, watched: tuple) -> Deferred:
         """A GPU tensor's way (``device``): a copy on a side stream into a pinned buffer, a
@@ -210,7 +225,9 @@ class Stager:
         autograd: a DTensor's ``to_local()`` is then its local tensor, not an autograd view."""
         self.begin()
         with torch.no_grad():
-            return self._stage(state, defer, ())
+            staged = self._stage(state, defer, ())
+        self.seal()
+        return staged
 
     def _stage(self, state: Any, defer, path: tuple) -> Any:
         if isinstance(state, DTensor):

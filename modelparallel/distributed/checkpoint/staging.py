@@ -161,4 +161,6 @@ def stage(planner: SavePlanner, plan, stager: Stager | None, deferred_keys: dict
             stager.defer(item.index.fqn, data, data, buf, deferred_keys[item.index.fqn])
         else:
             stager.copy_now(data, buf)
+    if stager is not None:
+        stager.seal()
     return staged

@@ -64,9 +64,14 @@ def _edits(t: torch.Tensor) -> dict:
     return {
         "data, first element": lambda: t.data[0].add_(1),
         "numpy, middle page": lambda: t.detach().numpy().__setitem__(n // 2, 7.0),
-        "memset, last element": lambda: ctypes.memset(t.data_ptr() + (n - 1) * t.element_size(), 0x41, 1),
+        "memset, last element": lambda: _flip_byte(t.data_ptr() + (n - 1) * t.element_size()),
         "another thread": lambda: _in_thread(lambda: t.data[n // 3].mul_(3)),
     }
+
+
+def _flip_byte(address: int) -> None:
+    """A raw write of one byte, always a change (its complement)."""
+    ctypes.memset(address, ~ctypes.c_ubyte.from_address(address).value & 0xFF, 1)
 
 
 def _in_thread(fn) -> None:
@@ -91,10 +96,10 @@ def _defer(stager: Stager, name: str, t: torch.Tensor) -> torch.Tensor:
 @needs_watch
 def test_every_write_after_the_call_is_seen_and_reads_are_not():
     for what in _edits(torch.zeros(1)):
-        t = torch.randn(100_000)
+        t = torch.randn(200_000)
         WATCH.start()
         mark = WATCH.claim(t)
-        assert mark is not None and mark.hi - mark.lo >= PAGE, "a 400 kB tensor is watched"
+        assert mark is not None and mark.hi - mark.lo >= PAGE, "an 800 kB tensor is watched"
         assert WATCH.protect_claimed() == []
         edges = mark.edges(t)
         t.sum(), t.clone(), t.detach().numpy().copy()
@@ -117,7 +122,7 @@ def _written_address(t: torch.Tensor, what: str) -> int:
 def test_the_stager_names_a_tensor_written_before_its_copy_and_keeps_the_rest():
     for what in _edits(torch.zeros(1)):
         stager = _stager(WATCH)
-        a, b = torch.randn(100_000), torch.randn(140_000)
+        a, b = torch.randn(200_000), torch.randn(280_000)
         want_b = b.clone()
         _defer(stager, "a", a)
         buf_b = _defer(stager, "b", b)
@@ -132,8 +137,8 @@ def test_the_stager_names_a_tensor_written_before_its_copy_and_keeps_the_rest():
 
 @needs_watch
 def test_a_neighbour_sharing_a_page_does_not_fail_the_save_but_the_shared_bytes_are_checked():
-    flat = torch.randn(300_000)
-    cut = 140_000 + 7  # not on a page boundary: the two halves share a page
+    flat = torch.randn(600_000)
+    cut = 280_000 + 7  # not on a page boundary: the two halves share a page
     a, b = flat[:cut], flat[cut:]
     stager = _stager(WATCH)
     want = a.clone()
@@ -152,7 +157,7 @@ def test_a_neighbour_sharing_a_page_does_not_fail_the_save_but_the_shared_bytes_
 
 @needs_watch
 def test_memory_another_process_can_write_is_read_not_watched():
-    shared = torch.randn(100_000).share_memory_()
+    shared = torch.randn(200_000).share_memory_()
     small = torch.randn(100)
     assert not WATCH.eligible(shared), "shared memory changes without this process's page tables"
     assert not WATCH.eligible(small) and not WATCH.eligible(torch.randn(400, 400).t())
@@ -167,7 +172,7 @@ def test_memory_another_process_can_write_is_read_not_watched():
 
 @needs_watch
 def test_protections_end_with_the_copy_and_with_an_abandoned_save():
-    t = torch.randn(100_000)
+    t = torch.randn(200_000)
     stager = _stager(WATCH)
     _defer(stager, "t", t)
     stager.seal()
@@ -194,7 +199,7 @@ def test_without_write_tracking_the_call_reads_the_tensors_and_catches_the_same_
     stager = Stager()
     assert stager.pages is None, "a refused userfaultfd must leave the CRC32 path"
     for what in _edits(torch.zeros(1)):
-        t = torch.randn(100_000)
+        t = torch.randn(200_000)
         _defer(stager, "t", t)
         assert stager.deferred[0].pages is None and stager.deferred[0].crc is not None
         _edits(t)[what]()
@@ -206,7 +211,7 @@ def test_without_write_tracking_the_call_reads_the_tensors_and_catches_the_same_
 def test_two_savers_in_one_process_take_turns_with_the_same_memory():
     """A v1 saver and a v2 queue (or a job started again) each have a watch; a mapping belongs
     to one watch only while that watch's save stages, so each save is watched, not read."""
-    t = torch.randn(100_000)
+    t = torch.randn(200_000)
     for stager in (_stager(PageWatch.open()), _stager(PageWatch.open()), _stager(PageWatch.open())):
         _defer(stager, "t", t)
         stager.seal()
@@ -219,7 +224,7 @@ def test_two_savers_in_one_process_take_turns_with_the_same_memory():
 
 @needs_watch
 def test_memory_another_savers_save_holds_is_read_instead():
-    t = torch.randn(100_000)
+    t = torch.randn(200_000)
     first, second = _stager(PageWatch.open()), _stager(PageWatch.open())
     _defer(first, "t", t)
     first.seal()

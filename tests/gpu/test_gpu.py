@@ -360,7 +360,7 @@ def test_host_memory_a_device_writes_by_dma_is_read_at_the_call_not_watched(devi
 
     stager = Stager()
     stager.begin()
-    host = torch.randn(100_000)
+    host = torch.randn(200_000)
     host = host.pin_memory() if device.type == "cuda" else host
     buf = stager.buffer(("host",), host)
     stager.defer("host", host, host, buf)
@@ -368,7 +368,7 @@ def test_host_memory_a_device_writes_by_dma_is_read_at_the_call_not_watched(devi
     watched = stager.deferred[0].pages is not None
     assert not (watched and device.type == "cuda"), "pinned memory was left to the page flags"
     assert watched == (device.type == "cpu" and stager.pages is not None)
-    host.data.copy_(torch.ones(100_000, device=device))  # a DMA write on a GPU
+    host.data.copy_(torch.ones(200_000, device=device))  # a DMA write on a GPU
     with pytest.raises(StagedTensorChanged, match="host"):
         stager.copy_deferred()
 

@@ -178,10 +178,10 @@ class PageWatch:
         return self._covering(t.data_ptr(), t.data_ptr() + nbytes) is not None
 
     def _covering(self, lo: int, hi: int) -> list[tuple[int, int, bool]] | None:
-        """The mappings that hold ``[lo, hi)``, if all private anonymous and without a gap (the
-        mappings are read again once per save if they hold none of it: memory mapped since)."""
+        """The mappings that hold ``[lo, hi)``, if all private anonymous and without a gap (on a
+        miss the mappings are read again, once per save: memory mapped since they were read)."""
         found = self._within(lo, hi)
-        if found is None and not self._reread and not any(s[0] <= lo < s[1] for s in self._vmas()[1]):
+        if found is None and not self._reread:
             self._maps, self._reread = None, True
             found = self._within(lo, hi)
         return found

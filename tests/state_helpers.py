@@ -30,3 +30,17 @@ def train_steps(model, optimizer, batches) -> list[float]:
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def recording_defers(stager, watched: set):
+    """``stager.defer`` that also adds to ``watched`` the names of the tensors it left to the
+    kernel's write tracking (``background/pages.py``) rather than to a CRC32 read. Looked at in
+    the call: the background thread takes the deferred list as soon as the call returns."""
+    defer = stager.defer
+
+    def recording(name, *args, **kwargs):
+        defer(name, *args, **kwargs)
+        if stager.deferred and stager.deferred[-1].name == name and stager.deferred[-1].pages is not None:
+            watched.add(name)
+
+    return recording

@@ -23,6 +23,7 @@ from modelparallel.checkpoint.safety import commit
 from modelparallel.checkpoint.api import _saver
 from modelparallel.checkpoint.background.deferred import Early
 from ckpt_helpers import build, changed, error_of, snapshot
+from state_helpers import recording_defers
 
 
 def _step(model, optimizer) -> None:
@@ -193,7 +194,7 @@ def _edits_that_bypass_version_counters(path: str, way: str) -> dict:
     model, optimizer = build(n_embd=64)  # c_fc's shard: 32 kB, eight pages
     stager = _saver().stager
     watched: set = set()
-    stager.defer = _recording(stager, watched)
+    stager.defer = recording_defers(stager, watched)
     if way == "pages":
         stager.pages.min_bytes = 0
     else:
@@ -217,18 +218,6 @@ def _edits_that_bypass_version_counters(path: str, way: str) -> dict:
     out["intact"] = changed(want, snapshot(fresh, fresh_opt))
     out["watched"] = sorted(watched)
     return out
-
-
-def _recording(stager, watched: set):
-    """``stager.defer`` adding the names of the tensors it left to write tracking to ``watched``."""
-    defer = stager.defer
-
-    def recording(name, *args, **kwargs):
-        defer(name, *args, **kwargs)
-        if stager.deferred and stager.deferred[-1].name == name and stager.deferred[-1].pages is not None:
-            watched.add(name)
-
-    return recording
 
 
 @pytest.mark.parametrize("way", ["read", "early", "pages"])

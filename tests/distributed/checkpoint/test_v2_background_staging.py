@@ -30,6 +30,7 @@ from modelparallel.distributed.checkpoint.async_utils import AsyncCallsQueue
 from modelparallel.distributed.checkpoint.saving import CheckpointSaveError
 from modelparallel.distributed.checkpoint.state_dict_utils import SMStateDictType, sm_state_dict_type
 from v2_script import build, load_local, load_sharded, replication_group, save_local, save_sharded, train_step
+from state_helpers import recording_defers
 
 
 def local_state(model, optimizer) -> dict:
@@ -147,19 +148,6 @@ def _edits(model, optimizer) -> dict:
             "exp_avg.data.zero_": lambda: slot.data.zero_()}
 
 
-def _recording(stager, watched: set):
-    """``stager.defer`` adding the names of the tensors it left to write tracking to ``watched``
-    (looked at in the call: the background thread takes the list as soon as the call returns)."""
-    defer = stager.defer
-
-    def recording(name, *args, **kwargs):
-        defer(name, *args, **kwargs)
-        if stager.deferred and stager.deferred[-1].name == name and stager.deferred[-1].pages is not None:
-            watched.add(name)
-
-    return recording
-
-
 def edits_bypassing_version_counters(root: str, way: str) -> dict:
     """Each edit made right after ``async_save`` returned, staging held: the save fails on every
     rank. ``way``: ``"pages"``, the tensors' pages write-protected by the call (the kernel's write
@@ -171,7 +159,7 @@ def edits_bypassing_version_counters(root: str, way: str) -> dict:
     train_step(model, optimizer, 0)
     queue, out, taken, watched = AsyncCallsQueue(), {}, [], set()
     stager = queue.saver.stager
-    stager.defer = _recording(stager, watched)
+    stager.defer = recording_defers(stager, watched)
     if way == "pages":
         stager.pages.min_bytes = 0
     else:

@@ -23,6 +23,7 @@ refuses any step (``open`` returns None), the caller reads the bytes as before.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import logging
 import mmap
@@ -299,7 +300,5 @@ class Protected:
 
 def _close(*fds: int) -> None:
     for fd in fds:
-        try:
+        with contextlib.suppress(OSError):
             os.close(fd)
-        except OSError:
-            pass

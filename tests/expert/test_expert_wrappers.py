@@ -1,0 +1,60 @@
+"""Activation checkpointing of an expert-parallel Mixtral made by SageMaker v2's
+``smp.transform(model, config=MoEConfig(...))``: PyTorch's ``apply_activation_checkpointing``
+applied before ``transform`` (the wrappers set aside while it shards, put back after;
+``activations/wrappers.py``) or after it, and Hugging Face's ``gradient_checkpointing_enable``
+after it. Each trains like one HF process with the same checkpointing (every replica its own
+batch; losses with the aux loss, every first-step gradient) and runs each block's region twice
+per step (forward + recompute).
+
+A failure in ``transform`` means the wrappers were not set aside; one run per step, that they
+were not put back around the blocks; a wrong gradient or a hang only when checkpointed, that the
+recompute repeats the experts' dispatch out of step (expert/dispatch.py).
+"""
+
+import copy
+
+import pytest
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, apply_activation_checkpointing
+from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
+
+import harness
+import modelparallel as smp
+from modelparallel.expert.config import MoEConfig
+from moe_reference import EXPERTS, reference_model, replica_batches, train_transformed_like_one_process
+from reference import count_block_runs
+
+STEPS = 2
+AUX = dict(moe_load_balancing="aux_loss", moe_aux_loss_coeff=0.05, moe_z_loss_coeff=0.0)
+
+
+def _checkpoint(model) -> None:
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, MixtralDecoderLayer))
+
+
+def checkpointed_experts(when: str, tp: int):
+    """``when``: "before" (PyTorch's wrappers before ``transform``), "after" (after it), "hf"
+    (``gradient_checkpointing_enable`` after it); the reference is checkpointed the same way."""
+    smp.init({"expert_parallel_degree": 2, "tensor_parallel_degree": tp, "prescaled_batch": True})
+    ref = reference_model("mixtral")
+    ref.config.use_cache = False  # PyTorch's recompute would write the forward's keys into the cache again
+    if when == "before":
+        _checkpoint(ref)
+    model = smp.transform(copy.deepcopy(ref), config=MoEConfig(**AUX))
+    if when == "after":
+        _checkpoint(ref)
+        _checkpoint(model)
+    elif when == "hf":
+        for m in (ref, model):
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    wrapped = when != "hf"
+    assert all((type(m) is CheckpointWrapper) == wrapped for m in model.model.layers), list(model.model.layers)
+    experts = next(p for name, p in model.named_parameters() if "experts" in name)
+    assert experts.to_local().shape[0] == EXPERTS // 2, (experts.placements, experts.to_local().shape)
+    runs = count_block_runs(model)
+    train_transformed_like_one_process(ref, model, replica_batches(STEPS, smp.rdp_size()), f"checkpointed {when}")
+    assert len(runs) == 2 and all(n == 2 * STEPS for n in runs.values()), runs
+
+
+@pytest.mark.parametrize("when, tp, world", [("before", 1, 2), ("before", 2, 4), ("after", 1, 2), ("hf", 1, 2)])
+def test_checkpointed_experts_train_like_one_process(when, tp, world):
+    harness.run(world, checkpointed_experts, when, tp)

@@ -1,4 +1,4 @@
-"""Activation checkpointing of an expert-parallel Mixtral made by SageMaker v2's
+"""Activation checkpointing of an expert-parallel Mixtral (and Qwen2-MoE) made by SageMaker v2's
 ``smp.transform(model, config=MoEConfig(...))``: PyTorch's ``apply_activation_checkpointing``
 applied before ``transform`` (the wrappers set aside while it shards, put back after;
 ``activations/wrappers.py``) or after it, and Hugging Face's ``gradient_checkpointing_enable``
@@ -16,6 +16,7 @@ import copy
 import pytest
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, apply_activation_checkpointing
 from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
+from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeDecoderLayer
 
 import harness
 import modelparallel as smp
@@ -24,18 +25,19 @@ from moe_reference import EXPERTS, reference_model, replica_batches, train_trans
 from reference import count_block_runs
 
 STEPS = 2
+BLOCKS = (MixtralDecoderLayer, Qwen2MoeDecoderLayer)
 AUX = dict(moe_load_balancing="aux_loss", moe_aux_loss_coeff=0.05, moe_z_loss_coeff=0.0)
 
 
 def _checkpoint(model) -> None:
-    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, MixtralDecoderLayer))
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, BLOCKS))
 
 
-def checkpointed_experts(when: str, tp: int):
+def checkpointed_experts(when: str, tp: int, arch: str):
     """``when``: "before" (PyTorch's wrappers before ``transform``), "after" (after it), "hf"
     (``gradient_checkpointing_enable`` after it); the reference is checkpointed the same way."""
     smp.init({"expert_parallel_degree": 2, "tensor_parallel_degree": tp, "prescaled_batch": True})
-    ref = reference_model("mixtral")
+    ref = reference_model(arch)
     ref.config.use_cache = False  # PyTorch's recompute would write the forward's keys into the cache again
     if when == "before":
         _checkpoint(ref)
@@ -52,9 +54,15 @@ def checkpointed_experts(when: str, tp: int):
     assert experts.to_local().shape[0] == EXPERTS // 2, (experts.placements, experts.to_local().shape)
     runs = count_block_runs(model)
     train_transformed_like_one_process(ref, model, replica_batches(STEPS, smp.rdp_size()), f"checkpointed {when}")
-    assert len(runs) == 2 and all(n == 2 * STEPS for n in runs.values()), runs
+    assert len(runs) == ref.config.num_hidden_layers and all(n == 2 * STEPS for n in runs.values()), runs
 
 
-@pytest.mark.parametrize("when, tp, world", [("before", 1, 2), ("before", 2, 4), ("after", 1, 2), ("hf", 1, 2)])
-def test_checkpointed_experts_train_like_one_process(when, tp, world):
-    harness.run(world, checkpointed_experts, when, tp)
+@pytest.mark.parametrize("when, tp, world, arch", [
+    ("before", 1, 2, "mixtral"),
+    ("before", 2, 4, "mixtral"),
+    ("before", 1, 2, "qwen2_moe"),  # a dense block between two sparse ones
+    ("after", 1, 2, "mixtral"),
+    ("hf", 1, 2, "mixtral"),
+])
+def test_checkpointed_experts_train_like_one_process(when, tp, world, arch):
+    harness.run(world, checkpointed_experts, when, tp, arch)

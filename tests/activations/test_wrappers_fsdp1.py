@@ -29,11 +29,12 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 import harness
 import modelparallel as smp
 from modelparallel.activations.wrappers import INNER
+from modelparallel.sagemaker.tensor_parallel.transformer import TransformerLayer
 from reference import (NOISE_FACTOR, _fp32_gradient_noise, count_block_runs, gathered, token_batches, tolerance,
                        training_rtol)
 
 VOCAB, STEPS, LR = 101, 2, 0.1
-POLICY = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
+UNITS = {"hf": LlamaDecoderLayer, "smp": TransformerLayer}  # the v2 scripts name SageMaker's block class
 
 
 def _checkpoint(model) -> None:
@@ -64,8 +65,9 @@ def _assert_updates_match(before, after, ref_grads, noise) -> None:
                                    msg=lambda m, n=name: f"update of {n}: {m}")
 
 
-def checkpointed_fsdp1(order: str, use_orig_params: bool):
-    """``order``: where PyTorch's wrappers go ("before_transform", "before_fsdp", "after_fsdp")."""
+def checkpointed_fsdp1(order: str, use_orig_params: bool, unit: str = "hf"):
+    """``order``: where PyTorch's wrappers go ("before_transform", "before_fsdp", "after_fsdp");
+    ``unit``: the block class FSDP1's policy names (``UNITS``)."""
     smp.init({"tensor_parallel_degree": 2})
     torch.manual_seed(0)
     ref = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -76,7 +78,9 @@ def checkpointed_fsdp1(order: str, use_orig_params: bool):
     model = smp.transform(model)
     if order == "before_fsdp":
         _checkpoint(model)
-    model = FSDP(model, auto_wrap_policy=POLICY, device_id=torch.device("cpu"), use_orig_params=use_orig_params)
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={UNITS[unit]})
+    model = FSDP(model, auto_wrap_policy=policy, device_id=torch.device("cpu"), use_orig_params=use_orig_params)
+    assert len(FSDP.fsdp_modules(model)) == 1 + len(ref.model.layers), "each block its own FSDP1 unit"
     if order == "after_fsdp":
         _checkpoint(model)
     runs = count_block_runs(model)
@@ -113,8 +117,8 @@ def _unwrapped_copy(ref):
     return model
 
 
-@pytest.mark.parametrize("order, use_orig_params", [
-    ("before_transform", True), ("before_transform", False), ("before_fsdp", True), ("after_fsdp", True),
-    ("after_fsdp", False)])
-def test_checkpointed_fsdp1_over_tp2_trains_like_one_process(order, use_orig_params):
-    harness.run(4, checkpointed_fsdp1, order, use_orig_params)
+@pytest.mark.parametrize("order, use_orig_params, unit", [
+    ("before_transform", True, "hf"), ("before_transform", False, "hf"), ("before_transform", True, "smp"),
+    ("before_fsdp", True, "hf"), ("after_fsdp", True, "hf"), ("after_fsdp", False, "smp")])
+def test_checkpointed_fsdp1_over_tp2_trains_like_one_process(order, use_orig_params, unit):
+    harness.run(4, checkpointed_fsdp1, order, use_orig_params, unit)

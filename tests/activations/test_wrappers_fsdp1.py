@@ -65,6 +65,14 @@ def _assert_updates_match(before, after, ref_grads, noise) -> None:
                                    msg=lambda m, n=name: f"update of {n}: {m}")
 
 
+def _unwrapped_copy(ref):
+    """A copy of ``ref`` without its checkpoint wrappers (for the orders that wrap later)."""
+    model = copy.deepcopy(ref)
+    for i, layer in enumerate(model.model.layers):
+        model.model.layers[i] = layer._modules[INNER]
+    return model
+
+
 def checkpointed_fsdp1(order: str, use_orig_params: bool, unit: str = "hf"):
     """``order``: where PyTorch's wrappers go ("before_transform", "before_fsdp", "after_fsdp");
     ``unit``: the block class FSDP1's policy names (``UNITS``)."""
@@ -96,7 +104,8 @@ def checkpointed_fsdp1(order: str, use_orig_params: bool, unit: str = "hf"):
         loss.backward()
         if step == 0:
             ref_grads = {_hf_name(n): p.grad.clone() for n, p in ref.named_parameters()}
-            noise = {_hf_name(n): v for n, v in _fp32_gradient_noise(ref, lambda twin: twin(ids, labels=ids).loss).items()}
+            noise = _fp32_gradient_noise(ref, lambda twin: twin(ids, labels=ids).loss)
+            noise = {_hf_name(n): v for n, v in noise.items()}
         for o in (opt_ref, opt):
             o.step()
             o.zero_grad()
@@ -107,14 +116,6 @@ def checkpointed_fsdp1(order: str, use_orig_params: bool, unit: str = "hf"):
         rel = abs(mean.item() / replicas - want.item()) / abs(want.item())
         assert rel < training_rtol(step), f"step {step}: loss {mean.item() / replicas} vs {want.item()} (rel {rel:.1e})"
     assert len(runs) == 2 and all(n == 2 * STEPS for n in runs.values()), runs
-
-
-def _unwrapped_copy(ref):
-    """A copy of ``ref`` without its checkpoint wrappers (for the orders that wrap later)."""
-    model = copy.deepcopy(ref)
-    for i, layer in enumerate(model.model.layers):
-        model.model.layers[i] = layer._modules[INNER]
-    return model
 
 
 @pytest.mark.parametrize("order, use_orig_params, unit", [

@@ -15,7 +15,8 @@ import copy
 
 import pytest
 import torch
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, apply_activation_checkpointing
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointWrapper,
+                                                                         apply_activation_checkpointing)
 from torch.distributed.fsdp import fully_shard
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer

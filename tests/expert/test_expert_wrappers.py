@@ -14,7 +14,8 @@ recompute repeats the experts' dispatch out of step (expert/dispatch.py).
 import copy
 
 import pytest
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, apply_activation_checkpointing
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointWrapper,
+                                                                         apply_activation_checkpointing)
 from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeDecoderLayer
 

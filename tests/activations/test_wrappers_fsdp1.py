@@ -19,7 +19,8 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl, apply_activation_checkpointing,
+                                                                         checkpoint_wrapper)
 from torch.distributed.fsdp import FullStateDictConfig, StateDictType
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
@@ -34,11 +35,15 @@ from reference import (NOISE_FACTOR, _fp32_gradient_noise, count_block_runs, gat
                        training_rtol)
 
 VOCAB, STEPS, LR = 101, 2, 0.1
-UNITS = {"hf": LlamaDecoderLayer, "smp": TransformerLayer}  # the v2 scripts name SageMaker's block class
+UNITS = {"hf": LlamaDecoderLayer, "smp": TransformerLayer}
+"""The block class FSDP1's policy names, and the v2 scripts' choices: SageMaker's block class and
+PyTorch's reentrant checkpoint (the default is PyTorch's non-reentrant one)."""
 
 
-def _checkpoint(model) -> None:
-    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, LlamaDecoderLayer))
+def _checkpoint(model, impl: CheckpointImpl) -> None:
+    wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=impl)
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper,
+                                   check_fn=lambda m: isinstance(m, LlamaDecoderLayer))
 
 
 def _hf_name(name: str) -> str:
@@ -75,22 +80,23 @@ def _unwrapped_copy(ref):
 
 def checkpointed_fsdp1(order: str, use_orig_params: bool, unit: str = "hf"):
     """``order``: where PyTorch's wrappers go ("before_transform", "before_fsdp", "after_fsdp");
-    ``unit``: the block class FSDP1's policy names (``UNITS``)."""
+    ``unit``: the block class FSDP1's policy names (``UNITS``), "smp" with the reentrant checkpoint."""
+    impl = CheckpointImpl.REENTRANT if unit == "smp" else CheckpointImpl.NO_REENTRANT
     smp.init({"tensor_parallel_degree": 2})
     torch.manual_seed(0)
     ref = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
                                        max_position_embeddings=64, use_cache=False))
-    _checkpoint(ref)
+    _checkpoint(ref, impl)
     model = copy.deepcopy(ref) if order == "before_transform" else _unwrapped_copy(ref)
     model = smp.transform(model)
     if order == "before_fsdp":
-        _checkpoint(model)
+        _checkpoint(model, impl)
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={UNITS[unit]})
     model = FSDP(model, auto_wrap_policy=policy, device_id=torch.device("cpu"), use_orig_params=use_orig_params)
     assert len(FSDP.fsdp_modules(model)) == 1 + len(ref.model.layers), "each block its own FSDP1 unit"
     if order == "after_fsdp":
-        _checkpoint(model)
+        _checkpoint(model, impl)
     runs = count_block_runs(model)
     before = {k: v.clone() for k, v in ref.state_dict().items()}  # HF names: the wrappers drop theirs
     opt_ref = torch.optim.SGD(ref.parameters(), lr=LR)

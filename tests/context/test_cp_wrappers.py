@@ -48,7 +48,7 @@ def checkpointed_context_parallel(when: str, tp: int, comm: str):
         _checkpoint(model)
     elif when == "hf":
         for m in (ref, model):
-            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            m.gradient_checkpointing_enable()
     wrapped = when != "hf"
     assert all((type(m) is CheckpointWrapper) == wrapped for m in model.model.layers), list(model.model.layers)
     runs = count_block_runs(model)

@@ -54,7 +54,7 @@ def checkpointed_experts(when: str, tp: int, arch: str, fsdp1: bool = False):
         _checkpoint(model)
     elif when == "hf":
         for m in (ref, model):
-            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            m.gradient_checkpointing_enable()
     wrapped = when != "hf"
     assert all((type(m) is CheckpointWrapper) == wrapped for m in model.model.layers), list(model.model.layers)
     experts = next(p for name, p in model.named_parameters() if "experts" in name)

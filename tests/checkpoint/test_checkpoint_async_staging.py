@@ -196,7 +196,7 @@ def _edits_that_bypass_version_counters(path: str, way: str) -> dict:
     watched: set = set()
     stager.defer = recording_defers(stager, watched)
     if way == "pages":
-        stager.pages.min_bytes = 0
+        stager.pages.min_bytes = stager.pages.min_save_bytes = 0
     else:
         stager.pages = None
     smp.save_checkpoint(path, "a", async_save=True)

@@ -22,7 +22,15 @@ from modelparallel.checkpoint.background import pages as pages_mod
 from modelparallel.checkpoint.background.pages import PAGE, PageWatch
 from modelparallel.checkpoint.background.stager import StagedTensorChanged, Stager
 
-WATCH = PageWatch.open()
+def _watch() -> PageWatch | None:
+    """A watch for every save size (these tests' tensors are under the per-save floor)."""
+    watch = PageWatch.open()
+    if watch is not None:
+        watch.min_save_bytes = 0
+    return watch
+
+
+WATCH = _watch()
 needs_watch = pytest.mark.skipif(WATCH is None, reason="no asynchronous write-protect on this machine")
 
 
@@ -53,7 +61,7 @@ def _kernel_offers_it() -> bool:
 
 
 def test_write_tracking_is_used_wherever_the_kernel_offers_it():
-    assert (WATCH is not None) == _kernel_offers_it(), (
+    assert (PageWatch.open() is not None) == _kernel_offers_it(), (
         "PageWatch.open() disagrees with the kernel: a probe that fails on a kernel offering write tracking "
         "(every save would read its tensors), or one that trusts a kernel that does not")
 
@@ -156,6 +164,20 @@ def test_a_neighbour_sharing_a_page_does_not_fail_the_save_but_the_shared_bytes_
 
 
 @needs_watch
+def test_a_save_under_the_floor_reads_its_tensors():
+    watch = PageWatch.open()
+    stager = _stager(watch)
+    t = torch.randn(200_000)
+    _defer(stager, "t", t)
+    assert stager.deferred[0].pages is not None, "claimed at the defer"
+    stager.seal()
+    assert stager.deferred[0].pages is None and watch.protected == [], "800 kB in all: read, not protected"
+    t.data[100_000] += 1
+    with pytest.raises(StagedTensorChanged, match="t"):
+        stager.copy_deferred()
+
+
+@needs_watch
 def test_memory_another_process_can_write_is_read_not_watched():
     shared = torch.randn(200_000).share_memory_()
     small = torch.randn(100)
@@ -212,7 +234,7 @@ def test_two_savers_in_one_process_take_turns_with_the_same_memory():
     """A v1 saver and a v2 queue (or a job started again) each have a watch; a mapping belongs
     to one watch only while that watch's save stages, so each save is watched, not read."""
     t = torch.randn(200_000)
-    for stager in (_stager(PageWatch.open()), _stager(PageWatch.open()), _stager(PageWatch.open())):
+    for stager in (_stager(_watch()), _stager(_watch()), _stager(_watch())):
         _defer(stager, "t", t)
         stager.seal()
         assert stager.deferred[0].pages is not None, "the memory was still held by another saver's watch"
@@ -225,7 +247,7 @@ def test_two_savers_in_one_process_take_turns_with_the_same_memory():
 @needs_watch
 def test_memory_another_savers_save_holds_is_read_instead():
     t = torch.randn(200_000)
-    first, second = _stager(PageWatch.open()), _stager(PageWatch.open())
+    first, second = _stager(_watch()), _stager(_watch())
     _defer(first, "t", t)
     first.seal()
     _defer(second, "t", t)

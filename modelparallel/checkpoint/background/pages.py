@@ -48,6 +48,9 @@ MIN_BYTES = 1 << 19
 """Smaller tensors are read at the call. A protection costs about 10 microseconds (system call,
 bookkeeping) plus 80 ns per page on the 2-core VM measured, a CRC32 about 150 ns per page
 (27 GB/s): protecting pays from about half a megabyte up."""
+MIN_SAVE_BYTES = 1 << 26
+"""A save deferring fewer bytes is read at the call: reading the process's mappings and the
+registrations (about 2 ms) cost as much as reading 64 MiB at 27 GB/s."""
 
 
 def _iowr(kind: int, nr: int, size: int) -> int:
@@ -102,7 +105,7 @@ class PageWatch:
     def __init__(self, kernel: _Kernel, uffd: int, pagemap: int):
         self.kernel, self.uffd, self.pagemap = kernel, uffd, pagemap
         self.protected: list[tuple[int, int]] = []
-        self.min_bytes = MIN_BYTES
+        self.min_bytes, self.min_save_bytes = MIN_BYTES, MIN_SAVE_BYTES
         self._maps: tuple[list[int], list[tuple[int, int, bool]]] | None = None
         self._claimed: list[Protected] = []
         self._registered: list[tuple[int, int]] = []
@@ -168,15 +171,17 @@ class PageWatch:
         return self._maps
 
     def eligible(self, t: torch.Tensor) -> bool:
-        """Whether ``protect`` would take ``t``: a contiguous host tensor of ``min_bytes`` or more
-        (and a whole page at least), in private anonymous memory, not pinned for a GPU (a copy
-        from the device writes it by DMA, past the page tables)."""
-        nbytes = t.numel() * t.element_size()
-        if t.device.type != "cpu" or not t.is_contiguous() or nbytes < max(self.min_bytes, 3 * PAGE):
+        """Whether ``claim`` takes ``t`` and its memory is private anonymous (the rest of
+        ``protect_claimed``'s test, which reads the process's mappings)."""
+        return self._large(t) and self._covering(t.data_ptr(), t.data_ptr() + _nbytes(t)) is not None
+
+    def _large(self, t: torch.Tensor) -> bool:
+        """A contiguous host tensor of ``min_bytes`` or more (and three pages at least: a whole
+        page inside), not pinned for a GPU (a copy from the device writes it by DMA, past the
+        page tables)."""
+        if t.device.type != "cpu" or not t.is_contiguous() or _nbytes(t) < max(self.min_bytes, 3 * PAGE):
             return False
-        if torch.cuda.is_initialized() and t.is_pinned():  # nothing is pinned before CUDA starts
-            return False
-        return self._covering(t.data_ptr(), t.data_ptr() + nbytes) is not None
+        return not (torch.cuda.is_initialized() and t.is_pinned())  # nothing is pinned before CUDA starts
 
     def _covering(self, lo: int, hi: int) -> list[tuple[int, int, bool]] | None:
         """The mappings that hold ``[lo, hi)``, if all private anonymous and without a gap (on a
@@ -201,12 +206,12 @@ class PageWatch:
 
     def claim(self, t: torch.Tensor) -> Protected | None:
         """``t``'s mark, to be protected by ``protect_claimed`` at the end of the call's staging
-        (one registration per mapping then, not one per tensor); None (the caller reads ``t``)
-        if it is not ``eligible``."""
-        if not self.eligible(t):
+        (the mappings read and registered once then); None (the caller reads ``t``) if it is too
+        small or pinned."""
+        if not self._large(t):
             return None
         start = t.data_ptr()
-        end = start + t.numel() * t.element_size()
+        end = start + _nbytes(t)
         lo, hi = -(-start // PAGE) * PAGE, end // PAGE * PAGE
         mark = Protected(self, lo, hi, lo - start, end - hi)
         self._claimed.append(mark)
@@ -214,11 +219,17 @@ class PageWatch:
 
     def protect_claimed(self) -> list[Protected]:
         """Register, per mapping, the span of the claimed pages in it, and write-protect them;
-        the marks the kernel refused (the caller reads those tensors instead)."""
+        the marks not protected (the caller reads those tensors instead): all of them when they
+        total less than ``min_save_bytes``, those outside private anonymous memory, those the
+        kernel refused."""
         claimed, self._claimed = sorted(self._claimed, key=lambda m: m.lo), []
+        if sum(m.hi - m.lo for m in claimed) < self.min_save_bytes:
+            return claimed
         spans: dict[tuple[int, int], list[int]] = {}
         for mark in claimed:
-            for vma in self._covering(mark.lo, mark.hi) or ():
+            for vma in self._covering(mark.lo - mark.head, mark.hi + mark.tail) or ():
+                if max(mark.lo, vma[0]) >= min(mark.hi, vma[1]):
+                    continue  # only the tensor's edge bytes lie in this mapping
                 span = spans.setdefault(vma[:2], [max(mark.lo, vma[0]), min(mark.hi, vma[1])])
                 span[0], span[1] = min(span[0], max(mark.lo, vma[0])), max(span[1], min(mark.hi, vma[1]))
         refused: set[tuple[int, int]] = set()
@@ -232,8 +243,9 @@ class PageWatch:
         failed = []
         for mark in claimed:
             try:
-                if any(vma[:2] in refused for vma in self._covering(mark.lo, mark.hi) or ()):
-                    raise OSError(0, "mapping not registered")
+                vmas = self._covering(mark.lo - mark.head, mark.hi + mark.tail)
+                if vmas is None or any(vma[:2] in refused for vma in vmas):
+                    raise OSError(0, "not private anonymous memory, or its mapping not registered")
                 self._protect(mark.lo, mark.hi)
                 self.protected.append((mark.lo, mark.hi))
             except OSError as e:
@@ -296,6 +308,10 @@ class Protected:
 
     def written(self) -> bool:
         return self.watch.written(self.lo, self.hi)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _close(*fds: int) -> None:

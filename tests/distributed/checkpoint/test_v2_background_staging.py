@@ -161,7 +161,7 @@ def edits_bypassing_version_counters(root: str, way: str) -> dict:
     stager = queue.saver.stager
     stager.defer = recording_defers(stager, watched)
     if way == "pages":
-        stager.pages.min_bytes = 0
+        stager.pages.min_bytes = stager.pages.min_save_bytes = 0
     else:
         stager.pages = None
     pays, take = Early.pays, Early.take

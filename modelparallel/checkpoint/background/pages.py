@@ -3,8 +3,8 @@
 An asynchronous save leaves the copy of what only the optimizer's step changes to its background
 thread, so it must know whether anything wrote those bytes between the call and the copy, by any
 means (``p.data``, a numpy view, another thread: the version counter sees none of these). Reading
-the bytes at the call (a CRC32) answers that but costs a pass over them in the call: about as
-long as a quarter of a synchronous save's write. Linux (6.7 and later) answers it for a page-table
+the bytes at the call (a CRC32) answers that but costs a pass over them in the call (3-7% of a
+synchronous save on the machine measured). Linux (6.7 and later) answers it for a page-table
 walk: memory registered with a userfaultfd in asynchronous write-protect mode can be write-
 protected (``protect``: a flag per page table entry, nothing copied, nothing read), every later
 write clears that page's flag without stopping the writer, and ``PAGEMAP_SCAN`` lists the pages

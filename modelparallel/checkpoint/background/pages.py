@@ -185,7 +185,9 @@ class PageWatch:
 
     def _covering(self, lo: int, hi: int) -> list[tuple[int, int, bool]] | None:
         """The mappings that hold ``[lo, hi)``, if all private anonymous and without a gap (on a
-        miss the mappings are read again, once per save: memory mapped since they were read)."""
+        miss the mappings are read again, once per save: memory mapped since they were read).
+        ``protect_claimed`` reads them afresh: a file mapped where ``eligible`` saw the heap would
+        otherwise be watched, and a write to the file missed."""
         found = self._within(lo, hi)
         if found is None and not self._reread:
             self._maps, self._reread = None, True
@@ -225,6 +227,7 @@ class PageWatch:
         claimed, self._claimed = sorted(self._claimed, key=lambda m: m.lo), []
         if sum(m.hi - m.lo for m in claimed) < self.min_save_bytes:
             return claimed
+        self._maps, self._reread = None, True  # not ``eligible``'s: memory may have been remapped since
         spans: dict[tuple[int, int], list[int]] = {}
         for mark in claimed:
             for vma in self._covering(mark.lo - mark.head, mark.hi + mark.tail) or ():

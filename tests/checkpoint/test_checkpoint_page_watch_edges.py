@@ -179,6 +179,10 @@ def test_huge_pages_a_neighbour_in_the_same_huge_page_and_a_write_inside():
         a, b = whole[:whole.numel() // 3 + 5], whole[whole.numel() // 3 + 5:]  # a ends inside a huge page
         message = _save(_stager(), lambda: _flip(b, 3) if edit == "neighbour" else _flip(a, 1000), a=a)
         assert (message == "") == (edit == "neighbour"), edit
+    spanning = torch.from_numpy(base).view(torch.float32)  # the madvise split the mapping in two or three
+    assert _mapping(spanning.data_ptr())[1] != _mapping(spanning.data_ptr() + 4 * (spanning.numel() - 1))[1]
+    for i in (10, -10):
+        assert "1 tensor(s)" in _save(_stager(), lambda: _flip(spanning, i), t=spanning), "a tensor over mappings"
 
 
 @needs_watch
@@ -198,8 +202,13 @@ def test_writes_by_the_kernel_and_by_a_thread_during_the_copy(monkeypatch):
     for edit in (through_proc_mem, read_into):
         t = torch.randn(N)
         assert "1 tensor(s)" in _save(_stager(), lambda: edit(t), t=t), edit.__name__
-    untouched = torch.empty(1 << 20)  # pages never faulted in: only the kernel's markers protect them
-    assert "1 tensor(s)" in _save(_stager(), lambda: _flip(untouched, 12345), t=untouched), "unpopulated pages"
+    for write in (False, True):  # pages never faulted in: the kernel's markers protect them
+        area = mmap.mmap(-1, 4 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        untouched = torch.frombuffer(area, dtype=torch.float32)
+        message = _save(_stager(), lambda: _flip(untouched, 12345) if write else None, t=untouched)
+        assert ("1 tensor(s)" in message) == write, "unpopulated pages: the copy's reads are not writes"
+        del untouched
+        area.close()
     t = torch.randn(N)
     edges = Protected.edges
 

@@ -112,21 +112,28 @@ def test_a_tensor_in_a_files_pages_is_read_and_a_write_to_the_file_fails_the_sav
 
 @needs_watch
 def test_memory_remapped_during_the_call_is_judged_by_its_mapping_at_the_seal(tmp_path):
-    """``eligible`` (the early reads) saw the heap where a file is mapped by the time of the seal."""
+    """``eligible`` (the early reads) saw private memory where a file is mapped by the time of the seal."""
+    size = 4 << 20
     raw = tmp_path / "raw.bin"
-    raw.write_bytes(np.random.default_rng(1).random(1 << 20, dtype=np.float32).tobytes())
-    area = mmap.mmap(-1, 4 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    freed = torch.frombuffer(area, dtype=torch.float32)
+    raw.write_bytes(np.random.default_rng(1).random(size // 4, dtype=np.float32).tobytes())
+    area = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    at = ctypes.addressof(ctypes.c_char.from_buffer(area))
     stager = _stager()
-    stager.fingerprint_early([freed])  # the mappings read now
+    stager.fingerprint_early([torch.frombuffer((ctypes.c_float * (size // 4)).from_address(at), dtype=torch.float32)])
     stager.begin()
-    at, _ = freed.data_ptr(), freed.normal_()
-    del freed
-    area.close()
-    t = torch.from_file(str(raw), shared=True, size=1 << 20, dtype=torch.float32)
-    assert t.data_ptr() == at, "the file was not mapped where the anonymous memory was: nothing to test"
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    fd = os.open(raw, os.O_RDWR)
+    try:  # the file in place of the private memory (MAP_SHARED | MAP_FIXED)
+        assert libc.mmap(ctypes.c_void_p(at), ctypes.c_size_t(size), mmap.PROT_READ | mmap.PROT_WRITE, 0x11, fd, 0) == at
+    finally:
+        os.close(fd)
+    t = torch.frombuffer((ctypes.c_float * (size // 4)).from_address(at), dtype=torch.float32)
+    assert _mapping(at)[3] == str(raw)
     message = _save(stager, lambda: _flip_in_file(str(raw), t, 1000), w=t)
     stager.fingerprint_early(None)
+    del t
+    area.close()  # unmaps the file
     assert "1 tensor(s)" in message, "a file mapped after the early reads was watched, and a write to it missed"
 
 
@@ -230,7 +237,7 @@ def test_a_fork_between_the_call_and_the_copy():
         def fork():
             pid = os.fork()
             if pid == 0:  # the child writes its own copy of the pages, and leaves
-                t.data[7] = -t.data[7] - 1
+                ctypes.memset(t.data_ptr() + 4 * (N // 2), 0x5A, 4)
                 os._exit(0)
             os.waitpid(pid, 0)
             if parent_writes:

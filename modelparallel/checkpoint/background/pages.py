@@ -113,7 +113,7 @@ class PageWatch:
         another watch in the process (another saver's) can register them for its own saves."""
         self._reread = False
         self._vec = (ctypes.c_uint64 * (3 * _VEC))()
-        self._close = weakref.finalize(self, _close, uffd, pagemap)
+        self._closer = weakref.finalize(self, _close, uffd, pagemap)
 
     @classmethod
     def open(cls) -> PageWatch | None:
@@ -134,7 +134,7 @@ class PageWatch:
             return watch
         except (OSError, AttributeError, KeyError) as e:
             if watch is not None:  # its finalizer owns them: closing them here too would close their next owner's
-                watch._close()
+                watch._closer()
             else:
                 for fd in fds:
                     os.close(fd)

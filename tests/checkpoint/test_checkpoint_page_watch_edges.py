@@ -125,7 +125,8 @@ def test_memory_remapped_during_the_call_is_judged_by_its_mapping_at_the_seal(tm
     libc.mmap.restype = ctypes.c_void_p
     fd = os.open(raw, os.O_RDWR)
     try:  # the file in place of the private memory (MAP_SHARED | MAP_FIXED)
-        assert libc.mmap(ctypes.c_void_p(at), ctypes.c_size_t(size), mmap.PROT_READ | mmap.PROT_WRITE, 0x11, fd, 0) == at
+        rw = mmap.PROT_READ | mmap.PROT_WRITE
+        assert libc.mmap(ctypes.c_void_p(at), ctypes.c_size_t(size), rw, 0x11, fd, 0) == at
     finally:
         os.close(fd)
     t = torch.frombuffer((ctypes.c_float * (size // 4)).from_address(at), dtype=torch.float32)

@@ -11,6 +11,7 @@ the same edits.
 """
 
 import ctypes
+import logging
 import os
 import platform
 import threading
@@ -258,3 +259,33 @@ def test_memory_another_savers_save_holds_is_read_instead():
         with pytest.raises(StagedTensorChanged, match="t"):
             stager.copy_deferred()
         stager.settle()
+
+
+def test_a_failed_probe_closes_its_descriptors_once(monkeypatch):
+    """The descriptor numbers are free again once closed: a file opened meanwhile (here by a log
+    handler, as a ``FileHandler(delay=True)`` does at its first record) must stay open."""
+    opened = []
+
+    class Opens(logging.Handler):
+        def emit(self, record):
+            opened.append(os.open(os.devnull, os.O_RDONLY))
+
+    def refused(self):
+        raise OSError(0, "probe gave wrong pages")
+
+    monkeypatch.setattr(PageWatch, "_probe", refused)
+    log, handler = logging.getLogger("modelparallel"), Opens(logging.DEBUG)
+    level, propagate = log.level, log.propagate
+    log.setLevel(logging.DEBUG)
+    log.addHandler(handler)
+    log.propagate = False  # pytest's handlers keep the record, the error, its frame and the watch in it
+    try:
+        assert PageWatch.open() is None
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+        log.propagate = propagate
+    assert opened, "the refusal was not logged"
+    for fd in opened:
+        os.fstat(fd)  # EBADF: closed by the failed watch's finalizer
+        os.close(fd)

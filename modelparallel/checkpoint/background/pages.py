@@ -113,7 +113,7 @@ class PageWatch:
         another watch in the process (another saver's) can register them for its own saves."""
         self._reread = False
         self._vec = (ctypes.c_uint64 * (3 * _VEC))()
-        weakref.finalize(self, _close, uffd, pagemap)
+        self._closer = weakref.finalize(self, _close, uffd, pagemap)
 
     @classmethod
     def open(cls) -> PageWatch | None:
@@ -121,6 +121,7 @@ class PageWatch:
         if sys.platform != "linux" or platform.machine() not in _SYSCALL:
             return None
         fds: list[int] = []
+        watch = None
         try:
             kernel = _Kernel()
             fds.append(kernel.userfaultfd())
@@ -132,8 +133,11 @@ class PageWatch:
             watch._probe()
             return watch
         except (OSError, AttributeError, KeyError) as e:
-            for fd in fds:
-                os.close(fd)
+            if watch is not None:  # its finalizer owns them: closing them here too would close their next owner's
+                watch._closer()
+            else:
+                for fd in fds:
+                    os.close(fd)
             logger.debug("write tracking unavailable (%s): asynchronous saves read deferred tensors at the call", e)
             return None
 
@@ -225,6 +229,7 @@ class PageWatch:
         claimed, self._claimed = sorted(self._claimed, key=lambda m: m.lo), []
         if sum(m.hi - m.lo for m in claimed) < self.min_save_bytes:
             return claimed
+        self._maps, self._reread = None, True  # not ``eligible``'s: a file mapped since where it saw the heap
         spans: dict[tuple[int, int], list[int]] = {}
         for mark in claimed:
             for vma in self._covering(mark.lo - mark.head, mark.hi + mark.tail) or ():

@@ -19,7 +19,7 @@ import threading
 import pytest
 import torch
 
-from modelparallel.checkpoint.background import pages as pages_mod
+from modelparallel.checkpoint.background import uffd
 from modelparallel.checkpoint.background.pages import PAGE, PageWatch
 from modelparallel.checkpoint.background.stager import StagedTensorChanged, Stager
 
@@ -218,7 +218,7 @@ def test_without_write_tracking_the_call_reads_the_tensors_and_catches_the_same_
     def refused(self):
         raise OSError(1, "userfaultfd (refused by the sandbox)")
 
-    monkeypatch.setattr(pages_mod._Kernel, "userfaultfd", refused)
+    monkeypatch.setattr(uffd.Kernel, "userfaultfd", refused)
     stager = Stager()
     assert stager.pages is None, "a refused userfaultfd must leave the CRC32 path"
     for what in _edits(torch.zeros(1)):

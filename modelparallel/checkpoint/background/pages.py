@@ -23,13 +23,11 @@ refuses any step (``open`` returns None), the caller reads the bytes as before.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import ctypes
 import logging
 import mmap
 import os
 import platform
-import re
 import sys
 import weakref
 from dataclasses import dataclass
@@ -38,11 +36,10 @@ import numpy as np
 import torch
 
 from ..safety.crc import crc32
+from . import uffd as abi
 
 logger = logging.getLogger("modelparallel")
 
-_SYSCALL = {"x86_64": 323, "aarch64": 282}
-"""``userfaultfd``'s system call number by machine."""
 PAGE = mmap.PAGESIZE
 MIN_BYTES = 1 << 19
 """Smaller tensors are read at the call. A protection costs about 10 microseconds (system call,
@@ -53,56 +50,11 @@ MIN_SAVE_BYTES = 1 << 26
 registrations (about 2 ms) cost as much as reading 64 MiB at 27 GB/s."""
 
 
-def _iowr(kind: int, nr: int, size: int) -> int:
-    return (3 << 30) | (size << 16) | (kind << 8) | nr
-
-
-_UFFDIO_API, _UFFDIO_REGISTER, _UFFDIO_WRITEPROTECT = _iowr(0xAA, 0x3F, 24), _iowr(0xAA, 0x00, 32), _iowr(0xAA, 0x06, 24)
-_UFFDIO_UNREGISTER = (2 << 30) | (16 << 16) | (0xAA << 8) | 0x01
-_PAGEMAP_SCAN = _iowr(ord("f"), 16, 96)
-_UFFD_API, _USER_MODE_ONLY, _REGISTER_WP = 0xAA, 1, 2
-_WP_UNPOPULATED, _WP_ASYNC = 1 << 13, 1 << 15
-_PAGE_IS_WRITTEN, _CHECK_WPASYNC = 1 << 1, 1 << 1
-_VEC = 8
-"""Regions one ``PAGEMAP_SCAN`` may return: one written page is enough to know."""
-
-
-class _Kernel:
-    """The two system calls, with their errors as ``OSError``."""
-
-    def __init__(self):
-        self.libc = ctypes.CDLL(None, use_errno=True)
-        self.libc.syscall.restype = ctypes.c_long
-        self.libc.ioctl.argtypes = (ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p)
-
-    def userfaultfd(self) -> int:
-        fd = self.libc.syscall(_SYSCALL[platform.machine()], os.O_CLOEXEC | os.O_NONBLOCK | _USER_MODE_ONLY)
-        if fd < 0:
-            raise OSError(ctypes.get_errno(), "userfaultfd")
-        return fd
-
-    def ioctl(self, fd: int, request: int, *words: int) -> tuple[int, ctypes.Array]:
-        arg = (ctypes.c_uint64 * len(words))(*words)
-        ret = self.libc.ioctl(fd, request, ctypes.addressof(arg))
-        if ret < 0:
-            raise OSError(ctypes.get_errno(), f"ioctl {request:#x}")
-        return ret, arg
-
-
-_MAPS_LINE = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ \S+ \S+ *(.*)$", re.M)
-"""A ``/proc/self/maps`` line: start, end, permissions, (offset, device, inode), name."""
-
-
-def _private_anonymous(perms: str, name: str) -> bool:
-    """Memory only this process's own writes can change (a mapping's permissions and name)."""
-    return perms == "rw-p" and (name in ("", "[heap]") or name.startswith("[anon:"))
-
-
 class PageWatch:
     """A userfaultfd in asynchronous write-protect mode and this process's pagemap, with the
     ranges protected by the save in progress (``release`` clears them)."""
 
-    def __init__(self, kernel: _Kernel, uffd: int, pagemap: int):
+    def __init__(self, kernel: abi.Kernel, uffd: int, pagemap: int):
         self.kernel, self.uffd, self.pagemap = kernel, uffd, pagemap
         self.protected: list[tuple[int, int]] = []
         self.min_bytes, self.min_save_bytes = MIN_BYTES, MIN_SAVE_BYTES
@@ -112,21 +64,21 @@ class PageWatch:
         """Spans registered for the save in progress: only for its duration (``unregister``), so
         another watch in the process (another saver's) can register them for its own saves."""
         self._reread = False
-        self._vec = (ctypes.c_uint64 * (3 * _VEC))()
-        self._closer = weakref.finalize(self, _close, uffd, pagemap)
+        self._vec = (ctypes.c_uint64 * (3 * abi.VEC))()
+        self._closer = weakref.finalize(self, abi.close, uffd, pagemap)
 
     @classmethod
     def open(cls) -> PageWatch | None:
         """A watch, or None where this machine cannot give one (logged once at debug level)."""
-        if sys.platform != "linux" or platform.machine() not in _SYSCALL:
+        if sys.platform != "linux" or platform.machine() not in abi.SYSCALL:
             return None
         fds: list[int] = []
         watch = None
         try:
-            kernel = _Kernel()
+            kernel = abi.Kernel()
             fds.append(kernel.userfaultfd())
-            _, api = kernel.ioctl(fds[0], _UFFDIO_API, _UFFD_API, _WP_ASYNC | _WP_UNPOPULATED, 0)
-            if api[1] & (_WP_ASYNC | _WP_UNPOPULATED) != _WP_ASYNC | _WP_UNPOPULATED:
+            _, api = kernel.ioctl(fds[0], abi.UFFDIO_API, abi.UFFD_API, abi.WP_ASYNC | abi.WP_UNPOPULATED, 0)
+            if api[1] & (abi.WP_ASYNC | abi.WP_UNPOPULATED) != abi.WP_ASYNC | abi.WP_UNPOPULATED:
                 raise OSError(0, "no asynchronous write-protect")
             fds.append(os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC))
             watch = cls(kernel, *fds)
@@ -147,7 +99,7 @@ class PageWatch:
         view = np.frombuffer(area, dtype=np.uint8)
         try:
             lo = view.ctypes.data
-            self.kernel.ioctl(self.uffd, _UFFDIO_REGISTER, lo, 2 * PAGE, _REGISTER_WP, 0)
+            self.kernel.ioctl(self.uffd, abi.UFFDIO_REGISTER, lo, 2 * PAGE, abi.REGISTER_WP, 0)
             view[:] = 1
             self._protect(lo, lo + 2 * PAGE)
             view[PAGE] = 2
@@ -168,10 +120,7 @@ class PageWatch:
 
     def _vmas(self) -> tuple[list[int], list[tuple[int, int, bool]]]:
         if self._maps is None:
-            with open("/proc/self/maps") as f:
-                spans = [(int(m[1], 16), int(m[2], 16), _private_anonymous(m[3], m[4]))
-                         for m in _MAPS_LINE.finditer(f.read())]
-            self._maps = ([s[0] for s in spans], spans)
+            self._maps = abi.mappings()
         return self._maps
 
     def eligible(self, t: torch.Tensor) -> bool:
@@ -240,7 +189,7 @@ class PageWatch:
         refused: set[tuple[int, int]] = set()
         for vma, (lo, hi) in spans.items():
             try:
-                self.kernel.ioctl(self.uffd, _UFFDIO_REGISTER, lo, hi - lo, _REGISTER_WP, 0)
+                self.kernel.ioctl(self.uffd, abi.UFFDIO_REGISTER, lo, hi - lo, abi.REGISTER_WP, 0)
                 self._registered.append((lo, hi))
             except OSError as e:  # another watch holds it (another saver's save), or the kernel refuses
                 logger.debug("write tracking: registering %#x-%#x refused (%s)", lo, hi, e)
@@ -259,15 +208,15 @@ class PageWatch:
         return failed
 
     def _protect(self, lo: int, hi: int, on: bool = True) -> None:
-        self.kernel.ioctl(self.uffd, _UFFDIO_WRITEPROTECT, lo, hi - lo, 1 if on else 0)
+        self.kernel.ioctl(self.uffd, abi.UFFDIO_WRITEPROTECT, lo, hi - lo, 1 if on else 0)
 
     def written(self, lo: int, hi: int) -> bool:
         """Whether any page of ``[lo, hi)`` was written since it was protected (an error reading
         the flags counts as written: a save is never trusted on a question the kernel did not answer)."""
         try:
-            found, _ = self.kernel.ioctl(self.pagemap, _PAGEMAP_SCAN, 96, _CHECK_WPASYNC, lo, hi, 0,
-                                         ctypes.addressof(self._vec), _VEC, 1, 0, _PAGE_IS_WRITTEN, 0,
-                                         _PAGE_IS_WRITTEN)
+            found, _ = self.kernel.ioctl(self.pagemap, abi.PAGEMAP_SCAN, 96, abi.CHECK_WPASYNC, lo, hi, 0,
+                                         ctypes.addressof(self._vec), abi.VEC, 1, 0, abi.PAGE_IS_WRITTEN, 0,
+                                         abi.PAGE_IS_WRITTEN)
         except OSError as e:
             logger.debug("write tracking scan of %#x-%#x failed (%s)", lo, hi, e)
             return True
@@ -279,14 +228,14 @@ class PageWatch:
         ranges, self.protected = self.protected, []
         self._maps = None  # read again by the next save: memory may be mapped and unmapped meanwhile
         for lo, hi in ranges:
-            self._quietly(_UFFDIO_WRITEPROTECT, lo, hi - lo, 0)
+            self._quietly(abi.UFFDIO_WRITEPROTECT, lo, hi - lo, 0)
 
     def unregister(self) -> None:
         """End the save's registrations (after the step was released: walking the spans again
         takes the process's memory map lock for a while)."""
         spans, self._registered = self._registered, []
         for lo, hi in spans:
-            self._quietly(_UFFDIO_UNREGISTER, lo, hi - lo)
+            self._quietly(abi.UFFDIO_UNREGISTER, lo, hi - lo)
 
     def _quietly(self, request: int, *words: int) -> None:
         try:
@@ -317,9 +266,3 @@ class Protected:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def _close(*fds: int) -> None:
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)

@@ -281,3 +281,26 @@ def count_block_runs(module) -> dict[str, int]:
             runs[name] = 0
             m.register_forward_pre_hook(lambda *_, n=name: runs.__setitem__(n, runs[n] + 1))
     return runs
+
+
+def checkpointed_alike(ref, make, when: str, wrap):
+    """The model ``make`` builds from a copy of ``ref``, with ``ref`` and it checkpointed the same
+    way. ``when``: "before" (``wrap``, PyTorch's wrappers, put on ``ref`` before ``make``: the
+    model starts wrapped), "after" (``wrap`` on both after ``make``), "hf" (Hugging Face's
+    ``gradient_checkpointing_enable`` on both after it). Checks the model's decoder blocks are
+    wrapped exactly when PyTorch's wrappers were used."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    if when == "before":
+        wrap(ref)
+    model = make(copy.deepcopy(ref))
+    if when == "after":
+        wrap(ref)
+        wrap(model)
+    elif when == "hf":
+        for m in (ref, model):
+            m.gradient_checkpointing_enable()
+    wrapped = when != "hf"
+    assert all((type(m) is CheckpointWrapper) == wrapped for m in model.model.layers), list(model.model.layers)
+    return model
+

@@ -11,13 +11,11 @@ wrong loss or gradient only when checkpointed, that the recompute repeats attent
 exchange out of step (context/attention.py).
 """
 
-import copy
 import functools
 
 import pytest
 import torch
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointWrapper,
-                                                                         apply_activation_checkpointing)
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
@@ -26,7 +24,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import harness
 import modelparallel as smp
-from reference import context_replicas_train_like_one_process, count_block_runs
+from reference import checkpointed_alike, context_replicas_train_like_one_process, count_block_runs
 
 VOCAB, SEQ, ROWS, STEPS = 96, 16, 2, 2
 POLICY = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
@@ -46,17 +44,7 @@ def checkpointed_context_parallel(when: str, tp: int, comm: str, fsdp: str = "fs
     ref = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
                                        max_position_embeddings=32, use_cache=False))
-    if when == "before":
-        _checkpoint(ref)
-    model = smp.transform(copy.deepcopy(ref), cp_comm_type=comm)
-    if when == "after":
-        _checkpoint(ref)
-        _checkpoint(model)
-    elif when == "hf":
-        for m in (ref, model):
-            m.gradient_checkpointing_enable()
-    wrapped = when != "hf"
-    assert all((type(m) is CheckpointWrapper) == wrapped for m in model.model.layers), list(model.model.layers)
+    model = checkpointed_alike(ref, lambda m: smp.transform(m, cp_comm_type=comm), when, _checkpoint)
     runs = count_block_runs(model)
     if fsdp == "fsdp1":  # either averages the gradients over the data x context ranks
         model = FSDP(model, auto_wrap_policy=POLICY, use_orig_params=True, device_id=torch.device("cpu"))

@@ -11,13 +11,11 @@ were not put back around the blocks; a wrong gradient or a hang only when checkp
 recompute repeats the experts' dispatch out of step (expert/dispatch.py).
 """
 
-import copy
 import functools
 
 import pytest
 import torch
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointWrapper,
-                                                                         apply_activation_checkpointing)
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
@@ -27,7 +25,7 @@ import harness
 import modelparallel as smp
 from modelparallel.expert.config import MoEConfig
 from moe_reference import EXPERTS, reference_model, replica_batches, train_transformed_like_one_process
-from reference import count_block_runs
+from reference import checkpointed_alike, count_block_runs
 
 STEPS = 2
 BLOCKS = (MixtralDecoderLayer, Qwen2MoeDecoderLayer)
@@ -46,17 +44,7 @@ def checkpointed_experts(when: str, tp: int, arch: str, fsdp1: bool = False):
     smp.init({"expert_parallel_degree": 2, "tensor_parallel_degree": tp, "prescaled_batch": True})
     ref = reference_model(arch)
     ref.config.use_cache = False  # PyTorch's recompute would write the forward's keys into the cache again
-    if when == "before":
-        _checkpoint(ref)
-    model = smp.transform(copy.deepcopy(ref), config=MoEConfig(**AUX))
-    if when == "after":
-        _checkpoint(ref)
-        _checkpoint(model)
-    elif when == "hf":
-        for m in (ref, model):
-            m.gradient_checkpointing_enable()
-    wrapped = when != "hf"
-    assert all((type(m) is CheckpointWrapper) == wrapped for m in model.model.layers), list(model.model.layers)
+    model = checkpointed_alike(ref, lambda m: smp.transform(m, config=MoEConfig(**AUX)), when, _checkpoint)
     experts = next(p for name, p in model.named_parameters() if "experts" in name)
     assert experts.to_local().shape[0] == EXPERTS // 2, (experts.placements, experts.to_local().shape)
     if fsdp1:

@@ -4,6 +4,11 @@
   architecture, against a perfect split and against the 2-process ceiling of the machine;
 * ``checkpoint_save_speed.png`` (``checkpoint_disk.json``): a synchronous partial save's MB/s
   per repeat beside the disk's limit, the same tensors written raw, and DCP;
+* ``checkpoint_async_blocked.png`` (``checkpoint_async_pages_small.json``,
+  ``checkpoint_async_pages_medium.json``, ``v2_async_save_pages_large.json``): the time an
+  asynchronous save blocks training, as a share of a synchronous save, per repeat: with the
+  kernel's write tracking, with the call reading the tensors instead, and (v1) with everything
+  copied in the call, against the 5% goal;
 * ``scaling.png`` (``pipeline.json``, ``moe_ep.json``): tokens/s of pipeline parallelism
   (P=1, P=2 simple and interleaved, every repeat) and of expert parallelism (E=1, E=2 medians,
   the spread of their ratio in the title).
@@ -77,6 +82,40 @@ def checkpoint_speed(results: Path) -> Path | None:
     return _save(fig, results / "checkpoint_save_speed.png")
 
 
+def async_blocked(results: Path) -> Path | None:
+    rows = []  # (label, {way: [blocked / sync per repeat]})
+    for preset in ("small", "medium"):
+        data = _load(results, f"checkpoint_async_pages_{preset}.json")
+        if data is not None:
+            sync = sorted(data["seconds"]["sync"])[len(data["seconds"]["sync"]) // 2]
+            ways = {way: [r["blocked_s"] / sync for r in data["seconds"][key]]
+                    for way, key in (("tracked", "async"), ("read", "async_read"), ("copied in the call", "async_sync_staging"))}
+            rows.append((f"v1 {preset}\n{data['staged_in_background_bytes'] / 1e6:.0f} MB/rank", ways))
+    v2 = _load(results, "v2_async_save_pages_large.json")
+    for kind, rec in (v2 or {}).get("result", {}).items():
+        rounds = rec["rounds"]
+        rows.append((f"v2 {kind}\n{rec['median']['staging_bytes'] / 1e6:.0f} MB/rank",
+                     {"tracked": [r["async_blocked_s"] / r["sync_s"] for r in rounds],
+                      "read": [r["read_async_blocked_s"] / r["sync_s"] for r in rounds]}))
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(7.5, 3.4))
+    colors = {"tracked": "tab:green", "read": "tab:orange", "copied in the call": "tab:gray"}
+    for i, (_, ways) in enumerate(rows):
+        for j, (way, values) in enumerate(ways.items()):
+            x = i + (j - 1) * 0.22
+            ax.scatter([x] * len(values), [100 * v for v in values], s=18, alpha=0.7, color=colors[way],
+                       label=way if i == 0 else None)
+            ax.plot([x - 0.08, x + 0.08], [100 * sorted(values)[len(values) // 2]] * 2, color="black")
+    ax.axhline(5, color="red", linestyle="--", linewidth=1, label="goal: 5%")
+    ax.set_xticks(range(len(rows)), [label for label, _ in rows], fontsize=8)
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel("blocked, % of a sync save\n(dots: repeats; bar: median)", fontsize=8)
+    ax.set_title("Asynchronous save: time training is blocked (2 ranks, CPU, 2026-11-28)", fontsize=9)
+    ax.legend(fontsize=7)
+    return _save(fig, results / "checkpoint_async_blocked.png")
+
+
 def scaling(results: Path) -> Path | None:
     pipeline, moe = _load(results, "pipeline.json"), _load(results, "moe_ep.json")
     panels = [(pipeline, "Pipeline parallelism", [("p1", "P=1"), ("p2_simple", "P=2 simple"),
@@ -122,7 +161,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--results", type=Path, default=RESULTS)
     args = p.parse_args()
-    for plot in (tp_efficiency, checkpoint_speed, scaling):
+    for plot in (tp_efficiency, checkpoint_speed, async_blocked, scaling):
         plot(args.results)
 
 

@@ -88,8 +88,7 @@ class PageWatch:
             if watch is not None:  # its finalizer owns them: closing them here too would close their next owner's
                 watch._closer()
             else:
-                for fd in fds:
-                    os.close(fd)
+                abi.close(*fds)
             logger.debug("write tracking unavailable (%s): asynchronous saves read deferred tensors at the call", e)
             return None
 
@@ -126,13 +125,13 @@ class PageWatch:
     def eligible(self, t: torch.Tensor) -> bool:
         """Whether ``claim`` takes ``t`` and its memory is private anonymous (the rest of
         ``protect_claimed``'s test, which reads the process's mappings)."""
-        return self._large(t) and self._covering(t.data_ptr(), t.data_ptr() + _nbytes(t)) is not None
+        return self._large(t) and self._covering(t.data_ptr(), t.data_ptr() + t.nbytes) is not None
 
     def _large(self, t: torch.Tensor) -> bool:
         """A contiguous host tensor of ``min_bytes`` or more (and three pages at least: a whole
         page inside), not pinned for a GPU (a copy from the device writes it by DMA, past the
         page tables)."""
-        if t.device.type != "cpu" or not t.is_contiguous() or _nbytes(t) < max(self.min_bytes, 3 * PAGE):
+        if t.device.type != "cpu" or not t.is_contiguous() or t.nbytes < max(self.min_bytes, 3 * PAGE):
             return False
         return not (torch.cuda.is_initialized() and t.is_pinned())  # nothing is pinned before CUDA starts
 
@@ -164,7 +163,7 @@ class PageWatch:
         if not self._large(t):
             return None
         start = t.data_ptr()
-        end = start + _nbytes(t)
+        end = start + t.nbytes
         lo, hi = -(-start // PAGE) * PAGE, end // PAGE * PAGE
         mark = Protected(self, lo, hi, lo - start, end - hi)
         self._claimed.append(mark)
@@ -179,13 +178,14 @@ class PageWatch:
         if sum(m.hi - m.lo for m in claimed) < self.min_save_bytes:
             return claimed
         self._maps, self._reread = None, True  # not ``eligible``'s: a file mapped since where it saw the heap
+        located = [(mark, self._covering(mark.lo - mark.head, mark.hi + mark.tail)) for mark in claimed]
         spans: dict[tuple[int, int], list[int]] = {}
-        for mark in claimed:
-            for vma in self._covering(mark.lo - mark.head, mark.hi + mark.tail) or ():
-                if max(mark.lo, vma[0]) >= min(mark.hi, vma[1]):
-                    continue  # only the tensor's edge bytes lie in this mapping
-                span = spans.setdefault(vma[:2], [max(mark.lo, vma[0]), min(mark.hi, vma[1])])
-                span[0], span[1] = min(span[0], max(mark.lo, vma[0])), max(span[1], min(mark.hi, vma[1]))
+        for mark, vmas in located:
+            for vma in vmas or ():
+                lo, hi = max(mark.lo, vma[0]), min(mark.hi, vma[1])
+                if lo < hi:  # else only the tensor's edge bytes lie in this mapping
+                    span = spans.setdefault(vma[:2], [lo, hi])
+                    span[0], span[1] = min(span[0], lo), max(span[1], hi)
         refused: set[tuple[int, int]] = set()
         for vma, (lo, hi) in spans.items():
             try:
@@ -195,9 +195,8 @@ class PageWatch:
                 logger.debug("write tracking: registering %#x-%#x refused (%s)", lo, hi, e)
                 refused.add(vma)
         failed = []
-        for mark in claimed:
+        for mark, vmas in located:
             try:
-                vmas = self._covering(mark.lo - mark.head, mark.hi + mark.tail)
                 if vmas is None or any(vma[:2] in refused for vma in vmas):
                     raise OSError(0, "not private anonymous memory, or its mapping not registered")
                 self._protect(mark.lo, mark.hi)
@@ -262,7 +261,3 @@ class Protected:
 
     def written(self) -> bool:
         return self.watch.written(self.lo, self.hi)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()

@@ -49,6 +49,30 @@ def test_v2_fsdp1_call_without_mesh_trains_like_one_process(arch, use_orig_param
     harness.run(4, fsdp1_without_mesh, arch, 2, use_orig_params)
 
 
+def fsdp2_over_the_meshes(arch):
+    """v2's FSDP2 way at E=2 on 4 ranks: each experts module ``fully_shard``ed over the 2 ranks
+    holding the same experts (``expert_dp_mesh``), then each layer and the model over all 4."""
+    from torch.distributed.fsdp import fully_shard
+
+    from modelparallel.expert import is_expert_parallel
+
+    ref, model = transformed(arch, 2, MoEConfig(**AUX))
+    for experts in [m for m in model.modules() if is_expert_parallel(m)]:
+        fully_shard(experts, mesh=smp.expert_dp_mesh())
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=smp.dp_mesh())
+    fully_shard(model, mesh=smp.dp_mesh())
+    experts = model.model.layers[0].mlp.experts.gate_up_proj
+    hf = ref.model.layers[0].mlp.experts.gate_up_proj
+    assert experts.to_local().numel() * 4 == hf.numel(), (experts.placements, tuple(experts.to_local().shape))
+    train_transformed_like_one_process(ref, model, replica_batches(3, smp.rdp_size()), f"{arch} FSDP2", grads=False)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_v2_fsdp2_trains_like_one_process(arch):
+    harness.run(4, fsdp2_over_the_meshes, arch)
+
+
 @pytest.mark.parametrize("hybrid_shard_degree", [1, 2])
 def test_v2_fsdp1_hybrid_shard_degree(hybrid_shard_degree):
     """hybrid_shard_degree 1 (replicate) and 2 (shard in pairs, dense and experts' groups alike)."""

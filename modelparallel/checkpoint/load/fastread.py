@@ -166,13 +166,19 @@ class FastReader(FileSystemReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         by_file: dict[str, dict[tuple[int, int], list[ReadItem]]] = {}
         for item in plan.items:
-            info = self.storage_data[item.storage_index]
+            info = self.storage_data.get(item.storage_index)
+            if info is None:
+                raise CorruptFileError(f"{self.path / '.metadata'}: entry {item.storage_index.fqn!r} has a chunk at "
+                                       f"{tuple(item.storage_index.offset or ())} but no storage record for it")
             if getattr(info, "transform_descriptors", None):
                 raise UnsafeCheckpointError(f"{self.path}: entry {item.storage_index.fqn!r} was written with storage "
                                             f"transforms {info.transform_descriptors}, which this reader does not apply")
             rel = f"{self.part}/{info.relative_path}" if self.part and isinstance(info.relative_path, str) \
                 else info.relative_path
-            self.files.entry(rel)  # listed, or refused naming it: DCP's metadata may name any path
+            size = self.files.entry(rel)["size"]  # listed, or refused naming it: DCP's metadata may name any path
+            if info.offset + info.length > size:  # checked before any memory is taken for it
+                raise CorruptFileError(f"{self.files.directory / rel}: entry {item.storage_index.fqn!r} at byte "
+                                       f"{info.offset}, {info.length} bytes, passes its end ({size} bytes)")
             by_file.setdefault(rel, {}).setdefault((info.offset, info.length), []).append(item)
         with ThreadPoolExecutor(_threads(), thread_name_prefix="checkpoint-reader") as pool:
             for rel in sorted(by_file):

@@ -175,15 +175,15 @@ class FastReader(FileSystemReader):
                                             f"transforms {info.transform_descriptors}, which this reader does not apply")
             rel = f"{self.part}/{info.relative_path}" if self.part and isinstance(info.relative_path, str) \
                 else info.relative_path
-            size = self.files.entry(rel)["size"]  # listed, or refused naming it: DCP's metadata may name any path
-            if info.offset + info.length > size:  # checked before any memory is taken for it
-                raise CorruptFileError(f"{self.files.directory / rel}: entry {item.storage_index.fqn!r} at byte "
-                                       f"{info.offset}, {info.length} bytes, passes its end ({size} bytes)")
+            self.files.entry(rel)  # listed, or refused naming it: DCP's metadata may name any path
             by_file.setdefault(rel, {}).setdefault((info.offset, info.length), []).append(item)
         with ThreadPoolExecutor(_threads(), thread_name_prefix="checkpoint-reader") as pool:
             for rel in sorted(by_file):
                 with self.files.reader(rel, pool) as reader:
                     for (offset, length), reqs in sorted(by_file[rel].items()):
+                        if offset + length > reader.entry["size"]:  # before any memory is taken for it
+                            raise CorruptFileError(f"{reader.path}: entry {reqs[0].storage_index.fqn!r} at byte {offset}, "
+                                                   f"{length} bytes, passes its end ({reader.entry['size']} bytes)")
                         reader.skip_to(offset)
                         self._read_chunk(reader, length, reqs, planner)
                     reader.finish()

@@ -121,7 +121,8 @@ def _replicas() -> tuple[int, ...]:
 def check_objects(state_dict) -> None:
     """A save writes no entry its load would refuse: non-tensor entries are read back with an
     allow-list (tensors, numbers, strings, None, lists, tuples, dicts, sets, dtypes), so anything
-    else (a numpy scalar, an enum, a dataclass) is refused before anything is written.
+    else (a numpy scalar, an enum, a dataclass; also ``b""``, which torch's allow-list refuses)
+    is refused before anything is written.
 
     Raises:
         TypeError: naming the entry and its type.
@@ -129,7 +130,12 @@ def check_objects(state_dict) -> None:
     flat, _ = flatten_state_dict(state_dict)
     objects = {k: v for k, v in flat.items() if not isinstance(v, (torch.Tensor, ShardedTensor))}
     if objects:
-        check_loadable(objects, "the state dict", escape="")
+        try:
+            check_loadable(objects, "the state dict", escape="")
+        except TypeError as e:
+            for key, value in objects.items():  # the entry at fault, by name
+                check_loadable(value, f"state dict entry {key!r}", escape="")
+            raise e
 
 
 def check_local_group(state_dict, members: list[int], what: str = "save") -> None:

@@ -16,7 +16,7 @@ import math
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                   MetadataIndex, TensorStorageMetadata)
+                                                   MetadataIndex, StorageMeta, TensorStorageMetadata)
 
 _ROWS = 1024
 """Chunks compared with all the others at once when checking that they do not overlap."""
@@ -78,6 +78,8 @@ def metadata_problems(metadata) -> list[str]:
         return ["its state_dict_metadata is not a dict of entry names"]
     if not isinstance(storage, dict):
         return ["its storage_data (where each entry is stored) is not a dict"]
+    if not (metadata.storage_meta is None or isinstance(metadata.storage_meta, StorageMeta)):
+        return [f"its storage_meta is a {type(metadata.storage_meta).__name__}"]
     problems = []
     for fqn, md in entries.items():
         if isinstance(md, TensorStorageMetadata):

@@ -7,8 +7,12 @@ of two restricted readers:
 
 * ``torch_load``: ``torch.load(weights_only=True)``: tensors, numbers, strings, ``None``,
   lists, tuples, dicts, ``OrderedDict``, sets and torch dtypes/sizes; nothing else.
-* ``read_dcp_metadata``: DCP's ``.metadata`` file through ``MetadataUnpickler``, which builds
-  only DCP's own metadata classes, ``torch.Size``, dtypes, layouts, paths and plain containers.
+* ``parse_dcp_metadata``: DCP's ``.metadata`` file through ``MetadataUnpickler``, which builds
+  only DCP's own metadata classes, ``torch.Size``, dtypes, layouts, paths and plain containers,
+  then checks what they say (``metadata_check``: field types, chunks tiling each tensor).
+
+Both first bound the work a pickle may ask for (``pickle_bounds``: objects shared through the
+memo, exponentially, would otherwise hang every rank).
 
 Anything else is refused with ``UnsafeCheckpointError`` naming the file and what it tried to
 load. What users save (``user_content``, ``smp.save``) is checked on the way in with

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 import harness
@@ -102,6 +102,8 @@ ATTACKS = {  # name -> (rank 0's change to the committed checkpoint, what the fi
                           r"\.metadata: entry 'model\.r0\.w3' has a chunk .* but no storage record"),
     "not metadata": (lambda p: _reseal(p, ".metadata", pickle.dumps({"state_dict_metadata": {}})),
                      r"\.metadata: not a valid DCP metadata file: it holds dict"),
+    "storage_meta": (lambda p: _forge(p, lambda m: setattr(m, "storage_meta", {"load_id": 1})),
+                     r"\.metadata: .*its storage_meta is a dict"),
     "metadata memo bomb": (lambda p: _reseal(p, ".metadata", _bomb(60)), r"\.metadata: .*refused: it builds more"),
     "entry memo bomb": (_entry_bomb, r"__5_0\.distcp: .*'step'.*refused: it builds more than"),
     "metadata symlink": (_symlinked_metadata, r"\.metadata: a symlink"),
@@ -159,9 +161,40 @@ def test_plain_values_round_trip_and_what_a_load_refuses_is_not_saved(tmp_path):
             assert re.match(rf"TypeError: state dict entry 'extra\.lr' holds {kind}", first), first
 
 
+def forged_layout(root: str) -> str:
+    """A local state dict's layout record (``.sm_local_layout.json``) forged as JSON nested past
+    the parser's depth: refused on both ranks naming the file, nothing changed."""
+    from modelparallel.distributed.checkpoint.state_dict_utils import LOCAL_LAYOUT_FILE, LocalStateDict
+
+    def local(value: float) -> dict:
+        model = LocalStateDict({"w": torch.full((3,), value)})
+        model.layout, model.replicas = {"fsdp_shard_degree": 1, "tensor_parallel_degree": 1}, (0, 1)
+        return {"model": model}
+
+    path = Path(root) / "ck"
+    save(local(2.0), checkpoint_id=str(path))
+    if dist.get_rank() == 0:
+        _reseal(path, LOCAL_LAYOUT_FILE, b"[" * 100_000 + b"]" * 100_000)
+    dist.barrier()
+    target = local(0.0)
+    with pytest.raises(CheckpointError) as info:
+        load(target, checkpoint_id=str(path))
+    assert torch.equal(target["model"]["w"], torch.zeros(3)), "a refused load changed the state dict"
+    return str(info.value).splitlines()[0]
+
+
+def test_a_layout_record_nested_too_deeply_is_refused_naming_it(tmp_path):
+    firsts = harness.run(2, forged_layout, str(tmp_path))
+    assert firsts[0] == firsts[1] and re.search(r"ck/\.sm_local_layout\.json: unreadable", firsts[0]), firsts
+
+
 class _OwnReader(FileSystemReader):
     def read_data(self, plan, planner):  # e.g. decrypting: the load would not call it
         raise AssertionError("never called")
+
+
+class _OwnPlanner(DefaultLoadPlanner):
+    pass
 
 
 class _FailsOnRank1(FileSystemWriter):
@@ -172,8 +205,8 @@ class _FailsOnRank1(FileSystemWriter):
 
 
 def readers_and_failed_async(root: str) -> bool:
-    """A reader subclass that reads differently is refused; ``FileSystemReader`` reads through
-    the verified path. An ``async_save`` that fails on one rank over a checkpoint leaves that
+    """A reader subclass that reads differently, or a planner subclass, is refused;
+    ``FileSystemReader`` reads through the verified path. An ``async_save`` that fails on one rank over a checkpoint leaves that
     checkpoint loading as it was."""
     from modelparallel.distributed.checkpoint.async_utils import AsyncCallsQueue
     from modelparallel.distributed.checkpoint.state_dict_saver import async_save
@@ -183,6 +216,8 @@ def readers_and_failed_async(root: str) -> bool:
     target = _zeros()
     with pytest.raises(NotImplementedError, match=r"storage_reader=_OwnReader: .*overrides read_metadata, read_data"):
         load(target, storage_reader=_OwnReader(path))
+    with pytest.raises(NotImplementedError, match=r"planner=_OwnPlanner: only DCP's DefaultLoadPlanner"):
+        load(target, checkpoint_id=path, planner=_OwnPlanner())  # its load_bytes could unpickle freely
     assert _same(target, _zeros())
     queue = AsyncCallsQueue()
     async_save(_state(3.0), storage_writer=_FailsOnRank1(path), queue=queue)

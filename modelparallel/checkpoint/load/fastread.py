@@ -182,8 +182,9 @@ class FastReader(FileSystemReader):
                 with self.files.reader(rel, pool) as reader:
                     for (offset, length), reqs in sorted(by_file[rel].items()):
                         if offset + length > reader.entry["size"]:  # before any memory is taken for it
-                            raise CorruptFileError(f"{reader.path}: entry {reqs[0].storage_index.fqn!r} at byte {offset}, "
-                                                   f"{length} bytes, passes its end ({reader.entry['size']} bytes)")
+                            raise CorruptFileError(f"{reader.path}: entry {reqs[0].storage_index.fqn!r} at byte "
+                                                   f"{offset}, {length} bytes, passes its end "
+                                                   f"({reader.entry['size']} bytes)")
                         reader.skip_to(offset)
                         self._read_chunk(reader, length, reqs, planner)
                     reader.finish()

@@ -44,7 +44,8 @@ def _chunk_problem(fqn: str, md: TensorStorageMetadata) -> str | None:
         if math.prod(chunk.sizes) == 0:
             continue
         if any(o + s > d for o, s, d in zip(chunk.offsets, chunk.sizes, size)):
-            return f"tensor {fqn!r}: chunk at {tuple(chunk.offsets)} of {tuple(chunk.sizes)} passes its size {tuple(size)}"
+            return (f"tensor {fqn!r}: chunk at {tuple(chunk.offsets)} of {tuple(chunk.sizes)} passes its size "
+                    f"{tuple(size)}")
         boxes.append((chunk.offsets, chunk.sizes))
     covered = sum(math.prod(s) for _, s in boxes)
     if covered != math.prod(size):
@@ -88,7 +89,8 @@ def metadata_problems(metadata) -> list[str]:
             problems.append(f"entry {fqn!r}: {type(md).__name__} is neither a tensor nor an object")
     for index, info in storage.items():
         if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str) \
-                or not (index.offset is None or _shape(index.offset)) or not (index.index is None or _count(index.index)):
+                or not (index.offset is None or _shape(index.offset)) \
+                or not (index.index is None or _count(index.index)):
             problems.append(f"a storage key {type(index).__name__} is not an entry name and offset")
         elif not isinstance(info, _StorageInfo) or not isinstance(info.relative_path, str) \
                 or not _count(info.offset) or not _count(info.length):

@@ -206,8 +206,8 @@ class _FailsOnRank1(FileSystemWriter):
 
 def readers_and_failed_async(root: str) -> bool:
     """A reader subclass that reads differently, or a planner subclass, is refused;
-    ``FileSystemReader`` reads through the verified path. An ``async_save`` that fails on one rank over a checkpoint leaves that
-    checkpoint loading as it was."""
+    ``FileSystemReader`` reads through the verified path. An ``async_save`` that fails on one
+    rank over a checkpoint leaves that checkpoint loading as it was."""
     from modelparallel.distributed.checkpoint.async_utils import AsyncCallsQueue
     from modelparallel.distributed.checkpoint.state_dict_saver import async_save
 

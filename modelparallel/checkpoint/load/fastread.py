@@ -166,7 +166,10 @@ class FastReader(FileSystemReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         by_file: dict[str, dict[tuple[int, int], list[ReadItem]]] = {}
         for item in plan.items:
-            info = self.storage_data[item.storage_index]
+            info = self.storage_data.get(item.storage_index)
+            if info is None:
+                raise CorruptFileError(f"{self.path / '.metadata'}: entry {item.storage_index.fqn!r} has a chunk at "
+                                       f"{tuple(item.storage_index.offset or ())} but no storage record for it")
             if getattr(info, "transform_descriptors", None):
                 raise UnsafeCheckpointError(f"{self.path}: entry {item.storage_index.fqn!r} was written with storage "
                                             f"transforms {info.transform_descriptors}, which this reader does not apply")
@@ -178,6 +181,10 @@ class FastReader(FileSystemReader):
             for rel in sorted(by_file):
                 with self.files.reader(rel, pool) as reader:
                     for (offset, length), reqs in sorted(by_file[rel].items()):
+                        if offset + length > reader.entry["size"]:  # before any memory is taken for it
+                            raise CorruptFileError(f"{reader.path}: entry {reqs[0].storage_index.fqn!r} at byte "
+                                                   f"{offset}, {length} bytes, passes its end "
+                                                   f"({reader.entry['size']} bytes)")
                         reader.skip_to(offset)
                         self._read_chunk(reader, length, reqs, planner)
                     reader.finish()

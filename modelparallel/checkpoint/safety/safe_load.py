@@ -7,8 +7,12 @@ of two restricted readers:
 
 * ``torch_load``: ``torch.load(weights_only=True)``: tensors, numbers, strings, ``None``,
   lists, tuples, dicts, ``OrderedDict``, sets and torch dtypes/sizes; nothing else.
-* ``read_dcp_metadata``: DCP's ``.metadata`` file through ``MetadataUnpickler``, which builds
-  only DCP's own metadata classes, ``torch.Size``, dtypes, layouts, paths and plain containers.
+* ``parse_dcp_metadata``: DCP's ``.metadata`` file through ``MetadataUnpickler``, which builds
+  only DCP's own metadata classes, ``torch.Size``, dtypes, layouts, paths and plain containers,
+  then checks what they say (``metadata_check``: field types, chunks tiling each tensor).
+
+Both first bound the work a pickle may ask for (``pickle_bounds``: objects shared through the
+memo, exponentially, would otherwise hang every rank).
 
 Anything else is refused with ``UnsafeCheckpointError`` naming the file and what it tried to
 load. What users save (``user_content``, ``smp.save``) is checked on the way in with
@@ -30,6 +34,8 @@ from typing import Any
 import torch
 
 from .files import CorruptFileError, UnsafeCheckpointError
+from .metadata_check import metadata_problems
+from .pickle_bounds import check_expansion, check_zip_pickles
 
 # class name -> module of every class DCP's metadata pickles (torch 2.x)
 _DCP_CLASSES = {
@@ -41,7 +47,7 @@ _DCP_CLASSES = {
     "torch": {"Size"},
     "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
     "collections": {"OrderedDict"},
-    "builtins": {"set", "frozenset", "dict", "list", "tuple", "object", "int", "float", "str", "bytes", "bool"},
+    "builtins": {"set", "frozenset", "dict", "list", "tuple", "object", "int", "float", "str", "bool"},
     "copyreg": {"_reconstructor"},
 }
 
@@ -67,7 +73,15 @@ def _latin1_bytes(text, encoding):
     return text.encode("latin1")
 
 
-_REDUCERS = {("builtins", "getattr"): _enum_member, ("_codecs", "encode"): _latin1_bytes}
+def _bytes(*args):
+    """``bytes()`` as protocol 2 pickles an empty ``bytes``; never ``bytes(n)``, which would make
+    every rank allocate and zero ``n`` bytes named by a few bytes of the file."""
+    if args:
+        raise pickle.UnpicklingError("refused bytes(...) with arguments: only bytes() of an empty value")
+    return b""
+
+
+_REDUCERS = {("builtins", "getattr"): _enum_member, ("_codecs", "encode"): _latin1_bytes, ("builtins", "bytes"): _bytes}
 """Callables some picklers use for metadata values, each replaced by a function that accepts
 only that use."""
 
@@ -96,13 +110,20 @@ def parse_dcp_metadata(data: bytes, name: str | Path):
     """DCP's ``Metadata`` from the bytes of a ``.metadata`` file (``name``), with no code run.
 
     Raises:
-        UnsafeCheckpointError: naming the file and the refused class.
+        UnsafeCheckpointError: naming the file and the refused class, or what in the metadata
+            does not describe a checkpoint (``metadata_problems``).
     """
     try:
-        return MetadataUnpickler(io.BytesIO(data)).load()
+        check_expansion(data)
+        metadata = MetadataUnpickler(io.BytesIO(data)).load()
     except (pickle.UnpicklingError, AttributeError, EOFError, TypeError, ValueError, IndexError,
             RecursionError, struct.error) as e:
         raise UnsafeCheckpointError(f"{name}: not a valid DCP metadata file: {e}") from e
+    problems = metadata_problems(metadata)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise UnsafeCheckpointError(f"{name}: not a valid DCP metadata file: {problems[0]}{more}")
+    return metadata
 
 
 _DAMAGED = (EOFError, RuntimeError, ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError,
@@ -121,6 +142,8 @@ def torch_load(source: str | Path | io.BytesIO, name: str | None = None, trusted
     """
     name = name or str(source)
     try:
+        if isinstance(source, io.BytesIO) and not trusted:
+            check_zip_pickles(source)
         return torch.load(source, map_location="cpu", weights_only=not trusted, **kwargs)
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()
@@ -153,9 +176,11 @@ def rebuild(obj: Any, name: str | Path) -> Any:
         raise CorruptFileError(f"{name}: a stored value cannot be rebuilt ({type(e).__name__}: {e})") from e
 
 
-def check_loadable(obj: Any, what: str) -> bytes:
+def check_loadable(obj: Any, what: str, escape: str = "pass trust_user_content=True, which loads with full "
+                   "pickle and so runs whatever the file names") -> bytes:
     """``obj`` serialized, after checking that ``torch_load`` reads it back (so a save never
-    writes what a load would refuse). Returns the bytes to write.
+    writes what a load would refuse). Returns the bytes to write. ``escape``: how the caller
+    may store it anyway, for the message (empty: no way).
 
     Raises:
         TypeError: naming the first type a checkpoint may not contain.
@@ -168,8 +193,7 @@ def check_loadable(obj: Any, what: str) -> bytes:
         bad = _first_foreign(obj)
         raise TypeError(f"{what} holds {bad}, which a checkpoint cannot store safely: loading it would "
                         "need to run code. Store tensors, numbers, strings, None, lists, tuples, dicts, "
-                        "sets (or pass trust_user_content=True, which loads with full pickle and so runs "
-                        "whatever the file names)") from e
+                        f"sets{f' (or {escape})' if escape else ''}") from e
     return buf.getvalue()
 
 

@@ -49,7 +49,7 @@ from . import directory
 from .group_blocks import for_group
 from .outcome import CheckpointLoadError, CheckpointSaveError, Group, collective_outcome, group_of  # noqa: F401
 from .staging import StagedPlanner, deferrable, stage
-from .state_dict_utils import check_local_group
+from .state_dict_utils import check_local_group, check_objects
 
 
 @dataclass
@@ -146,6 +146,7 @@ def _prepare(state_dict, writer: StorageWriter, group: Group, busy) -> Path:
     error, name = None, None
     try:
         check_local_group(state_dict, group.members)
+        check_objects(state_dict)
         if group.is_coordinator:
             directory.check_replaceable(final)
             if str(final) not in busy:

@@ -59,7 +59,7 @@ def _layout_problems(state_dict, files: CheckpointFiles) -> list[str]:
         return []
     try:
         saved = json.loads(files.read(LOCAL_LAYOUT_FILE))
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise ValueError(f"{files.directory / LOCAL_LAYOUT_FILE}: unreadable ({e})") from None
     out = []
     for key, layout in wanted.items():
@@ -72,11 +72,18 @@ def _layout_problems(state_dict, files: CheckpointFiles) -> list[str]:
     return out
 
 
+_READS = ("read_metadata", "read_data", "set_up_storage_reader", "prepare_local_plan", "prepare_global_plan")
+"""What a storage reader does that the load does itself (so a reader overriding it is refused)."""
+
+
 def _path_of(checkpoint_id, storage_reader) -> Path:
     """The directory a call names (a file system reader's, or ``checkpoint_id``)."""
-    if storage_reader is not None and not isinstance(storage_reader, FileSystemReader):
+    if storage_reader is not None and (not isinstance(storage_reader, FileSystemReader) or any(
+            getattr(type(storage_reader), m) is not getattr(FileSystemReader, m) for m in _READS)):
         raise NotImplementedError(f"storage_reader={type(storage_reader).__name__}: only file system readers "
-                                  "(FileSystemReader, DistributedFileSystemReader) are supported")
+                                  "(FileSystemReader, DistributedFileSystemReader) are supported; the load reads "
+                                  "their directory with its own verified reader, so one that reads differently "
+                                  f"(overrides {', '.join(_READS)}) would be ignored")
     path = checkpoint_id if checkpoint_id is not None else getattr(storage_reader, "path", None)
     if path is None:
         raise ValueError("load needs checkpoint_id (a directory) or storage_reader")

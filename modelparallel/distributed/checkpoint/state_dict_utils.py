@@ -24,6 +24,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
+from ...checkpoint.safety.safe_load import check_loadable
+from ...compat import ShardedTensor, flatten_state_dict
 from ...tp.layout import local_part
 from ...training.flat_grads import flattened_by_fsdp1, fsdp1_units
 from .optim_init import init_optim_state
@@ -114,6 +116,26 @@ def _replicas() -> tuple[int, ...]:
     if not runtime.is_initialized():
         return (dist.get_rank(),)
     return tuple(Ranker.of(runtime.current()).get_rep_group())
+
+
+def check_objects(state_dict) -> None:
+    """A save writes no entry its load would refuse: non-tensor entries are read back with an
+    allow-list (tensors, numbers, strings, None, lists, tuples, dicts, sets, dtypes), so anything
+    else (a numpy scalar, an enum, a dataclass; also ``b""``, which torch's allow-list refuses)
+    is refused before anything is written.
+
+    Raises:
+        TypeError: naming the entry and its type.
+    """
+    flat, _ = flatten_state_dict(state_dict)
+    objects = {k: v for k, v in flat.items() if not isinstance(v, (torch.Tensor, ShardedTensor))}
+    if objects:
+        try:
+            check_loadable(objects, "the state dict", escape="")
+        except TypeError as e:
+            for key, value in objects.items():  # the entry at fault, by name
+                check_loadable(value, f"state dict entry {key!r}", escape="")
+            raise e
 
 
 def check_local_group(state_dict, members: list[int], what: str = "save") -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import NamedTuple
 
 import torch
@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
 from ...checkpoint.safety.safe_load import check_loadable
-from ...compat import ShardedTensor, flatten_state_dict
+from ...compat import ShardedTensor
 from ...tp.layout import local_part
 from ...training.flat_grads import flattened_by_fsdp1, fsdp1_units
 from .optim_init import init_optim_state
@@ -118,24 +118,38 @@ def _replicas() -> tuple[int, ...]:
     return tuple(Ranker.of(runtime.current()).get_rep_group())
 
 
+_PLAIN_LEAVES = (int, float, bool, str, type(None), torch.dtype)
+"""Values the load's allow-list always reads back (exact types: a subclass is checked in full)."""
+
+
 def check_objects(state_dict) -> None:
     """A save writes no entry its load would refuse: non-tensor entries are read back with an
     allow-list (tensors, numbers, strings, None, lists, tuples, dicts, sets, dtypes), so anything
     else (a numpy scalar, an enum, a dataclass; also ``b""``, which torch's allow-list refuses)
-    is refused before anything is written.
+    is refused before anything is written. Numbers, strings, None and dtypes in plain dicts,
+    lists and tuples (an optimizer's hyperparameters) pass by their types alone; any other value
+    is serialized and read back as the load would (``check_loadable``).
 
     Raises:
         TypeError: naming the entry and its type.
     """
-    flat, _ = flatten_state_dict(state_dict)
-    objects = {k: v for k, v in flat.items() if not isinstance(v, (torch.Tensor, ShardedTensor))}
-    if objects:
-        try:
-            check_loadable(objects, "the state dict", escape="")
-        except TypeError as e:
-            for key, value in objects.items():  # the entry at fault, by name
-                check_loadable(value, f"state dict entry {key!r}", escape="")
-            raise e
+    def visit(obj, path: str) -> None:
+        kind = type(obj)
+        if kind in _PLAIN_LEAVES or isinstance(obj, (torch.Tensor, ShardedTensor)):
+            return
+        if isinstance(obj, Mapping):  # flattened by the save: its own type is not stored
+            if not all(type(k) in _PLAIN_LEAVES for k in obj):
+                check_loadable(dict(obj), f"state dict entry {path!r}", escape="")
+                return
+            for k, v in obj.items():
+                visit(v, f"{path}.{k}" if path else str(k))
+        elif kind in (list, tuple):
+            for i, v in enumerate(obj):
+                visit(v, f"{path}.{i}" if path else str(i))
+        else:
+            check_loadable(obj, f"state dict entry {path!r}", escape="")
+
+    visit(state_dict, "")
 
 
 def check_local_group(state_dict, members: list[int], what: str = "save") -> None:

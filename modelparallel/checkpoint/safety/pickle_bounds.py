@@ -3,12 +3,19 @@
 An allow-list decides which callables a pickle may name, not how much it builds: the memo lets
 a pickle refer to one object many times, so ``t1 = (t0, t0)``, ``t2 = (t1, t1)`` ... costs a few
 bytes per level while the object's expanded size doubles. Hashing it (a dict key, a set member,
-a frozen dataclass such as DCP's ``MetadataIndex``) or turning it into text walks every
-expanded node: a 400-byte ``.metadata`` or non-tensor entry would keep every rank busy forever,
-and no rank raises. ``check_expansion`` runs the pickle's opcodes without building anything,
-keeping only each object's expanded size, and refuses a pickle whose objects together would
-take more than a budget linear in its length. A pickle that writes each object out (or shares
-only small ones, as DCP's metadata shares its sizes and dtypes) stays far below it.
+a frozen dataclass such as DCP's ``MetadataIndex``), comparing it, turning it into text or
+walking it as a nested value walks every expanded node: a 400-byte ``.metadata`` or non-tensor
+entry would keep every rank busy forever, and no rank raises. ``check_expansion`` runs the
+pickle's opcodes without building anything, keeping only each object's expanded size, and
+refuses a pickle whose objects together would take more than a budget linear in its length. A
+pickle that writes each object out (or shares only small ones, as DCP's metadata shares its
+sizes and dtypes) stays far below it.
+
+A list, dict, set or object is made empty and then filled (``APPENDS``, ``SETITEMS``, ``BUILD``):
+its size is kept in one cell that its memo entry shares, so a later use counts what it holds.
+Filling an object after the memo handed it out again is refused: a container would then hold
+one that grows afterwards (a size no count made up front bounds), or itself (a cycle, which
+no checkpoint of tensors and plain data has; Python's pickler writes nothing else that way).
 """
 
 from __future__ import annotations
@@ -21,10 +28,8 @@ import zipfile
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")
 """A zip member's local header: signature, then (past fields not used) name and extra lengths."""
-_MEMO_PUT = {"PUT", "BINPUT", "LONG_BINPUT"}
-_MEMO_GET = {"GET", "BINGET", "LONG_BINGET"}
 _MUTATE = {"APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD"}
-"""Opcodes that add to the object below their arguments: that object is not walked again."""
+"""Opcodes that add their arguments to the object below them (which stays on the stack)."""
 
 
 def budget(nbytes: int) -> int:
@@ -33,49 +38,130 @@ def budget(nbytes: int) -> int:
     return 64 * nbytes + (1 << 20)
 
 
+_GENERIC, _MEMOIZE, _GET1, _GET, _PUT, _MARK, _DUP, _POP_MARK, _STOP = range(9)
+_ACTIONS = {"MEMOIZE": _MEMOIZE, "BINGET": _GET1, "LONG_BINGET": _GET, "GET": _GET, "BINPUT": _PUT,
+            "LONG_BINPUT": _PUT, "PUT": _PUT, "MARK": _MARK, "DUP": _DUP, "POP_MARK": _POP_MARK, "STOP": _STOP}
+_FIXED, _LINES, _SIZED = range(3)
+_LENGTHS = {pickletools.TAKEN_FROM_ARGUMENT1: 1, pickletools.TAKEN_FROM_ARGUMENT4: -4,
+            pickletools.TAKEN_FROM_ARGUMENT4U: 4, pickletools.TAKEN_FROM_ARGUMENT8U: 8}
+"""Bytes of a length argument that precedes the data (negative: signed)."""
+
+
+def _opcode_table() -> list:
+    """Indexed by opcode byte (None: not an opcode): (action, argument layout, its size, items
+    below a mark it pops (or -1: none), items popped otherwise, pushes one, adds to the object
+    below its arguments). From the standard library's descriptions of the opcodes."""
+    table: list = [None] * 256
+    for op in pickletools.opcodes:
+        arg = op.arg
+        if arg is None:
+            layout = (_FIXED, 0)
+        elif arg.n >= 0:
+            layout = (_FIXED, arg.n)
+        elif arg.n == pickletools.UP_TO_NEWLINE:
+            layout = (_LINES, 2 if op.name in ("GLOBAL", "INST") else 1)
+        else:
+            layout = (_SIZED, _LENGTHS[arg.n])
+        before = op.stack_before
+        below = before.index(pickletools.markobject) if pickletools.stackslice in before else -1
+        table[ord(op.code)] = (_ACTIONS.get(op.name, _GENERIC), *layout, below, len(before), bool(op.stack_after),
+                               op.name in _MUTATE)
+    return table
+
+
+_TABLE = tuple(_opcode_table())
+
+
 def check_expansion(data: bytes) -> None:
     """Refuse ``data`` (a pickle) if reading it would build or walk more than ``budget`` nodes,
-    before anything is built (also a length field past the end of the data).
+    before anything is built (also an unknown opcode, or an argument past the end of the data).
+
+    The opcodes are followed as the unpickler reads them, on a stack of expanded sizes (each
+    object's node count, a shared object counted every time it is used): an opcode that takes
+    objects off the stack costs their sizes (the container it only adds to excepted). Text
+    arguments are not parsed (the unpickler refuses bad ones); memo indexes are.
 
     Raises:
         pickle.UnpicklingError: saying what it asked for (the caller names the file).
     """
-    limit = budget(len(data))
-    stack: list[int] = []
+    data = bytes(data)
+    limit, table, end, pos = budget(len(data)), _TABLE, len(data), 0
+    stack: list[list] = []  # each object's cell: [expanded size, handed out again by the memo]
     marks: list[int] = []
-    memo: dict[int, int] = {}
+    memo: dict[int, list] = {}
     work = 0
     try:
-        for op, arg, _ in pickletools.genops(data):
-            code = op.name
-            if code == "MARK":
-                marks.append(len(stack))
-            elif code in _MEMO_PUT or code == "MEMOIZE":
-                memo[len(memo) if code == "MEMOIZE" else arg] = stack[-1]
-            elif code in _MEMO_GET or code == "DUP":
-                stack.append(memo[arg] if code != "DUP" else stack[-1])
-            elif code == "POP_MARK":
-                del stack[marks.pop():]
-            elif code == "STOP":
-                break
+        while True:
+            action, layout, size, below, popped, pushes, mutate = table[data[pos]]
+            arg = pos + 1
+            if layout == _FIXED:
+                pos = arg + size
+            elif layout == _LINES:
+                pos = data.index(b"\n", arg) + 1
+                if size == 2:
+                    pos = data.index(b"\n", pos) + 1
             else:
-                before = op.stack_before
-                if pickletools.stackslice in before:
-                    start = marks.pop() - before.index(pickletools.markobject)
-                else:
-                    start = len(stack) - len(before)
+                width = -size if size < 0 else size
+                length = int.from_bytes(data[arg:arg + width], "little", signed=size < 0)
+                if length < 0 or arg + width + length > end:
+                    raise ValueError(f"opcode {data[pos]:#04x} at byte {pos} asks for {length} bytes, "
+                                     f"{end - arg - width} remain")
+                pos = arg + width + length
+            if pos > end:
+                raise ValueError(f"opcode {data[arg - 1]:#04x} at byte {arg - 1}: its argument runs past the end")
+            if action == _MEMOIZE:
+                memo[len(memo)] = stack[-1]
+            elif action == _GET1 or action == _GET or action == _DUP:
+                cell = memo[data[arg] if action == _GET1 else _index(data, arg, pos, layout)] \
+                    if action != _DUP else stack[-1]
+                cell[1] = True
+                stack.append(cell)
+            elif action == _GENERIC:
+                start = marks.pop() - below if below >= 0 else len(stack) - popped
                 if start < 0:
                     raise IndexError("stack underflow")
                 taken = stack[start:]
                 del stack[start:]
-                work += sum(taken) - (taken[0] if code in _MUTATE and taken else 0)
+                if mutate and taken:
+                    target = taken[0]
+                    if target[1]:
+                        raise pickle.UnpicklingError(f"refused: at byte {arg - 1} it adds to an object its memo "
+                                                     "already handed out (a container of itself, or one that "
+                                                     "grows after it was shared)")
+                    cost = 0
+                    for cell in taken[1:]:
+                        cost += cell[0]
+                    target[0] += cost
+                    stack.append(target)
+                else:
+                    cost = 0
+                    for cell in taken:
+                        cost += cell[0]
+                    if pushes:
+                        stack.append([1 + cost, False])
+                work += cost
                 if work > limit:
                     raise pickle.UnpicklingError(f"refused: it builds more than {limit} objects from {len(data)} "
                                                  "bytes (objects shared through its memo many times over)")
-                if op.stack_after:
-                    stack.append(1 + sum(taken))
-    except (IndexError, KeyError, ValueError) as e:
+            elif action == _PUT:
+                memo[_index(data, arg, pos, layout)] = stack[-1]
+            elif action == _MARK:
+                marks.append(len(stack))
+            elif action == _POP_MARK:
+                del stack[marks.pop():]
+            else:
+                return
+    except (IndexError, KeyError, ValueError, TypeError) as e:
+        if isinstance(e, (IndexError, TypeError)) and pos >= end:
+            e = ValueError("the data ends before its STOP opcode")
+        elif isinstance(e, TypeError):  # a byte that is no opcode (None in the table)
+            e = ValueError(f"no opcode {data[pos]:#04x} at byte {pos}")
         raise pickle.UnpicklingError(f"not a valid pickle ({type(e).__name__}: {e})") from None
+
+
+def _index(data: bytes, arg: int, end: int, layout: int) -> int:
+    """A memo opcode's index: binary (little-endian) or a decimal text line."""
+    return int(data[arg:end - 1]) if layout == _LINES else int.from_bytes(data[arg:end], "little")
 
 
 def check_zip_pickles(source: io.BytesIO) -> None:

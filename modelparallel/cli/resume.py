@@ -85,15 +85,18 @@ def _newest(ckpt_dir: Path, verify: bool) -> tuple[str | None, str, list[str]]:
     if not ckpt_dir.is_dir():
         return None, "", []
     from ..checkpoint.safety import commit
+    from ..checkpoint.safety.errors import CheckpointError
 
-    newest = commit.read_newest(ckpt_dir)
     tags = saved_tags(ckpt_dir)
+    try:
+        newest = commit.read_newest(ckpt_dir)
+    except (OSError, ValueError, CheckpointError) as exc:  # a directory, FIFO, link, huge or binary file
+        return None, "", [f"--resume: {ckpt_dir}/newest cannot be read ({exc}); saved: {', '.join(tags) or 'none'} "
+                          "(pick one with --resume-from TAG, or remove it)"]
     if newest is not None:
-        if not newest.endswith(PARTIAL):
-            return None, "", []
-        tag = newest[:-len(PARTIAL)]
-        if tag not in tags:
-            return None, "", [f"--resume: {ckpt_dir}/newest names {newest}, which is not a complete checkpoint; "
+        tag = newest.removesuffix(PARTIAL)
+        if newest == tag or tag not in tags:  # names no partial checkpoint here: never a silent fresh start
+            return None, "", [f"--resume: {ckpt_dir}/newest names {newest!r}, which is not a complete partial checkpoint; "
                               f"saved: {', '.join(tags) or 'none'} (pick one with --resume-from TAG)"]
         return tag, "", []
     steps = [t for t in tags if tag_step(t) is not None]
@@ -189,3 +192,18 @@ def matching_tags(out: Path, config, skip: str | None = None) -> list[str]:
     """Intact tags (newest first) saved from the same model as ``config``: what a rerun can resume."""
     ckpt_dir = checkpoint_dir(out)
     return [t for t in intact_tags(ckpt_dir, skip=skip) if not config_problems(out, t, config)]
+
+
+def saved_step(content, tag: str, where: Path) -> int:
+    """The step that checkpoint ``tag``'s user content records (a rank reads it after the load).
+
+    Raises:
+        ValueError: naming ``where``, unless it is a step >= 0 and, for a ``train`` tag
+            (``step400``), that tag's step: a larger one would skip data the weights never saw.
+    """
+    step = content.get("step") if isinstance(content, dict) else None
+    tagged = tag_step(tag)
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0 or tagged not in (None, step):
+        raise ValueError(f"{where}: its user content says step {step!r}, its tag step {tagged}: not a checkpoint "
+                         "train saved (forged or edited)")
+    return step

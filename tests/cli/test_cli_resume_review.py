@@ -1,0 +1,94 @@
+"""Review attacks on ``train --resume`` that tests/cli/test_cli_resume.py does not make.
+
+A failure in the first test means a ``newest`` pointer that is unreadable (a directory, a FIFO,
+a symlink) or names no partial checkpoint (``../x``, a tag without ``_partial``) again gives a
+traceback, or lets ``--resume auto`` start from step 0 beside saved checkpoints: look at
+``_newest`` in modelparallel/cli/resume.py. A failure in the second means a checkpoint whose
+user content claims a later step than its tag is resumed at that step, skipping data the
+weights never saw (``resume.saved_step``, called by ``train_job.resume_run``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from modelparallel.checkpoint.safety import commit
+from modelparallel.cli import main
+
+RUN = ["--model", "gpt2-micro", "--tp", "2", "--nproc", "2", "--seq-len", "32", "--batch-size", "2",
+       "--max-files", "5", "--eval-windows", "2", "--eval-every", "0", "--sample-tokens", "0"]
+
+
+def _train(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run([sys.executable, "-m", "modelparallel.cli", "train", *RUN, "--out", str(out), *extra],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """A run of 4 steps with checkpoints step2, step4 (``newest`` names step4)."""
+    out = tmp_path_factory.mktemp("saved")
+    proc = _train(out, "--steps", "4", "--save-every", "2")
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return out
+
+
+def _newest_dir(c: Path) -> None:
+    (c / "newest").mkdir()
+
+
+def _newest_fifo(c: Path) -> None:
+    os.mkfifo(c / "newest")
+
+
+def _newest_symlink(c: Path) -> None:
+    (c / "newest").symlink_to(c / "step4_partial")
+
+
+NEWEST = {"a directory": _newest_dir, "a FIFO": _newest_fifo, "a symlink": _newest_symlink,
+          "'../x'": lambda c: (c / "newest").write_text("../x\n"),
+          "'step4'": lambda c: (c / "newest").write_text("step4\n")}
+
+
+@pytest.mark.parametrize("what", NEWEST)
+def test_a_newest_that_names_no_partial_checkpoint_is_refused_before_launch(saved, tmp_path, capsys, what):
+    out = tmp_path / "run"
+    shutil.copytree(saved / "checkpoints", out / "checkpoints")
+    (out / "checkpoints" / "newest").unlink()
+    NEWEST[what](out / "checkpoints")
+    for how in (["--resume", "auto"], ["--resume"]):  # auto never turns it into a fresh start
+        with pytest.raises(SystemExit) as exc:
+            main(["train", *RUN, "--out", str(out), "--steps", "8", *how])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "Traceback" not in err, err
+        assert f"{out / 'checkpoints' / 'newest'}" in err and "saved: step4, step2" in err, err
+        assert (what in err) if what.startswith("'") else ("cannot be read" in err and what in err), err
+
+
+def test_a_forged_step_in_the_user_content_is_refused(saved, tmp_path):
+    """step4's user content rewritten to step 7, its manifest recomputed (as a forger would): the
+    run would skip 3 steps of data with step 4's weights; it fails naming the checkpoint, saving
+    nothing."""
+    out = tmp_path / "forged"
+    shutil.copytree(saved / "checkpoints", out / "checkpoints")
+    ckpt = out / "checkpoints" / "step4_partial"
+    content = torch.load(ckpt / "user_content.pt", weights_only=True)
+    assert content["step"] == 4
+    torch.save({**content, "step": 7}, ckpt / "user_content.pt")
+    manifest = json.loads((ckpt / commit.MANIFEST).read_text())
+    manifest["files"]["user_content.pt"] = commit.file_checksum(ckpt / "user_content.pt")
+    (ckpt / commit.MANIFEST).write_text(json.dumps(manifest))
+    proc = _train(out, "--steps", "10", "--save-every", "2", "--resume")
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert f"{ckpt}: its user content says step 7, its tag step 4" in proc.stderr, proc.stderr[-3000:]
+    assert sorted(p.name for p in (out / "checkpoints").glob("step*")) == ["step2_partial", "step4_partial"]

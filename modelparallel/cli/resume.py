@@ -72,7 +72,8 @@ def intact_tags(ckpt_dir: Path, skip: str | None = None) -> list[str]:
 
 def _nothing_there(ckpt_dir: Path, how: str) -> str:
     if not ckpt_dir.is_dir():
-        return f"{how}: nothing to resume: {ckpt_dir} does not exist (is --out right?)"
+        return f"{how}: nothing to resume: {ckpt_dir} " + \
+            ("is not a directory" if ckpt_dir.exists() else "does not exist (is --out right?)")
     entries = sorted(p.name for p in ckpt_dir.iterdir())
     return (f"{how}: nothing to resume: {ckpt_dir} holds no complete checkpoint "
             f"(it holds: {', '.join(entries) or 'nothing'}); use --resume auto to start fresh when "

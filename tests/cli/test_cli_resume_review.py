@@ -3,7 +3,8 @@
 A failure in the first test means a ``newest`` pointer that is unreadable (a directory, a FIFO,
 a symlink) or names no partial checkpoint (``../x``, a tag without ``_partial``) again gives a
 traceback, or lets ``--resume auto`` start from step 0 beside saved checkpoints: look at
-``_newest`` in modelparallel/cli/resume.py. A failure in the second means a checkpoint whose
+``_newest`` in modelparallel/cli/resume.py; an ``OUT/checkpoints`` file is refused before launch
+(``checks._checkpoint_dir_problems``). A failure in the last test means a checkpoint whose
 user content claims a later step than its tag is resumed at that step, skipping data the
 weights never saw (``resume.saved_step``, called by ``train_job.resume_run``).
 """
@@ -73,6 +74,16 @@ def test_a_newest_that_names_no_partial_checkpoint_is_refused_before_launch(save
         assert exc.value.code == 2 and "Traceback" not in err, err
         assert f"{out / 'checkpoints' / 'newest'}" in err and "saved: step4, step2" in err, err
         assert (what in err) if what.startswith("'") else ("cannot be read" in err and what in err), err
+
+
+def test_a_checkpoints_entry_that_is_a_file_is_refused_before_launch(tmp_path, capsys):
+    """Else the ranks train up to the first save, which then fails."""
+    (tmp_path / "checkpoints").write_text("not a directory")
+    for how in (["--save-every", "2"], ["--resume", "auto", "--save-every", "2"], ["--resume"]):
+        with pytest.raises(SystemExit) as exc:
+            main(["train", *RUN, "--out", str(tmp_path), "--steps", "4", *how])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and f"{tmp_path / 'checkpoints'} exists and is not a directory" in err, err
 
 
 def test_a_forged_step_in_the_user_content_is_refused(saved, tmp_path):

@@ -6,7 +6,8 @@ traceback, or lets ``--resume auto`` start from step 0 beside saved checkpoints:
 ``_newest`` in modelparallel/cli/resume.py; an ``OUT/checkpoints`` file is refused before launch
 (``checks._checkpoint_dir_problems``). A failure in the last test means a checkpoint whose
 user content claims a later step than its tag is resumed at that step, skipping data the
-weights never saw (``resume.saved_step``, called by ``train_job.resume_run``).
+weights never saw (``resume.saved_step``, called by ``train_job.resume_run``). ``run -m`` with a
+missing module: ``_no_module`` in modelparallel/sagemaker/launch.py.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from modelparallel.checkpoint.safety import commit
 from modelparallel.cli import main
+from modelparallel.sagemaker.launch import _no_module
 
 RUN = ["--model", "gpt2-micro", "--tp", "2", "--nproc", "2", "--seq-len", "32", "--batch-size", "2",
        "--max-files", "5", "--eval-windows", "2", "--eval-every", "0", "--sample-tokens", "0"]
@@ -103,3 +105,14 @@ def test_a_forged_step_in_the_user_content_is_refused(saved, tmp_path):
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert f"{ckpt}: its user content says step 7, its tag step 4" in proc.stderr, proc.stderr[-3000:]
     assert sorted(p.name for p in (out / "checkpoints").glob("step*")) == ["step2_partial", "step4_partial"]
+
+
+def test_run_refuses_a_missing_module_before_launch(tmp_path, capsys, monkeypatch):
+    """``run -m`` as ``run script.py``: a name no rank could import is one line, before launch; a
+    module in the current directory (first on the ranks' ``sys.path``) is found."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "review_here.py").write_text("x = 1\n")
+    assert not _no_module("review_here") and not _no_module("json.tool")
+    assert main(["run", "--nproc-per-node", "2", "-m", "review_missing_module.sub"]) == 2
+    assert capsys.readouterr().err.strip() == "modelparallel run: -m review_missing_module.sub: no such module"
+    assert not (tmp_path / "sagemaker").exists()  # nothing of a launch was made

@@ -108,8 +108,11 @@ def _newest(ckpt_dir: Path, verify: bool) -> tuple[str | None, str, list[str]]:
             return tag, (f"{ckpt_dir}/newest is missing: resuming {tag}, the intact checkpoint committed "
                          f"last{skipped}"), []
         damaged.append(tag)
-    return None, "", [f"--resume: {ckpt_dir}/newest is missing and every checkpoint is damaged "
-                      f"({', '.join(damaged)})"] if damaged else []
+    if damaged:
+        return None, "", [f"--resume: {ckpt_dir}/newest is missing and every checkpoint is damaged "
+                          f"({', '.join(damaged)})"]
+    return None, "", [f"--resume: {ckpt_dir}/newest is missing and none of its checkpoints is one train saved "
+                      f"(stepN); saved: {', '.join(tags)} (pick one with --resume-from TAG)"] if tags else []
 
 
 def choose(out: Path, resume: str | None, resume_from: str | None, steps: int,

@@ -24,6 +24,7 @@ import torch
 
 from modelparallel.checkpoint.safety import commit
 from modelparallel.cli import main
+from modelparallel.cli.resume import choose
 from modelparallel.sagemaker.launch import _no_module
 
 RUN = ["--model", "gpt2-micro", "--tp", "2", "--nproc", "2", "--seq-len", "32", "--batch-size", "2",
@@ -76,6 +77,16 @@ def test_a_newest_that_names_no_partial_checkpoint_is_refused_before_launch(save
         assert exc.value.code == 2 and "Traceback" not in err, err
         assert f"{out / 'checkpoints' / 'newest'}" in err and "saved: step4, step2" in err, err
         assert (what in err) if what.startswith("'") else ("cannot be read" in err and what in err), err
+
+
+def test_resume_auto_without_newest_beside_only_other_tags_is_refused(saved, tmp_path):
+    """No ``newest`` and only a checkpoint another script saved (``final``): not a fresh start."""
+    out = tmp_path / "other"
+    shutil.copytree(saved / "checkpoints" / "step4_partial", out / "checkpoints" / "final_partial")
+    tag, problems = choose(out, "auto", None, 10, verify=True)
+    assert tag is None and "newest is missing" in problems[0] and "saved: final" in problems[0], problems
+    shutil.rmtree(out / "checkpoints" / "final_partial")
+    assert choose(out, "auto", None, 10, verify=True) == (None, [])  # nothing there: a fresh start
 
 
 def test_a_checkpoints_entry_that_is_a_file_is_refused_before_launch(tmp_path, capsys):

@@ -8,7 +8,9 @@ what exists. The ranks then resume exactly the checkpoint the launcher chose.
 ``--resume``: the newest checkpoint, which must exist. ``--resume auto``: the newest if there is
 one, else a fresh start. ``--resume-from TAG``: that checkpoint (e.g. an older one next to a
 damaged newest). The newest is the one ``newest`` names; without that file (lost, deleted), the
-intact checkpoint committed last (its manifest's commit time), said in a note.
+intact checkpoint committed last (its manifest's commit time), said in a note. A ``newest`` that
+cannot be read or names no partial checkpoint there, or a missing one beside checkpoints ``train``
+did not save, is refused (listing what exists), never taken for a fresh start.
 
 A run writes only over its own history: with ``--save-every``, a directory holding checkpoints the
 run did not grow from (any, for a fresh start; later steps or other tags, for a resume) is

@@ -164,7 +164,7 @@ def _report(exc: BaseException, status: Path, log_path: Path) -> int:
     if ending.interrupted:
         print("\nmodelparallel run: interrupted", file=sys.stderr, flush=True)
         return outcome.INTERRUPTED_EXIT
-    errors = ending.errors()
+    errors = outcome.killed_ranks(exc, {r["rank"] for r in ending.records}) + ending.errors()
     if not errors:
         print(f"\nmodelparallel run failed: {type(exc).__name__}: {str(exc).strip()}", file=sys.stderr, flush=True)
         return 1
@@ -172,7 +172,7 @@ def _report(exc: BaseException, status: Path, log_path: Path) -> int:
     if errors[0]["traceback"]:
         print("\n" + errors[0]["traceback"].rstrip(), file=sys.stderr)
     print(outcome.failure_block(errors[0], log, len(errors), command="run"), file=sys.stderr, flush=True)
-    return ending.exit_code()  # the script's own status when it exited with one
+    return errors[0].get("exit_code") or 1  # the script's own status when it exited with one
 
 
 def main(argv: list[str] | None = None) -> int:

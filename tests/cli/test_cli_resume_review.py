@@ -7,13 +7,15 @@ traceback, or lets ``--resume auto`` start from step 0 beside saved checkpoints:
 (``checks._checkpoint_dir_problems``). A failure in the last test means a checkpoint whose
 user content claims a later step than its tag is resumed at that step, skipping data the
 weights never saw (``resume.saved_step``, called by ``train_job.resume_run``). ``run -m`` with a
-missing module: ``_no_module`` in modelparallel/sagemaker/launch.py.
+missing module: ``_no_module`` in modelparallel/sagemaker/launch.py. A rank killed by SIGKILL must
+be named as the cause, not a peer that lost its connection: ``outcome.killed_ranks``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import textwrap
 import shutil
 import subprocess
 import sys
@@ -127,3 +129,25 @@ def test_run_refuses_a_missing_module_before_launch(tmp_path, capsys, monkeypatc
     assert main(["run", "--nproc-per-node", "2", "-m", "review_missing_module.sub"]) == 2
     assert capsys.readouterr().err.strip() == "modelparallel run: -m review_missing_module.sub: no such module"
     assert not (tmp_path / "sagemaker").exists()  # nothing of a launch was made
+
+
+def test_a_rank_killed_by_sigkill_is_named_as_the_cause(tmp_path):
+    """Rank 1 dies as the out-of-memory killer kills (SIGKILL: no record); rank 0 then records
+    a lost connection. The report names rank 1's death, not rank 0's consequence."""
+    script = tmp_path / "die.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal
+        import torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        if dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.all_reduce(torch.ones(1))
+    """))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])  # this checkout's package, from any directory
+    proc = subprocess.run([sys.executable, "-m", "modelparallel.cli", "run", "--nproc-per-node", "2", "--standalone",
+                           "--sagemaker-dir", str(tmp_path / "sm"), str(script)], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "modelparallel run failed: rank 1 during its run\n  ProcessExit: killed by SIGKILL" in proc.stderr, \
+        proc.stderr[-3000:]

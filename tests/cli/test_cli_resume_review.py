@@ -1,14 +1,17 @@
-"""Review attacks on ``train --resume`` that tests/cli/test_cli_resume.py does not make.
+"""Review attacks on ``train --resume`` and the launchers that tests/cli/test_cli_resume.py and
+its neighbours do not make. Where to look when one fails:
 
-A failure in the first test means a ``newest`` pointer that is unreadable (a directory, a FIFO,
-a symlink) or names no partial checkpoint (``../x``, a tag without ``_partial``) again gives a
-traceback, or lets ``--resume auto`` start from step 0 beside saved checkpoints: look at
-``_newest`` in modelparallel/cli/resume.py; an ``OUT/checkpoints`` file is refused before launch
-(``checks._checkpoint_dir_problems``). A failure in the last test means a checkpoint whose
-user content claims a later step than its tag is resumed at that step, skipping data the
-weights never saw (``resume.saved_step``, called by ``train_job.resume_run``). ``run -m`` with a
-missing module: ``_no_module`` in modelparallel/sagemaker/launch.py. A rank killed by SIGKILL must
-be named as the cause, not a peer that lost its connection: ``outcome.killed_ranks``.
+- a ``newest`` that is unreadable (a directory, a FIFO, a symlink) or names no partial checkpoint
+  (``../x``, ``step4``), or is missing beside checkpoints ``train`` did not save, gives a
+  traceback or lets ``--resume auto`` start from step 0: ``_newest`` in modelparallel/cli/resume.py;
+  ``modelparallel inspect`` on such a ``newest``: ``scan`` in modelparallel/cli/inspect.py;
+- an ``OUT/checkpoints`` file or a ``--seed`` out of range gets past the pre-launch check:
+  ``checks._checkpoint_dir_problems``, ``train._range_problems``;
+- a checkpoint whose user content claims another step than its tag is resumed at that step,
+  skipping data the weights never saw: ``resume.saved_step`` (called by ``train_job.resume_run``);
+- ``run -m`` with a missing module launches ranks: ``_no_module`` in modelparallel/sagemaker/launch.py;
+- a rank killed by SIGKILL is not named as the cause (a peer's lost connection is):
+  ``outcome.killed_ranks``.
 """
 
 from __future__ import annotations
@@ -79,6 +82,18 @@ def test_a_newest_that_names_no_partial_checkpoint_is_refused_before_launch(save
         assert exc.value.code == 2 and "Traceback" not in err, err
         assert f"{out / 'checkpoints' / 'newest'}" in err and "saved: step4, step2" in err, err
         assert (what in err) if what.startswith("'") else ("cannot be read" in err and what in err), err
+
+
+def test_inspect_reports_an_unreadable_newest(saved, tmp_path, capsys):
+    """The tool for looking at damaged checkpoints says what is wrong with ``newest`` (was a
+    traceback) and still lists the checkpoints."""
+    out = tmp_path / "look"
+    shutil.copytree(saved / "checkpoints", out)
+    (out / "newest").unlink()
+    os.mkfifo(out / "newest")
+    assert main(["inspect", str(out)]) == 1
+    text = capsys.readouterr().out
+    assert f"newest: UNREADABLE: {out / 'newest'}: not a regular file (a FIFO)" in text and "step4_partial" in text
 
 
 def test_resume_auto_without_newest_beside_only_other_tags_is_refused(saved, tmp_path):

@@ -68,7 +68,19 @@ def value_problems(args: argparse.Namespace) -> list[str]:
     """Non-finite numbers, ports out of range, an ``--out`` that cannot be made, a preset
     ``--seq-len`` beyond its positions."""
     return (_finite_problems(args) + _endpoint_problems(args.rdzv_endpoint) + out_problems(args.out)
-            + _seq_len_problems(args))
+            + _seq_len_problems(args) + _checkpoint_dir_problems(args))
+
+
+def _checkpoint_dir_problems(args: argparse.Namespace) -> list[str]:
+    """A run that saves or resumes needs ``OUT/checkpoints`` to be a directory (or absent): a
+    file there would fail the first save only after the ranks trained up to it."""
+    ckpt = resume.checkpoint_dir(args.out)
+    if not (getattr(args, "save_every", 0) or getattr(args, "resume", None) or getattr(args, "resume_from", None)):
+        return []
+    if (ckpt.exists() or ckpt.is_symlink()) and not ckpt.is_dir():
+        return [f"--out {args.out}: {ckpt} exists and is not a directory; checkpoints are saved and resumed there: "
+                "move it or choose another --out"]
+    return []
 
 
 def resume_model_problems(args: argparse.Namespace) -> list[str]:

@@ -62,6 +62,7 @@ def describe(directory: Path, verify: bool) -> dict:
 def scan(path: Path, verify: bool) -> dict:
     """The whole directory's report."""
     from ..checkpoint.safety import commit
+    from ..checkpoint.safety.errors import CheckpointError
 
     if (path / commit.MANIFEST).is_file():
         return {"path": str(path), "newest": None, "checkpoints": [describe(path, verify)], "leftovers": [],
@@ -70,7 +71,11 @@ def scan(path: Path, verify: bool) -> dict:
                      and p.name != commit.LOCK)
     complete = [p for p in entries if not p.name.startswith(commit.HIDDEN) and (p / commit.MANIFEST).is_file()]
     reports = sorted((describe(p, verify) for p in complete), key=lambda r: r["saved_at_ns"] or 0, reverse=True)
-    return {"path": str(path), "newest": commit.read_newest(path), "checkpoints": reports,
+    try:
+        newest, unreadable = commit.read_newest(path), None
+    except (OSError, ValueError, CheckpointError) as e:  # a directory, FIFO or link, too large, not text
+        newest, unreadable = None, str(e)
+    return {"path": str(path), "newest": newest, "newest_unreadable": unreadable, "checkpoints": reports,
             "leftovers": [p.name for p in entries if p.name.startswith(commit.HIDDEN)],
             "not_checkpoints": [p.name for p in entries if p.is_dir() and p not in complete
                                 and not p.name.startswith(commit.HIDDEN)]}
@@ -82,6 +87,8 @@ def _print(report: dict) -> None:
     newest = report["newest"]
     if newest is not None:
         print(f"newest: {newest}" + ("" if newest in names else "  (MISSING: no such complete checkpoint)"))
+    if report.get("newest_unreadable"):
+        print(f"newest: UNREADABLE: {report['newest_unreadable']}")
     print(f"  {'checkpoint':<28} {'kind':<8} {'saved (UTC)':<20} {'model':<28} {'layout':<12} {'size':>9}  checksums")
     for c in report["checkpoints"]:
         saved = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(c["saved_at_ns"] / 1e9)) if c["saved_at_ns"] else "?"
@@ -106,4 +113,4 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(json.dumps(report, indent=1)) if args.json else _print(report)
     bad = any(c["problems"] for c in report["checkpoints"])
     dangling = report["newest"] is not None and report["newest"] not in {c["name"] for c in report["checkpoints"]}
-    return 1 if bad or dangling else 0
+    return 1 if bad or dangling or report.get("newest_unreadable") else 0

@@ -16,6 +16,9 @@ a collective could not run a handler); each rank's steps completed are kept curr
 directory (``at_step``), so the launcher still says the step reached. A job that returns a non-zero
 status (a script's ``sys.exit(3)``) is recorded too, with that status: otherwise its peers' lost
 connections would be the only records, and the launcher would name one of them as the cause.
+For the same reason a rank killed by a signal no one sends to stop a run (SIGKILL of the
+out-of-memory killer, a crash's SIGSEGV), which can leave no record, is named before the records
+of its peers (``killed_ranks``).
 """
 
 from __future__ import annotations
@@ -143,6 +146,20 @@ class Ending:
         """The status of the rank that ended first (1 if it recorded none)."""
         errors = self.errors()
         return (errors[0].get("exit_code") or 1) if errors else 1
+
+
+def killed_ranks(exc: BaseException, recorded: set[int]) -> list[dict]:
+    """Records for the ranks torchrun's ``exc`` saw die by a signal without a record of their own,
+    except SIGTERM and SIGINT (what a launcher sends to stop the other ranks once one failed):
+    a rank the kernel killed (SIGKILL when out of memory) or that crashed outside Python. Such a
+    death is the cause; its peers' records (a closed connection) follow from it."""
+    failures = getattr(exc, "failures", None) or {}
+    return [{"rank": rank, "time": f.timestamp, "step": None, "stage": "its run", "interrupted": False,
+             "type": "ProcessExit", "exit_code": 1, "traceback": "",
+             "message": f"killed by {f.signal_name()} without reporting an error (out of memory, killed, or "
+                        "crashed outside Python); the other ranks' errors follow from it"}
+            for rank, f in sorted(failures.items())
+            if f.exitcode < 0 and -f.exitcode not in (signal.SIGTERM, signal.SIGINT) and rank not in recorded]
 
 
 def write_log(log_path: Path, records: list[dict]) -> Path:

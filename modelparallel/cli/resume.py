@@ -8,7 +8,9 @@ what exists. The ranks then resume exactly the checkpoint the launcher chose.
 ``--resume``: the newest checkpoint, which must exist. ``--resume auto``: the newest if there is
 one, else a fresh start. ``--resume-from TAG``: that checkpoint (e.g. an older one next to a
 damaged newest). The newest is the one ``newest`` names; without that file (lost, deleted), the
-intact checkpoint committed last (its manifest's commit time), said in a note.
+intact checkpoint committed last (its manifest's commit time), said in a note. A ``newest`` that
+cannot be read or names no partial checkpoint there, or a missing one beside checkpoints ``train``
+did not save, is refused (listing what exists), never taken for a fresh start.
 
 A run writes only over its own history: with ``--save-every``, a directory holding checkpoints the
 run did not grow from (any, for a fresh start; later steps or other tags, for a resume) is
@@ -72,7 +74,8 @@ def intact_tags(ckpt_dir: Path, skip: str | None = None) -> list[str]:
 
 def _nothing_there(ckpt_dir: Path, how: str) -> str:
     if not ckpt_dir.is_dir():
-        return f"{how}: nothing to resume: {ckpt_dir} does not exist (is --out right?)"
+        return f"{how}: nothing to resume: {ckpt_dir} " + \
+            ("is not a directory" if ckpt_dir.exists() else "does not exist (is --out right?)")
     entries = sorted(p.name for p in ckpt_dir.iterdir())
     return (f"{how}: nothing to resume: {ckpt_dir} holds no complete checkpoint "
             f"(it holds: {', '.join(entries) or 'nothing'}); use --resume auto to start fresh when "
@@ -85,15 +88,18 @@ def _newest(ckpt_dir: Path, verify: bool) -> tuple[str | None, str, list[str]]:
     if not ckpt_dir.is_dir():
         return None, "", []
     from ..checkpoint.safety import commit
+    from ..checkpoint.safety.errors import CheckpointError
 
-    newest = commit.read_newest(ckpt_dir)
     tags = saved_tags(ckpt_dir)
+    try:
+        newest = commit.read_newest(ckpt_dir)
+    except (OSError, ValueError, CheckpointError) as exc:  # a directory, FIFO, link, huge or binary file
+        return None, "", [f"--resume: {ckpt_dir}/newest cannot be read ({exc}); saved: {', '.join(tags) or 'none'} "
+                          "(pick one with --resume-from TAG, or remove it)"]
     if newest is not None:
-        if not newest.endswith(PARTIAL):
-            return None, "", []
-        tag = newest[:-len(PARTIAL)]
-        if tag not in tags:
-            return None, "", [f"--resume: {ckpt_dir}/newest names {newest}, which is not a complete checkpoint; "
+        tag = newest.removesuffix(PARTIAL)
+        if newest == tag or tag not in tags:  # names no partial checkpoint here: never a silent fresh start
+            return None, "", [f"--resume: {ckpt_dir}/newest names {newest!r}, which is not a complete partial checkpoint; "
                               f"saved: {', '.join(tags) or 'none'} (pick one with --resume-from TAG)"]
         return tag, "", []
     steps = [t for t in tags if tag_step(t) is not None]
@@ -104,8 +110,11 @@ def _newest(ckpt_dir: Path, verify: bool) -> tuple[str | None, str, list[str]]:
             return tag, (f"{ckpt_dir}/newest is missing: resuming {tag}, the intact checkpoint committed "
                          f"last{skipped}"), []
         damaged.append(tag)
-    return None, "", [f"--resume: {ckpt_dir}/newest is missing and every checkpoint is damaged "
-                      f"({', '.join(damaged)})"] if damaged else []
+    if damaged:
+        return None, "", [f"--resume: {ckpt_dir}/newest is missing and every checkpoint is damaged "
+                          f"({', '.join(damaged)})"]
+    return None, "", [f"--resume: {ckpt_dir}/newest is missing and none of its checkpoints is one train saved "
+                      f"(stepN); saved: {', '.join(tags)} (pick one with --resume-from TAG)"] if tags else []
 
 
 def choose(out: Path, resume: str | None, resume_from: str | None, steps: int,
@@ -189,3 +198,18 @@ def matching_tags(out: Path, config, skip: str | None = None) -> list[str]:
     """Intact tags (newest first) saved from the same model as ``config``: what a rerun can resume."""
     ckpt_dir = checkpoint_dir(out)
     return [t for t in intact_tags(ckpt_dir, skip=skip) if not config_problems(out, t, config)]
+
+
+def saved_step(content, tag: str, where: Path) -> int:
+    """The step that checkpoint ``tag``'s user content records (a rank reads it after the load).
+
+    Raises:
+        ValueError: naming ``where``, unless it is a step >= 0 and, for a ``train`` tag
+            (``step400``), that tag's step: a larger one would skip data the weights never saw.
+    """
+    step = content.get("step") if isinstance(content, dict) else None
+    tagged = tag_step(tag)
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0 or tagged not in (None, step):
+        raise ValueError(f"{where}: its user content says step {step!r}, its tag step {tagged}: not a checkpoint "
+                         "train saved (forged or edited)")
+    return step

@@ -81,7 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate (default: %(default)s)")
     g.add_argument("--warmup", type=int, default=None, help="linear warm-up steps (default: 5%% of --steps)")
     g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--seed", type=int, default=1234, help="model init, data order and sampling seed")
+    g.add_argument("--seed", type=int, default=1234, help="model init, data order and sampling seed (0..2^32-1)")
     g.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                    help="training precision: bf16/fp16 compute with fp32 master weights in the optimizer, "
                         "fp16 with dynamic loss scaling (default: %(default)s)")
@@ -144,6 +144,8 @@ def _range_problems(args: argparse.Namespace) -> list[str]:
         problems.append(f"--microbatches {args.microbatches} does not divide --batch-size {args.batch_size}")
     if args.temperature < 0:
         problems.append(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0 <= args.seed < 2**32:  # the data order's generator takes seed x 1000003 as a 64-bit integer
+        problems.append(f"--seed must be in 0..{2**32 - 1}, got {args.seed}")
     if not 0 <= args.node_rank < max(args.nnodes, 1):
         problems.append(f"--node-rank must be in 0..{args.nnodes - 1} (--nnodes {args.nnodes}), got {args.node_rank}")
     if args.nnodes > 1 and not args.rdzv_endpoint:

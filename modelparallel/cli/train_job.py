@@ -196,7 +196,7 @@ def resume_run(args, sampler) -> tuple[int, dict]:
     outcome.PROGRESS.stage = "resume"
     directory = resume.checkpoint_dir(args.out)
     content = smp.resume_from_checkpoint(directory, tag=args.resume_tag)
-    step = int(content["step"])
+    step = resume.saved_step(content, args.resume_tag, directory / (args.resume_tag + resume.PARTIAL))
     if step >= args.steps:
         raise ValueError(f"{directory}/{args.resume_tag} is at step {step}, already --steps {args.steps}: "
                          "nothing to resume")

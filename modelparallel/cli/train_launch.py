@@ -72,9 +72,9 @@ def _report(args: argparse.Namespace, exc: BaseException, status: Path) -> int:
         at = f" at step {step}" if step is not None else " before the first step"
         _say(f"{what}{at}; {_newest_step(args)}")
         return outcome.INTERRUPTED_EXIT
-    errors = ending.errors()
-    if not errors:
-        errors = [_from_torchrun(exc)]
+    errors = outcome.killed_ranks(exc, {r["rank"] for r in ending.records}) + ending.errors()
+    if not ending.errors():
+        errors = errors or [_from_torchrun(exc)]
         log = None
     else:
         log = outcome.write_log(args.out / "failure.log", errors)

@@ -18,6 +18,7 @@ when this machine has GPUs but fewer than ``--nproc-per-node`` (each rank takes 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import runpy
 import shutil
@@ -108,6 +109,20 @@ def run_script(args: argparse.Namespace) -> int:
     return outcome.run_rank(job)
 
 
+def _no_module(name: str) -> bool:
+    """Whether the top-level package of ``-m name`` is nowhere a rank looks (the ranks put the
+    current directory first on ``sys.path``). Nothing is imported: a top-level name has no parent
+    package to import, and the script's own package may do anything on import."""
+    top = name.partition(".")[0]
+    sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.util.find_spec(top) is None
+    except (ImportError, ValueError):  # an odd name: the ranks say what is wrong with it
+        return False
+    finally:
+        del sys.path[0]
+
+
 def launch_ranks(args: argparse.Namespace) -> int:
     """The launcher part: torchrun's agent over ``modelparallel.run`` on every rank."""
     from torch.distributed.run import determine_local_world_size
@@ -120,6 +135,9 @@ def launch_ranks(args: argparse.Namespace) -> int:
     if not args.module and not script.is_file():  # found now, not once per rank after launch
         what = "is a directory, not a script" if script.is_dir() else "no such script"
         print(f"modelparallel run: {args.training_script}: {what}", file=sys.stderr)
+        return 2
+    if args.module and _no_module(args.training_script):
+        print(f"modelparallel run: -m {args.training_script}: no such module", file=sys.stderr)
         return 2
     rank_args = (["-m"] if args.module else []) + [args.training_script, *args.training_script_args]
     args.module, args.run_path = True, False
@@ -146,7 +164,7 @@ def _report(exc: BaseException, status: Path, log_path: Path) -> int:
     if ending.interrupted:
         print("\nmodelparallel run: interrupted", file=sys.stderr, flush=True)
         return outcome.INTERRUPTED_EXIT
-    errors = ending.errors()
+    errors = outcome.killed_ranks(exc, {r["rank"] for r in ending.records}) + ending.errors()
     if not errors:
         print(f"\nmodelparallel run failed: {type(exc).__name__}: {str(exc).strip()}", file=sys.stderr, flush=True)
         return 1
@@ -154,7 +172,7 @@ def _report(exc: BaseException, status: Path, log_path: Path) -> int:
     if errors[0]["traceback"]:
         print("\n" + errors[0]["traceback"].rstrip(), file=sys.stderr)
     print(outcome.failure_block(errors[0], log, len(errors), command="run"), file=sys.stderr, flush=True)
-    return ending.exit_code()  # the script's own status when it exited with one
+    return errors[0].get("exit_code") or 1  # the script's own status when it exited with one
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -145,6 +145,23 @@ class _HostBuffer:
         return self.buf[:nbytes]
 
 
+def _check_stored(tensor: torch.Tensor, req: ReadItem, planner: LoadPlanner, where: str) -> None:
+    """A stored chunk must be what the metadata (which the plan checked) says: its dtype, and
+    room for the piece read from it. A chunk that lies would otherwise be cast into an fp32
+    slot silently, or fail in ``narrow`` with a message naming neither file nor key.
+
+    Raises:
+        CorruptFileError: naming ``where`` (the file and the entry).
+    """
+    saved = planner.metadata.state_dict_metadata.get(req.storage_index.fqn)
+    dtype = getattr(getattr(saved, "properties", None), "dtype", None)
+    fits = tensor.dim() == len(req.lengths) and all(
+        o + n <= s for o, n, s in zip(req.storage_offsets, req.lengths, tensor.shape))
+    if not fits or (dtype is not None and tensor.dtype != dtype):
+        raise CorruptFileError(f"{where}: holds {tuple(tensor.shape)} {tensor.dtype}, its metadata says {dtype} "
+                               f"with {tuple(req.lengths)} at {tuple(req.storage_offsets)}")
+
+
 class FastReader(FileSystemReader):
     """DCP storage reader of one part of a committed checkpoint: verified reads through the
     manifest, direct reads where a chunk maps one-to-one (see the module docstring)."""
@@ -213,6 +230,7 @@ class FastReader(FileSystemReader):
                 continue
             if tensor is None:
                 tensor = torch_load(data, name=f"{reader.path} (entry {req.storage_index.fqn!r} at byte {start})")
+            _check_stored(tensor, req, planner, f"{reader.path}: entry {req.storage_index.fqn!r} at byte {start}")
             piece = tensor
             for dim, (offset, size) in enumerate(zip(req.storage_offsets, req.lengths)):
                 piece = piece.narrow(dim, offset, size)

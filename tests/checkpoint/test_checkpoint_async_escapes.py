@@ -13,6 +13,7 @@ or memory freed after the call was taken for the saved tensor's.
 import ctypes
 import gc
 import os
+import sys
 import threading
 import time
 
@@ -27,8 +28,13 @@ import modelparallel as smp
 from modelparallel.checkpoint.api import _saver
 from modelparallel.checkpoint.background.pages import PageWatch
 from modelparallel.checkpoint.background.stager import StagedTensorChanged, Stager
+from modelparallel.distributed.checkpoint.async_utils import AsyncCallsQueue
 from ckpt_helpers import cfg, changed, snapshot
 from state_helpers import recording_defers
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "distributed", "checkpoint"))  # v2 scripts' helpers
+from test_v2_background_staging import differences, load, local_state, save  # noqa: E402
+from v2_script import build, train_step  # noqa: E402
 
 WAYS = ["pages", "read"]
 
@@ -41,13 +47,23 @@ def _ways(stager, way: str) -> None:
         stager.pages = None
 
 
-def _stager(way: str) -> Stager:
+def _deferred(way: str, t: torch.Tensor) -> tuple[Stager, torch.Tensor]:
+    """A one-process save's call up to its seal: ``t`` deferred (stager, its buffer)."""
     stager = Stager()
     stager.pages = PageWatch.open() if way == "pages" else None
     if stager.pages is not None:
         stager.pages.min_save_bytes = 0
     stager.begin()
-    return stager
+    buf = stager.buffer(("t",), t)
+    stager.defer("t", t, t, buf)
+    assert (stager.deferred[0].pages is not None) == (way == "pages"), "the way under test is not the one used"
+    return stager, buf
+
+
+def _rebind(t: torch.Tensor) -> None:
+    """``t`` given other memory: the call's values but one."""
+    t.data = t.detach().clone()
+    t.data.view(-1)[t.numel() // 2] = 5.0
 
 
 @pytest.mark.parametrize("way", WAYS)
@@ -55,16 +71,13 @@ def test_a_tensor_moved_to_other_memory_after_the_call_is_copied_from_the_calls_
     """``t.data = x`` / ``swap_tensors`` rebind the object ``defer`` was given; the copy must read
     the call's memory (kept alive), never the new memory unseen by the call's protections."""
     n = 1 << 18
-    moves = {"data = edited clone": lambda t: (setattr(t, "data", t.detach().clone()), t.data.__setitem__(n // 2, 5.0)),
-             "data = zeros": lambda t: setattr(t, "data", torch.zeros(n)),
+    moves = {"data = edited clone": _rebind, "data = zeros": lambda t: setattr(t, "data", torch.zeros(n)),
              "swap_tensors": lambda t: torch.utils.swap_tensors(t, torch.zeros(n))}
     for what, move in moves.items():
-        stager, t = _stager(way), torch.randn(n)
+        t = torch.randn(n)
         want = t.clone()
-        buf = stager.buffer(("t",), t)
-        stager.defer("t", t, t, buf)
+        stager, buf = _deferred(way, t)
         stager.seal()
-        assert (stager.deferred[0].pages is not None) == (way == "pages"), "the way under test is not the one used"
         move(t)
         gc.collect()
         stager.copy_deferred()
@@ -76,24 +89,23 @@ def test_a_tensor_moved_to_other_memory_after_the_call_is_copied_from_the_calls_
 def test_writes_from_another_thread_around_the_call(way):
     """A thread writing all through the call and the copy fails the save; one write that lands in
     the call before its protections (``seal``) gives either a failure or the value at the call's end."""
-    n = 1 << 18
-    stager, t = _stager(way), torch.randn(n)
-    stop = threading.Event()
-    writer = threading.Thread(target=lambda: [t.data.__setitem__(n // 3, float(i)) for i in range(10**9)
-                                              if not stop.is_set() or (_ for _ in ()).throw(StopIteration)])
+    t, stop = torch.randn(1 << 18), threading.Event()
+
+    def keep_writing():
+        while not stop.is_set():
+            t.data[1000] += 1.0
+
+    writer = threading.Thread(target=keep_writing)
     writer.start()
-    time.sleep(0.01)
-    stager.defer("t", t, t, stager.buffer(("t",), t))
+    stager, _ = _deferred(way, t)
     stager.seal()
     time.sleep(0.01)
     with pytest.raises(StagedTensorChanged, match="t"):
         stager.copy_deferred()
     stop.set()
     writer.join()
-    stager = _stager(way)
-    buf = stager.buffer(("t",), t)
-    stager.defer("t", t, t, buf)
-    one = threading.Thread(target=lambda: t.data.__setitem__(n // 2, -1.0))
+    stager, buf = _deferred(way, t)
+    one = threading.Thread(target=lambda: t.data.__setitem__(t.numel() // 2, -1.0))
     one.start()
     one.join()
     stager.seal()
@@ -143,7 +155,7 @@ def _v1_edits(model, optimizer) -> dict:
     failure names, edit). A tensor given other memory may fail the save (its version counter moved)."""
     w = model.module.transformer.h[0].mlp.c_fc.weight
     local, slot = _local(w), _local(optimizer.optimizer.state[w]["exp_avg"])
-    n, m, at = local.numel(), slot.numel(), local.data_ptr() + 4 * (local.numel() // 2)
+    n, at = local.numel(), local.data_ptr() + 4 * (local.numel() // 2)
     name, slot_name = "model.transformer.h.0.mlp.c_fc.weight", "state.transformer.h.0.mlp.c_fc.weight.exp_avg"
 
     class Raw:
@@ -160,8 +172,8 @@ def _v1_edits(model, optimizer) -> dict:
             k: {s: v * 2 if v.dim() else v.clone() for s, v in st.items()} for k, st in sd["state"].items()}})
 
     return {
-        "slot .data = edited clone": ("call", lambda: (setattr(slot, "data", slot.clone()), slot.data.view(-1).__setitem__(m // 2, 5.0))),
-        "param .data = edited clone": ("call", lambda: (setattr(local, "data", local.clone()), local.data.view(-1).__setitem__(n // 2, 5.0))),
+        "slot .data = edited clone": ("call", lambda: _rebind(slot)),
+        "param .data = edited clone": ("call", lambda: _rebind(local)),
         "vector_to_parameters": ("call", lambda: torch.nn.utils.vector_to_parameters(torch.zeros(n), [local])),
         "optimizer.state[p] = new": ("call", lambda: optimizer.optimizer.state.__setitem__(
             w, {k: v * 3 if v.dim() else v.clone() for k, v in optimizer.optimizer.state[w].items()})),
@@ -169,9 +181,10 @@ def _v1_edits(model, optimizer) -> dict:
         "backward only (accumulation)": ("call", lambda: _fwd_bwd(model, _ids(3))),
         "slot swap_tensors": (("call", slot_name), lambda: torch.utils.swap_tensors(slot, torch.zeros_like(slot))),
         "slot set_": (("call", slot_name), lambda: slot.set_(torch.zeros_like(slot))),
-        "module.load_state_dict": ("model.transformer.wte.weight", lambda: model.module.load_state_dict({k: v * 2 for k, v in model.module.state_dict().items()})),
+        "module.load_state_dict": ("model.transformer.wte.weight", lambda: model.module.load_state_dict(
+            {k: v * 2 for k, v in model.module.state_dict().items()})),
         "a second optimizer's step": (name, second_optimizer),
-        "torch.from_numpy": (name, lambda: torch.from_numpy(local.detach().numpy()).view(-1).__setitem__(n // 2, 5.0)),
+        "torch.from_numpy": (name, lambda: torch.from_numpy(local.detach().numpy()).view(-1).__setitem__(n // 2, 5)),
         "DLPack": (name, lambda: torch.from_dlpack(local.detach()).view(-1).__setitem__(n // 3, 5.0)),
         "__array_interface__": (name, lambda: np.asarray(Raw()).__setitem__(n // 2, 9.0)),
         "ctypes.memmove": (name, lambda: ctypes.memmove(at, (ctypes.c_float * 1)(7.5), 4)),
@@ -209,7 +222,8 @@ def v1_edits(path: str, way: str) -> dict:
 @pytest.mark.parametrize("way", WAYS)
 def test_v1_writes_and_replacements_between_the_call_and_the_copy(tmp_path, way):
     for r in harness.run(2, v1_edits, str(tmp_path), way):
-        edited = {"model.transformer.h.0.mlp.c_fc.weight", "optimizer.optimizer.state.transformer.h.0.mlp.c_fc.weight.exp_avg"}
+        edited = {"model.transformer.h.0.mlp.c_fc.weight",
+                  "optimizer.optimizer.state.transformer.h.0.mlp.c_fc.weight.exp_avg"}
         assert (way == "pages") == (edited <= r["watched"]), r["watched"]
         for what, (expect, got) in r["out"].items():
             assert any(got == e if e == "call" else f"staged: {e}" in got or f"optimizer.{e}" in got
@@ -249,7 +263,8 @@ def v1_loop(path: str, extra: dict, way: str, opt_kw: dict, accumulate: int) -> 
 
 
 LOOPS = {"foreach": ({"tensor_parallel_degree": 2}, "read", {}, 1),
-         "fused, tensor lr, accumulation": ({"tensor_parallel_degree": 2}, "pages", {"fused": True, "tensor_lr": True}, 2),
+         "fused, tensor lr, accumulation": ({"tensor_parallel_degree": 2}, "pages",
+                                            {"fused": True, "tensor_lr": True}, 2),
          "compiled step": ({"tensor_parallel_degree": 2}, "pages", {"compiled": True}, 1),
          "bf16 masters": ({"tensor_parallel_degree": 2, "bf16": True}, "read", {"foreach": False}, 1),
          "fp16 masters": ({"tensor_parallel_degree": 2, "fp16": True}, "pages", {}, 1),
@@ -260,4 +275,45 @@ LOOPS = {"foreach": ({"tensor_parallel_degree": 2}, "read", {}, 1),
 def test_v1_save_every_step_never_fails_and_holds_each_call(tmp_path, case):
     for r in harness.run(2, v1_loop, str(tmp_path), *LOOPS[case]):
         assert r["moved"] and r["held"] > 0, f"nothing to prove: {r}"
+        assert r["diffs"] == [], r["diffs"][:5]
+
+
+def v2_loop(root: str, kind: str, way: str) -> dict:
+    """v2 ``async_save`` every step; the state dict handed over is dropped, collected and its memory
+    reused before the copy; a second optimizer steps (held) and the optimizer's state is replaced."""
+    smp.init({"tensor_parallel_degree": 1})
+    model, optimizer = build()
+    train_step(model, optimizer, 0)
+    queue, go, junk, watched, want, held = AsyncCallsQueue(), threading.Event(), [], set(), {}, 0.0
+    stager = queue.saver.stager
+    stager.defer = recording_defers(stager, watched)
+    _ways(stager, way)
+    stager.before_copy = lambda: (go.wait(30), gc.collect(),  # then freed memory is taken and written
+                                  junk.append([torch.full((n,), 7.0) for n in (1 << 12, 1 << 16)]))
+    hook = register_optimizer_step_pre_hook(lambda *_: go.set())
+    for i in range(4):
+        go.clear()
+        save(kind, model, optimizer, os.path.join(root, f"s{i}"), queue)
+        want[i] = local_state(model, optimizer)
+        if i == 1:
+            for q in model.parameters():
+                q.grad = torch.ones_like(q)
+            torch.optim.SGD(model.parameters(), lr=0.1).step()
+        if i == 2:
+            sd = optimizer.state_dict()
+            optimizer.load_state_dict({"param_groups": sd["param_groups"], "state": {
+                k: {s: v * 2 for s, v in st.items()} for k, st in sd["state"].items()}})
+        train_step(model, optimizer, i + 1)
+        held += queue.saver.job.held_s
+    queue.maybe_finalize_async_calls(blocking=True)
+    hook.remove()
+    diffs = [(i, k) for i in range(4)
+             for k in differences(want[i], local_state(*load(kind, os.path.join(root, f"s{i}"))))]
+    return {"diffs": diffs, "held": held, "watched": len(watched)}
+
+
+@pytest.mark.parametrize("kind, way", [("local", "pages"), ("sharded", "read")])
+def test_v2_save_every_step_with_the_state_dict_dropped_and_a_second_optimizer(tmp_path, kind, way):
+    for r in harness.run(2, v2_loop, str(tmp_path), kind, way):
+        assert r["held"] > 0 and (r["watched"] > 0) == (way == "pages"), r
         assert r["diffs"] == [], r["diffs"][:5]

@@ -212,7 +212,6 @@ def v1_edits(path: str, way: str) -> dict:
         except Exception as e:  # noqa: BLE001 - the message is compared
             out[what] = (expect, str(e))
             continue
-        stager.before_copy = None
         smp.resume_from_checkpoint(path, tag=f"e{i}")
         out[what] = (expect, changed(want, _state(model, optimizer)) or "call")
         optimizer.zero_grad()
@@ -232,7 +231,6 @@ def test_v1_writes_and_replacements_between_the_call_and_the_copy(tmp_path, way)
 
 def v1_loop(path: str, extra: dict, way: str, opt_kw: dict, accumulate: int) -> dict:
     """Five saves, each followed by a held step (forward and backward run while staging waits)."""
-    compiled = opt_kw.pop("compiled", False)
     model, optimizer = _job(extra, opt_kw)
     stager = _saver().stager
     _ways(stager, way)
@@ -240,14 +238,13 @@ def v1_loop(path: str, extra: dict, way: str, opt_kw: dict, accumulate: int) -> 
     stager.before_copy = lambda: (go.wait(30), go.clear())
     hook = register_optimizer_step_pre_hook(lambda *_: go.set())
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer.optimizer, 1, gamma=0.5)
-    step = torch.compile(optimizer.step, backend="eager") if compiled else optimizer.step
     want, held = {}, 0.0
     for i in range(5):
         smp.save_checkpoint(path, f"s{i}", async_save=True)
         want[i] = _state(model, optimizer)
         for j in range(accumulate):
             _fwd_bwd(model, _ids(i + j))
-        step()
+        optimizer.step()
         held += _saver().job.held_s
         scheduler.step()
         optimizer.zero_grad()
@@ -265,7 +262,6 @@ def v1_loop(path: str, extra: dict, way: str, opt_kw: dict, accumulate: int) -> 
 LOOPS = {"foreach": ({"tensor_parallel_degree": 2}, "read", {}, 1),
          "fused, tensor lr, accumulation": ({"tensor_parallel_degree": 2}, "pages",
                                             {"fused": True, "tensor_lr": True}, 2),
-         "compiled step": ({"tensor_parallel_degree": 2}, "pages", {"compiled": True}, 1),
          "bf16 masters": ({"tensor_parallel_degree": 2, "bf16": True}, "read", {"foreach": False}, 1),
          "fp16 masters": ({"tensor_parallel_degree": 2, "fp16": True}, "pages", {}, 1),
          "pipeline": ({"pipeline_parallel_degree": 2, "microbatches": 2}, "read", {}, 2)}

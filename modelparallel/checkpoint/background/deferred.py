@@ -36,7 +36,8 @@ are checked by ``device.word_sum`` (see ``device``)."""
 
 @dataclass
 class Deferred:
-    """A copy left to the background: the tensor to copy (the live local shard, or a snapshot of
+    """A copy left to the background: the tensor to copy (an alias of the live local shard's memory
+    at the call, which ``p.data = x`` or ``set_`` on the shard later does not move; or a snapshot of
     it), its staging buffer, the fingerprint of its bytes at the call (``crc``: a CRC32 for
     ``HOST``, a device ``word_sum`` for ``STREAM`` and ``LIVE``), the event after the call's work
     on its GPU stream (after the side stream's copy for ``STREAM``), and the version counters of the tensors ``watched`` (itself and aliases such as

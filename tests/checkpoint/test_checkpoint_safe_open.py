@@ -130,3 +130,30 @@ def test_a_checkpoint_directory_swapped_for_a_symlink_is_not_followed(tmp_path):
     (tmp_path / "a_partial").symlink_to(tmp_path / "other")
     with pytest.raises(UnsafeCheckpointError, match="a_partial"):
         files.read("f")
+
+
+def test_a_snapshot_by_hard_links_is_read_only_when_the_user_says_the_links_are_his(tmp_path, monkeypatch):
+    """``cp -al ck backup`` gives every file of ``ck`` a second link: refused by default with a
+    message saying how to read it; with ``MODELPARALLEL_ALLOW_HARD_LINKS=1`` the file is read
+    (from its descriptor, as any other); symlinks and FIFOs stay refused."""
+    from modelparallel.checkpoint.safety.safe_open import HARD_LINKS_ENV
+
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "model.pt").write_bytes(_saved({"w": torch.ones(3)}))
+    os.mkfifo(tmp_path / "ck" / "fifo.pt")
+    (tmp_path / "ck" / "link.pt").symlink_to(tmp_path / "ck" / "model.pt")
+    (tmp_path / "backup").mkdir()
+    os.link(tmp_path / "ck" / "model.pt", tmp_path / "backup" / "model.pt")
+    monkeypatch.delenv(HARD_LINKS_ENV, raising=False)
+    with pytest.raises(UnsafeCheckpointError, match=f"2 hard links.*set {HARD_LINKS_ENV}=1"):
+        open_inside(tmp_path / "ck", "model.pt")
+    monkeypatch.setenv(HARD_LINKS_ENV, "1")
+    for root in ("ck", "backup"):
+        fd = open_inside(tmp_path / root, "model.pt")
+        try:
+            assert torch.equal(single_file._load_descriptor(fd, tmp_path / root / "model.pt")["w"], torch.ones(3))
+        finally:
+            os.close(fd)
+    for name in ("fifo.pt", "link.pt"):
+        with pytest.raises(UnsafeCheckpointError, match=name):
+            open_inside(tmp_path / "ck", name)

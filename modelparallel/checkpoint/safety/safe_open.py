@@ -20,6 +20,11 @@ from .errors import CheckpointError
 CHUNK = 1 << 22
 """Bytes per ``read`` call."""
 
+HARD_LINKS_ENV = "MODELPARALLEL_ALLOW_HARD_LINKS"
+"""Set to 1, checkpoint files with more than one link are read (never written through): a
+snapshot made with hard links (``cp -al``, ``rsync --link-dest``) gives every file of the
+original checkpoint a second link too, and only the user knows the links are his own."""
+
 
 class UnsafeCheckpointError(CheckpointError):
     """A checkpoint file asked for something a checkpoint may not contain (code, classes), or a
@@ -84,9 +89,11 @@ def check_descriptor(fd: int, path: str | Path, links: bool = True) -> os.stat_r
     if not stat.S_ISREG(st.st_mode):
         raise UnsafeCheckpointError(f"{path}: not a regular file ({_kind(st.st_mode)}); a checkpoint holds "
                                     "regular files only")
-    if links and st.st_nlink != 1:
+    if links and st.st_nlink != 1 and os.environ.get(HARD_LINKS_ENV) != "1":
         raise UnsafeCheckpointError(f"{path}: a file with {st.st_nlink} hard links; a checkpoint file has one "
-                                    "(a hard link reaches a file outside the checkpoint)")
+                                    "(a hard link reaches a file outside the checkpoint). If you made the links "
+                                    f"yourself (a snapshot by `cp -al` or `rsync --link-dest`), set {HARD_LINKS_ENV}=1 "
+                                    "to read them")
     return st
 
 

@@ -26,6 +26,8 @@ import pickletools
 import struct
 import zipfile
 
+from ..paused_gc import paused_gc
+
 _LOCAL_HEADER = struct.Struct("<4s22xHH")
 """A zip member's local header: signature, then (past fields not used) name and extra lengths."""
 _MUTATE = {"APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD"}
@@ -38,7 +40,7 @@ def budget(nbytes: int) -> int:
     return 64 * nbytes + (1 << 20)
 
 
-_GENERIC, _MEMOIZE, _GET1, _GET, _PUT, _MARK, _DUP, _POP_MARK, _STOP = range(9)
+_GENERIC, _MEMOIZE, _GET1, _GET, _PUT, _MARK, _DUP, _POP_MARK, _STOP, _ATOM = range(10)
 _ACTIONS = {"MEMOIZE": _MEMOIZE, "BINGET": _GET1, "LONG_BINGET": _GET, "GET": _GET, "BINPUT": _PUT,
             "LONG_BINPUT": _PUT, "PUT": _PUT, "MARK": _MARK, "DUP": _DUP, "POP_MARK": _POP_MARK, "STOP": _STOP}
 _FIXED, _LINES, _SIZED = range(3)
@@ -64,14 +66,22 @@ def _opcode_table() -> list:
             layout = (_SIZED, _LENGTHS[arg.n])
         before = op.stack_before
         below = before.index(pickletools.markobject) if pickletools.stackslice in before else -1
-        table[ord(op.code)] = (_ACTIONS.get(op.name, _GENERIC), *layout, below, len(before), bool(op.stack_after),
-                               op.name in _MUTATE)
+        action = _ACTIONS.get(op.name, _GENERIC)
+        if action == _GENERIC and not before and op.stack_after and op.stack_after[0].name not in _FILLABLE:
+            action = _ATOM
+        table[ord(op.code)] = (action, *layout, below, len(before), bool(op.stack_after), op.name in _MUTATE)
     return table
 
 
+_FILLABLE = {"list", "dict", "set"}
+"""What an opcode that takes nothing may push and a later opcode fill (the rest: atoms)."""
 _TABLE = tuple(_opcode_table())
+_ONE = [1, True]
+"""The cell of every atom (a number, a string, a name): one node, never filled (a fill of it is
+refused as a fill of a shared object; the unpickler would refuse it too)."""
 
 
+@paused_gc()  # one small list per object made: a collection would walk them all, again and again
 def check_expansion(data: bytes) -> None:
     """Refuse ``data`` (a pickle) if reading it would build or walk more than ``budget`` nodes,
     before anything is built (also an unknown opcode, or an argument past the end of the data).
@@ -85,6 +95,8 @@ def check_expansion(data: bytes) -> None:
         pickle.UnpicklingError: saying what it asked for (the caller names the file).
     """
     data = bytes(data)
+    FIXED, LINES, MEMOIZE, ATOM, GET1, GET, DUP, GENERIC, PUT, MARK, POP_MARK = (  # noqa: N806 - locals, read fast
+        _FIXED, _LINES, _MEMOIZE, _ATOM, _GET1, _GET, _DUP, _GENERIC, _PUT, _MARK, _POP_MARK)
     limit, table, end, pos = budget(len(data)), _TABLE, len(data), 0
     stack: list[list] = []  # each object's cell: [expanded size, handed out again by the memo]
     marks: list[int] = []
@@ -94,9 +106,9 @@ def check_expansion(data: bytes) -> None:
         while True:
             action, layout, size, below, popped, pushes, mutate = table[data[pos]]
             arg = pos + 1
-            if layout == _FIXED:
+            if layout == FIXED:
                 pos = arg + size
-            elif layout == _LINES:
+            elif layout == LINES:
                 pos = data.index(b"\n", arg) + 1
                 if size == 2:
                     pos = data.index(b"\n", pos) + 1
@@ -109,45 +121,53 @@ def check_expansion(data: bytes) -> None:
                 pos = arg + width + length
             if pos > end:
                 raise ValueError(f"opcode {data[arg - 1]:#04x} at byte {arg - 1}: its argument runs past the end")
-            if action == _MEMOIZE:
+            if action == MEMOIZE:
                 memo[len(memo)] = stack[-1]
-            elif action == _GET1 or action == _GET or action == _DUP:
-                cell = memo[data[arg] if action == _GET1 else _index(data, arg, pos, layout)] \
+            elif action == ATOM:
+                stack.append(_ONE)
+            elif action == GET1 or action == GET or action == DUP:
+                cell = memo[data[arg] if action == GET1 else _index(data, arg, pos, layout)] \
                     if action != _DUP else stack[-1]
                 cell[1] = True
                 stack.append(cell)
-            elif action == _GENERIC:
-                start = marks.pop() - below if below >= 0 else len(stack) - popped
-                if start < 0:
-                    raise IndexError("stack underflow")
-                taken = stack[start:]
-                del stack[start:]
-                if mutate and taken:
-                    target = taken[0]
-                    if target[1]:
-                        raise pickle.UnpicklingError(f"refused: at byte {arg - 1} it adds to an object its memo "
-                                                     "already handed out (a container of itself, or one that "
-                                                     "grows after it was shared)")
+            elif action == GENERIC:
+                if below < 0 and popped <= 3:  # the common fixed-arity opcodes, taken off one by one
                     cost = 0
-                    for cell in taken[1:]:
-                        cost += cell[0]
-                    target[0] += cost
-                    stack.append(target)
+                    for _ in range(popped - 1 if mutate else popped):
+                        cost += stack.pop()[0]
+                    if mutate:
+                        target = stack[-1]
+                        if target[1]:
+                            raise _refill(arg - 1)
+                        target[0] += cost
+                    elif pushes:
+                        stack.append([1 + cost, False])
                 else:
+                    start = marks.pop() - below if below >= 0 else len(stack) - popped
+                    if start < 0:
+                        raise IndexError("stack underflow")
+                    taken = stack[start:]
+                    del stack[start:]
                     cost = 0
-                    for cell in taken:
+                    for cell in taken[1:] if mutate else taken:
                         cost += cell[0]
-                    if pushes:
+                    if mutate:
+                        target = taken[0]
+                        if target[1]:
+                            raise _refill(arg - 1)
+                        target[0] += cost
+                        stack.append(target)
+                    elif pushes:
                         stack.append([1 + cost, False])
                 work += cost
                 if work > limit:
                     raise pickle.UnpicklingError(f"refused: it builds more than {limit} objects from {len(data)} "
                                                  "bytes (objects shared through its memo many times over)")
-            elif action == _PUT:
+            elif action == PUT:
                 memo[_index(data, arg, pos, layout)] = stack[-1]
-            elif action == _MARK:
+            elif action == MARK:
                 marks.append(len(stack))
-            elif action == _POP_MARK:
+            elif action == POP_MARK:
                 del stack[marks.pop():]
             else:
                 return
@@ -157,6 +177,11 @@ def check_expansion(data: bytes) -> None:
         elif isinstance(e, TypeError):  # a byte that is no opcode (None in the table)
             e = ValueError(f"no opcode {data[pos]:#04x} at byte {pos}")
         raise pickle.UnpicklingError(f"not a valid pickle ({type(e).__name__}: {e})") from None
+
+
+def _refill(at: int) -> pickle.UnpicklingError:
+    return pickle.UnpicklingError(f"refused: at byte {at} it adds to an object its memo already handed out (a "
+                                  "container of itself, or one that grows after it was shared)")
 
 
 def _index(data: bytes, arg: int, end: int, layout: int) -> int:

@@ -37,6 +37,7 @@ import torch
 
 from ..safety.crc import crc32
 from . import uffd as abi
+from .deferred import host_bytes
 
 logger = logging.getLogger("modelparallel")
 
@@ -256,7 +257,7 @@ class Protected:
 
     def edges(self, t: torch.Tensor) -> int:
         """CRC32 of ``t``'s bytes outside the protected pages (``t``: the tensor or its copy)."""
-        flat = t.detach().reshape(-1).view(torch.uint8).numpy()
+        flat = host_bytes(t)
         return crc32(flat[len(flat) - self.tail:], crc32(flat[:self.head]))
 
     def written(self) -> bool:

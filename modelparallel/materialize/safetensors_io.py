@@ -24,6 +24,8 @@ from collections.abc import Iterator
 import torch
 from safetensors import SafetensorError, safe_open
 
+from ..host_bytes import host_bytes
+
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool}
@@ -128,7 +130,7 @@ def read_exact_into(fd: int, offset: int, dst: torch.Tensor, what: str) -> None:
     Raises:
         OSError: naming ``what`` and the offset, if the file ends first.
     """
-    view = memoryview(dst.view(-1).view(torch.uint8).numpy())
+    view = host_bytes(dst)
     done = 0
     while done < len(view):
         got = os.preadv(fd, [view[done:done + READ_BLOCK]], offset + done)

@@ -1,16 +1,23 @@
-"""What an asynchronous save reads of the training's tensors at its call (the CRC-32 of a
-deferred tensor, ``deferred.fingerprint``; the bytes at the edges of its watched pages,
-``pages.Mark.edges``) is read in place and leaves the tensors as they were: zlib's CRC-32 of the
-same bytes, and storages that training (FSDP frees storages by resizing them) may still resize.
-``Tensor.numpy()`` would mark them not resizable, for good."""
+"""Checkpoints read and write the training's tensors in place (``modelparallel.host_bytes``) and
+leave them as they were: an asynchronous save's CRC-32 of a deferred tensor
+(``deferred.fingerprint``) and of the edges of its watched pages (``pages.Mark.edges``) is zlib's
+CRC-32 of the same bytes, and after saves (synchronous, asynchronous) and a resume, which reads
+chunks straight into the model, every storage of the model and the optimizer may still be
+resized (FSDP frees storages by resizing them). ``Tensor.numpy()`` would mark them not
+resizable, for good."""
 
 import zlib
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
-from modelparallel.checkpoint.background.deferred import fingerprint, host_bytes
+import harness
+import modelparallel as smp
+from ckpt_helpers import build
+from modelparallel.checkpoint.background.deferred import fingerprint
 from modelparallel.checkpoint.background.pages import PageWatch
+from modelparallel.host_bytes import host_bytes
 
 
 def _resizable(t: torch.Tensor) -> bool:
@@ -47,3 +54,28 @@ def test_the_edges_of_watched_pages_are_read_in_place():
     watch.release()
     watch.unregister()
     assert _resizable(t)
+
+
+def _fixed_storages(model, optimizer) -> list[str]:
+    tensors = dict(model.module.named_parameters())
+    for p, slots in optimizer.optimizer.state.items():
+        tensors.update({f"slot {k} of {tuple(p.shape)}": v for k, v in slots.items() if isinstance(v, torch.Tensor)})
+    return [name for name, t in tensors.items() if not _resizable(t.to_local() if isinstance(t, DTensor) else t)]
+
+
+def saves_and_a_resume(root: str) -> list[str]:
+    model, optimizer = build(tp=2, steps=1)
+    smp.save_checkpoint(root, tag="sync", partial=True, model=model, optimizer=optimizer)
+    smp.save_checkpoint(root, tag="async", partial=True, model=model, optimizer=optimizer, async_save=True)
+    ids = torch.arange(8).reshape(1, 8)
+    model.backward(model(ids, labels=ids).loss)  # the next step waits for the deferred copies
+    optimizer.step()
+    smp.wait_for_checkpoints()
+    smp.resume_from_checkpoint(root, tag="sync", partial=True)
+    model.backward(model(ids, labels=ids).loss)  # the resume is applied at the next step
+    return _fixed_storages(model, optimizer)
+
+
+def test_saves_and_a_resume_leave_every_storage_resizable(tmp_path):
+    for fixed in harness.run(2, saves_and_a_resume, str(tmp_path)):
+        assert fixed == [], f"storages made fixed by a checkpoint: {fixed}"

@@ -13,7 +13,6 @@ ways: a CRC32 (zlib-ng) reads about 1.7x faster than a copy writes
 
 from __future__ import annotations
 
-import ctypes
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ...host_bytes import host_bytes
 from ..safety.files import crc32
 from .device import word_sum
 
@@ -98,17 +98,6 @@ def after(event: Any, device: torch.device, streams: Any) -> Iterator[None]:
     with torch.cuda.stream(side):
         yield
     side.synchronize()
-
-
-def host_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, read in place (no copy) while the caller holds ``t``.
-    Not through ``Tensor.numpy()``: that marks the tensor's storage as never resizable again, and
-    reading what a save holds must not change what training may do with it (FSDP frees storages
-    by resizing them)."""
-    nbytes = t.numel() * t.element_size()
-    if nbytes == 0:
-        return memoryview(b"")
-    return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
 
 
 def fingerprint(t: torch.Tensor) -> int:

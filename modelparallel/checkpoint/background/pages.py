@@ -35,9 +35,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ...host_bytes import host_bytes
 from ..safety.crc import crc32
 from . import uffd as abi
-from .deferred import host_bytes
 
 logger = logging.getLogger("modelparallel")
 

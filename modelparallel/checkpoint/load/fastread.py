@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from ...compat import set_element
+from ...host_bytes import host_bytes
 from ..safety.files import CheckpointFiles, CorruptFileError, UnsafeCheckpointError, VerifiedReader
 from ..safety.safe_load import torch_load
 
@@ -118,9 +119,9 @@ def _read_into(reader: VerifiedReader, target: torch.Tensor, host: torch.Tensor 
     ``host``, a CPU byte buffer of its size (pinned for CUDA), in one copy."""
     raw = target.view(-1).view(torch.uint8)
     if target.device.type == "cpu":
-        reader.read_into(memoryview(raw.numpy()))
+        reader.read_into(host_bytes(target))
         return
-    reader.read_into(memoryview(host.numpy()))
+    reader.read_into(host_bytes(host))
     raw.copy_(host)
 
 

@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import torch
 
+from ...host_bytes import host_bytes
 from ...materialize.safetensors_io import DTYPES
 from ...pipeline.split import elsewhere
 from ...tp.layout import local_part, shard_of
@@ -139,7 +140,7 @@ def _read_file(files: CheckpointFiles, name: str, header: dict, wanted: dict[str
                                        f"dtype need {need}, the file has {files.entry(name)['size'] - 8 - n}")
             tensor = torch.empty(info["shape"], dtype=dtype)
             reader.skip_to(8 + n + begin)
-            reader.read_into(memoryview(tensor.view(-1).view(torch.uint8).numpy()))
+            reader.read_into(host_bytes(tensor))
             items = dict(from_hf(key, tensor) if from_hf else [(key, tensor)])
             for dist_key in wanted[key]:
                 _copy(load, dist_key, items.get(dist_key, next(iter(items.values()))))

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from ...config import STAGING_MODES as MODES
+from ...host_bytes import host_bytes
 from ..safety.errors import CheckpointError
 from .fastread import SafeLoadPlanner
 
@@ -88,7 +89,7 @@ def check_policy(mode, bucket) -> list[str]:
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """The bytes of contiguous CPU tensor ``t`` (any dtype)."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+    return host_bytes(t)
 
 
 class Journal:

@@ -22,6 +22,7 @@ import torch
 from torch.serialization import get_crc32_options, skip_data
 
 from ...compat import get_tensor_metadata, storage_alignment
+from ...host_bytes import host_bytes
 
 
 class _Sink(io.RawIOBase):
@@ -100,5 +101,5 @@ class TensorRecords:
         head, tail = around
         stream.write(head)
         if tensor.nbytes:
-            stream.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+            stream.write(host_bytes(tensor if tensor.is_contiguous() else tensor.contiguous()))
         stream.write(tail)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ...host_bytes import host_bytes
 from ...materialize.safetensors_io import DTYPE_NAMES
 from ..safety.commit import crc32
 from .stream import named
@@ -84,7 +85,7 @@ class ShardWriter:
         f = self._file(index)
         if f.tell() - self._data_start != entry["data_offsets"][0]:
             raise ValueError(f"{key}: written out of plan order")
-        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data
+        data = host_bytes(tensor.detach().cpu().contiguous())
         try:
             f.write(data)
         except OSError as e:

@@ -276,6 +276,11 @@ def locate(path: Path, tag: str | None, partial: bool) -> Path:
         commit.safe_name(path, name, f"{path}/{commit.NEWEST} names" if tag is None else "the tag")
         where = f"{path}/{commit.NEWEST} names {name!r}, which" if tag is None else f"checkpoint {name!r}"
         other = f"{tag}_partial" if not partial else tag
+        if not (path / name).is_dir() and partial and tag is not None and tag.endswith("_partial") \
+                and (path / tag / commit.MANIFEST).is_file():
+            raise FileNotFoundError(f"{where} does not exist in {path}; {tag!r} is the directory of the partial "
+                                    f"checkpoint tagged {tag[:-len('_partial')]!r}: pass "
+                                    f"tag={tag[:-len('_partial')]!r}")
         if not (path / name).is_dir() and tag is not None and (path / other / commit.MANIFEST).is_file():
             raise FileNotFoundError(f"{where} does not exist in {path}, but {other!r} does: it is a "
                                     f"{'partial' if not partial else 'full'} checkpoint, resume it with "

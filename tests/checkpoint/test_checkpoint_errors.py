@@ -58,7 +58,8 @@ def bad_inputs(path: str):
     smp.save_checkpoint(path, "a")
     msgs = {"missing path": errors_of(smp.resume_from_checkpoint, path + "/nope"),
             "unknown tag": errors_of(smp.resume_from_checkpoint, path, "zzz"),
-            "full requested": errors_of(smp.resume_from_checkpoint, path, "a", False)}
+            "full requested": errors_of(smp.resume_from_checkpoint, path, "a", False),
+            "directory as tag": errors_of(smp.resume_from_checkpoint, path, "a_partial")}
     empty = root / "empty"
     if smp.rank() == 0:
         empty.mkdir()
@@ -84,6 +85,7 @@ def test_bad_input_gives_clear_errors_on_every_rank(tmp_path):
     assert "FileNotFoundError" in m["missing path"] and f"{tmp_path}/nope does not exist" in m["missing path"]
     assert "'zzz_partial' does not exist" in m["unknown tag"] and "['a_partial']" in m["unknown tag"]
     assert "but 'a_partial' does: it is a partial checkpoint, resume it with partial=True" in m["full requested"]
+    assert "'a_partial' is the directory of the partial checkpoint tagged 'a': pass tag='a'" in m["directory as tag"]
     assert "has no 'newest' file" in m["no newest"]
     assert "newest names 'gone_partial', which does not exist" in m["dangling newest"]
     assert "tag must be a non-empty name without '/'" in m["bad tag"]

@@ -14,9 +14,10 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                                    MetadataIndex, StorageMeta, TensorStorageMetadata)
+
+from ...compat import StorageInfo
 
 _ROWS = 1024
 """Chunks compared with all the others at once when checking that they do not overlap."""
@@ -92,7 +93,7 @@ def metadata_problems(metadata) -> list[str]:
                 or not (index.offset is None or _shape(index.offset)) \
                 or not (index.index is None or _count(index.index)):
             problems.append(f"a storage key {type(index).__name__} is not an entry name and offset")
-        elif not isinstance(info, _StorageInfo) or not isinstance(info.relative_path, str) \
+        elif not isinstance(info, StorageInfo) or not isinstance(info.relative_path, str) \
                 or not _count(info.offset) or not _count(info.length):
             problems.append(f"entry {index.fqn!r}: its storage is not a file name, offset and length")
     return problems

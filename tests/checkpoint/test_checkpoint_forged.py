@@ -60,6 +60,15 @@ def forged_master(path: str, journal_dir: str) -> dict:
     directory = Path(path) / "a_partial"
 
     on_rank0(lambda: (forge_scalar(directory / "optimizer", MASTER), refresh_manifest(directory)))
+    return resume_each_way(path, "a", journal_dir)
+
+
+def resume_each_way(path: str, tag: str, journal_dir: str) -> dict:
+    """A model that took another step resumes checkpoint ``tag`` staged in memory and through the
+    journal (in ``journal_dir``, in buckets of 4 KiB): per mode its error, and (``"<mode> changed"``)
+    what of its model, optimizer and fp32 masters changed."""
+    from test_checkpoint_side_effects import build, step
+
     out = {}
     for mode in ("memory", "journal"):
         model, optimizer = build(1, True)
@@ -67,7 +76,7 @@ def forged_master(path: str, journal_dir: str) -> dict:
         before = {**snapshot(model, optimizer), **_masters(optimizer)}
         tempfile.tempdir = journal_dir
         try:
-            out[mode] = error_of(smp.resume_from_checkpoint, path, "a", staging=mode, staging_bucket=1 << 12)
+            out[mode] = error_of(smp.resume_from_checkpoint, path, tag, staging=mode, staging_bucket=1 << 12)
         finally:
             tempfile.tempdir = None
         out[f"{mode} changed"] = changed(before, {**snapshot(model, optimizer), **_masters(optimizer)})

@@ -6,22 +6,14 @@ file's name: look at modelparallel/checkpoint/load/fastread.py ``_read_chunk``.
 """
 
 import io
-import tempfile
 from pathlib import Path
 
 import torch
 
 import harness
 import modelparallel as smp
-from ckpt_helpers import changed, error_of, on_rank0, refresh_manifest, rewrite_metadata, snapshot
-
-MASTER = "fp16_states.transformer.h.0.mlp.c_fc.weight.master"
-
-
-def _masters(optimizer) -> dict:
-    return {f"master{i}": (m.to_local() if hasattr(m, "to_local") else m).detach().clone()
-            for i, (p, m) in enumerate(optimizer.master_weights.params_and_masters()) if m is not p}
-
+from ckpt_helpers import on_rank0, refresh_manifest, rewrite_metadata
+from test_checkpoint_forged import MASTER, resume_each_way
 
 def forge_chunks(part: Path, key: str, make) -> None:
     """Leave ``key``'s metadata alone (shape and dtype right, so the plan accepts it) and point
@@ -60,17 +52,7 @@ def forged_master_data(path: str, journal_dir: str) -> dict:
         smp.save_checkpoint(path, how)
         directory = Path(path) / f"{how}_partial"
         on_rank0(lambda: (forge_chunks(directory / "optimizer", MASTER, make), refresh_manifest(directory)))
-        for mode in ("memory", "journal"):
-            model, optimizer = build(1, True)
-            step(model, optimizer, 1)
-            before = {**snapshot(model, optimizer), **_masters(optimizer)}
-            tempfile.tempdir = journal_dir
-            try:
-                out[f"{how} {mode}"] = error_of(smp.resume_from_checkpoint, path, how, staging=mode,
-                                                staging_bucket=1 << 12)
-            finally:
-                tempfile.tempdir = None
-            out[f"{how} {mode} changed"] = changed(before, {**snapshot(model, optimizer), **_masters(optimizer)})
+        out.update({f"{how} {k}": v for k, v in resume_each_way(path, how, journal_dir).items()})
     return out
 
 

@@ -144,8 +144,8 @@ def _range_problems(args: argparse.Namespace) -> list[str]:
         problems.append(f"--microbatches {args.microbatches} does not divide --batch-size {args.batch_size}")
     if args.temperature < 0:
         problems.append(f"--temperature must be >= 0, got {args.temperature}")
-    if not 0 <= args.seed < 2**32:  # the data order's generator takes seed x 1000003 as a 64-bit integer
-        problems.append(f"--seed must be in 0..{2**32 - 1}, got {args.seed}")
+    if not -2**31 <= args.seed < 2**32:  # the data order's generator takes seed x 1000003 as a 64-bit integer
+        problems.append(f"--seed must be in {-2**31}..{2**32 - 1}, got {args.seed}")
     if not 0 <= args.node_rank < max(args.nnodes, 1):
         problems.append(f"--node-rank must be in 0..{args.nnodes - 1} (--nnodes {args.nnodes}), got {args.node_rank}")
     if args.nnodes > 1 and not args.rdzv_endpoint:

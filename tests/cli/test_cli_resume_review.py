@@ -116,13 +116,13 @@ def test_a_checkpoints_entry_that_is_a_file_is_refused_before_launch(tmp_path, c
         assert exc.value.code == 2 and f"{tmp_path / 'checkpoints'} exists and is not a directory" in err, err
 
 
-@pytest.mark.parametrize("seed", ["-1", str(2**64)])
+@pytest.mark.parametrize("seed", [str(-2**31 - 1), str(2**64)])
 def test_a_seed_out_of_range_is_refused_before_launch(tmp_path, capsys, seed):
     """2^64 passed the check, then every rank failed with "Overflow when unpacking long long"."""
     with pytest.raises(SystemExit) as exc:
         main(["train", *RUN, "--out", str(tmp_path / "run"), "--steps", "4", "--seed", seed])
     err = capsys.readouterr().err
-    assert exc.value.code == 2 and f"--seed must be in 0..{2**32 - 1}, got {seed}" in err, err
+    assert exc.value.code == 2 and f"--seed must be in {-2**31}..{2**32 - 1}, got {seed}" in err, err
 
 
 def test_a_forged_step_in_the_user_content_is_refused(saved, tmp_path):

@@ -59,7 +59,8 @@ def test_convert_names_a_damaged_source_file(tmp_path):
 
 
 def test_every_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
-    """Missing source, a file, bad JSON, destination a file, no weights, a partial checkpoint:
+    """Missing source, a file, bad JSON, destination a file, no weights, a partial checkpoint, a
+    ``config.json`` that is a FIFO:
     each one line naming the path, exit status 2, nothing written."""
     from modelparallel.cli import main
 
@@ -72,13 +73,16 @@ def test_every_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     (tmp_path / "no_weights" / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "step4_partial").mkdir()
     (tmp_path / "step4_partial" / "checkpoint_manifest.json").write_text("{}")
+    (tmp_path / "fifo").mkdir()
+    os.mkfifo(tmp_path / "fifo" / "config.json")  # opened blocking, the read would wait for a writer forever
     cases = [(tmp_path / "missing", tmp_path / "d1", "missing: no such directory"),
              (tmp_path / "a_file", tmp_path / "d2", "a_file is a file; the source must be a model directory"),
              (tmp_path / "bad_json", tmp_path / "d3", "bad_json/config.json: not valid JSON"),
              (tmp_path / "hf", tmp_path / "a_file", "a_file is a file; the destination must be a directory"),
              (tmp_path / "no_weights", tmp_path / "d5", "no_weights: no *.safetensors files"),
              (tmp_path / "step4_partial", tmp_path / "d6", "step4_partial is a modelparallel checkpoint without "
-                                                           "config.json")]
+                                                           "config.json"),
+             (tmp_path / "fifo", tmp_path / "d7", "fifo/config.json: not a regular file (a FIFO)")]
     capsys.readouterr()
     for source, dest, needle in cases:
         assert main(["convert", str(source), str(dest), "--to", "distributed"]) == 2, needle

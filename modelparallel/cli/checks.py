@@ -80,6 +80,14 @@ def _checkpoint_dir_problems(args: argparse.Namespace) -> list[str]:
     if (ckpt.exists() or ckpt.is_symlink()) and not ckpt.is_dir():
         return [f"--out {args.out}: {ckpt} exists and is not a directory; checkpoints are saved and resumed there: "
                 "move it or choose another --out"]
+    owner = None
+    if getattr(args, "save_every", 0) and ckpt.is_dir():  # as listing its checkpoints, imports the package
+        from ..checkpoint.safety.lock import held_by
+
+        owner = held_by(ckpt)
+    if owner is not None:  # its ranks would train up to their first save, then fail there
+        return [f"--out {args.out}: another job is saving checkpoints into {ckpt} ({owner}); one writer per "
+                "directory: wait for it to end or choose another --out"]
     return []
 
 

@@ -6,7 +6,8 @@ its neighbours do not make. Where to look when one fails:
   traceback or lets ``--resume auto`` start from step 0: ``_newest`` in modelparallel/cli/resume.py;
   ``modelparallel inspect`` on such a ``newest``: ``scan`` in modelparallel/cli/inspect.py;
 - an ``OUT/checkpoints`` file or a ``--seed`` out of range gets past the pre-launch check:
-  ``checks._checkpoint_dir_problems``, ``train._range_problems``;
+  ``checks._checkpoint_dir_problems``, ``train._range_problems``; a directory another live job
+  saves into gets past it: ``checkpoint.safety.lock.held_by``;
 - a checkpoint whose user content claims another step than its tag is resumed at that step,
   skipping data the weights never saw: ``resume.saved_step`` (called by ``train_job.resume_run``);
 - ``run -m`` with a missing module launches ranks: ``_no_module`` in modelparallel/sagemaker/launch.py;
@@ -16,6 +17,7 @@ its neighbours do not make. Where to look when one fails:
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import textwrap
@@ -28,7 +30,7 @@ import pytest
 import torch
 
 from modelparallel.checkpoint.safety import commit
-from modelparallel.cli import main
+from modelparallel.cli import checks, main
 from modelparallel.cli.resume import choose
 from modelparallel.sagemaker.launch import _no_module
 
@@ -114,6 +116,24 @@ def test_a_checkpoints_entry_that_is_a_file_is_refused_before_launch(tmp_path, c
             main(["train", *RUN, "--out", str(tmp_path), "--steps", "4", *how])
         err = capsys.readouterr().err
         assert exc.value.code == 2 and f"{tmp_path / 'checkpoints'} exists and is not a directory" in err, err
+
+
+def test_a_directory_another_live_job_saves_into_is_refused_before_launch(tmp_path, capsys):
+    """Else the second run trains up to its first save, which then fails on the lock; the first
+    job is this process holding the lock. Once it lets go, nothing is refused (a dead job's lock
+    goes with it)."""
+    from modelparallel.checkpoint.safety.lock import DirectoryLock
+
+    lock = DirectoryLock(tmp_path / "checkpoints").acquire()
+    try:
+        with pytest.raises(SystemExit) as exc:
+            main(["train", *RUN, "--out", str(tmp_path), "--steps", "4", "--save-every", "2"])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and f"another job is saving checkpoints into {tmp_path / 'checkpoints'} " \
+            f"(host=" in err and f"pid={os.getpid()})" in err, err
+    finally:
+        lock.release()
+    assert checks._checkpoint_dir_problems(argparse.Namespace(out=tmp_path, save_every=2)) == []
 
 
 @pytest.mark.parametrize("seed", [str(-2**31 - 1), str(2**64)])

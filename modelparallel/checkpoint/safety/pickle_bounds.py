@@ -40,9 +40,11 @@ def budget(nbytes: int) -> int:
     return 64 * nbytes + (1 << 20)
 
 
-_GENERIC, _MEMOIZE, _GET1, _GET, _PUT, _MARK, _DUP, _POP_MARK, _STOP, _ATOM = range(10)
+_GENERIC, _MEMOIZE, _GET1, _GET, _PUT, _MARK, _DUP, _POP_MARK, _STOP, _ATOM, _TEXT, _GLOBAL = range(12)
 _ACTIONS = {"MEMOIZE": _MEMOIZE, "BINGET": _GET1, "LONG_BINGET": _GET, "GET": _GET, "BINPUT": _PUT,
-            "LONG_BINPUT": _PUT, "PUT": _PUT, "MARK": _MARK, "DUP": _DUP, "POP_MARK": _POP_MARK, "STOP": _STOP}
+            "LONG_BINPUT": _PUT, "PUT": _PUT, "MARK": _MARK, "DUP": _DUP, "POP_MARK": _POP_MARK, "STOP": _STOP,
+            "GLOBAL": _GLOBAL}
+_TEXTS = {"bytes_or_str", "bytes", "str", "bytearray"}
 _FIXED, _LINES, _SIZED = range(3)
 _LENGTHS = {pickletools.TAKEN_FROM_ARGUMENT1: 1, pickletools.TAKEN_FROM_ARGUMENT4: -4,
             pickletools.TAKEN_FROM_ARGUMENT4U: 4, pickletools.TAKEN_FROM_ARGUMENT8U: 8}
@@ -68,7 +70,7 @@ def _opcode_table() -> list:
         below = before.index(pickletools.markobject) if pickletools.stackslice in before else -1
         action = _ACTIONS.get(op.name, _GENERIC)
         if action == _GENERIC and not before and op.stack_after and op.stack_after[0].name not in _FILLABLE:
-            action = _ATOM
+            action = _TEXT if op.stack_after[0].name in _TEXTS else _ATOM
         table[ord(op.code)] = (action, *layout, below, len(before), bool(op.stack_after), op.name in _MUTATE)
     return table
 
@@ -77,8 +79,14 @@ _FILLABLE = {"list", "dict", "set"}
 """What an opcode that takes nothing may push and a later opcode fill (the rest: atoms)."""
 _TABLE = tuple(_opcode_table())
 _ONE = [1, True]
-"""The cell of every atom (a number, a string, a name): one node, never filled (a fill of it is
-refused as a fill of a shared object; the unpickler would refuse it too)."""
+"""The cell of every atom of fixed size (a small number, ``None``, a name): one node, never filled
+(a fill of it is refused as a fill of a shared object; the unpickler would refuse it too). An
+atom with a length (a string, bytes, a long number) counts its bytes: an allowed callable may
+make one object per character of it (``list(s)``, ``str`` of a container holding it) and hashing
+a number walks it, each time it is used."""
+_BYTEARRAY = [1, True]
+"""The cell of the global ``bytearray`` (``torch.load`` allows it): ``bytearray(n)`` of a number
+allocates ``n`` bytes, so only a call on a string or bytes (what the pickler writes) is let through."""
 
 
 @paused_gc()  # one small list per object made: a collection would walk them all, again and again
@@ -95,10 +103,10 @@ def check_expansion(data: bytes) -> None:
         pickle.UnpicklingError: saying what it asked for (the caller names the file).
     """
     data = bytes(data)
-    FIXED, LINES, MEMOIZE, ATOM, GET1, GET, DUP, GENERIC, PUT, MARK, POP_MARK = (  # noqa: N806 - locals, read fast
-        _FIXED, _LINES, _MEMOIZE, _ATOM, _GET1, _GET, _DUP, _GENERIC, _PUT, _MARK, _POP_MARK)
+    FIXED, LINES, MEMOIZE, ATOM, TEXT, GET1, GET, DUP, GENERIC, PUT, MARK, POP_MARK, GLOBAL, BYTEARRAY = (  # noqa
+        _FIXED, _LINES, _MEMOIZE, _ATOM, _TEXT, _GET1, _GET, _DUP, _GENERIC, _PUT, _MARK, _POP_MARK, _GLOBAL, _BYTEARRAY)
     limit, table, end, pos = budget(len(data)), _TABLE, len(data), 0
-    stack: list[list] = []  # each object's cell: [expanded size, handed out again by the memo]
+    stack: list[list] = []  # each object's cell: [expanded size, handed out again by the memo(, led by text)]
     marks: list[int] = []
     memo: dict[int, list] = {}
     work = 0
@@ -124,7 +132,9 @@ def check_expansion(data: bytes) -> None:
             if action == MEMOIZE:
                 memo[len(memo)] = stack[-1]
             elif action == ATOM:
-                stack.append(_ONE)
+                stack.append(_ONE if layout == FIXED else [1 + pos - arg, True])
+            elif action == TEXT:
+                stack.append([1 + pos - arg, True, True])
             elif action == GET1 or action == GET or action == DUP:
                 cell = memo[data[arg] if action == GET1 else _index(data, arg, pos, layout)] \
                     if action != _DUP else stack[-1]
@@ -132,16 +142,21 @@ def check_expansion(data: bytes) -> None:
                 stack.append(cell)
             elif action == GENERIC:
                 if below < 0 and popped <= 3:  # the common fixed-arity opcodes, taken off one by one
-                    cost = 0
+                    if popped == 2 and stack[-2] is BYTEARRAY and data[arg - 1] == 0x52 and len(stack[-1]) < 3:
+                        raise pickle.UnpicklingError(f"refused: at byte {arg - 1} it calls bytearray() on no string "
+                                                     "or bytes (bytearray(n) allocates n bytes)")
+                    cost, cell = 0, _ONE
                     for _ in range(popped - 1 if mutate else popped):
-                        cost += stack.pop()[0]
+                        cell = stack.pop()
+                        cost += cell[0]
                     if mutate:
                         target = stack[-1]
                         if target[1]:
                             raise _refill(arg - 1)
                         target[0] += cost
-                    elif pushes:
-                        stack.append([1 + cost, False])
+                    elif pushes:  # a tuple whose first item is text stays marked as such (see _BYTEARRAY)
+                        stack.append([1 + cost, False, True] if len(cell) > 2 and data[arg - 1] in b"\x85\x86\x87"
+                                     else [1 + cost, False])
                 else:
                     start = marks.pop() - below if below >= 0 else len(stack) - popped
                     if start < 0:
@@ -158,15 +173,22 @@ def check_expansion(data: bytes) -> None:
                         target[0] += cost
                         stack.append(target)
                     elif pushes:
-                        stack.append([1 + cost, False])
+                        stack.append([1 + cost, False, True] if taken and len(taken[0]) > 2 and data[arg - 1] == 0x74
+                                     else [1 + cost, False])
                 work += cost
                 if work > limit:
                     raise pickle.UnpicklingError(f"refused: it builds more than {limit} objects from {len(data)} "
                                                  "bytes (objects shared through its memo many times over)")
             elif action == PUT:
-                memo[_index(data, arg, pos, layout)] = stack[-1]
+                index = _index(data, arg, pos, layout)
+                if index >= end:  # Python's C unpickler sizes its memo array by the largest index
+                    raise pickle.UnpicklingError(f"refused: at byte {arg - 1} a memo index of {index}, past "
+                                                 f"the {end} bytes of the pickle")
+                memo[index] = stack[-1]
             elif action == MARK:
                 marks.append(len(stack))
+            elif action == GLOBAL:
+                stack.append(BYTEARRAY if data.endswith(b"\nbytearray\n", arg, pos) else _ONE)
             elif action == POP_MARK:
                 del stack[marks.pop():]
             else:

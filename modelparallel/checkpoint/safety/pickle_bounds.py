@@ -32,6 +32,9 @@ _LOCAL_HEADER = struct.Struct("<4s22xHH")
 """A zip member's local header: signature, then (past fields not used) name and extra lengths."""
 _MUTATE = {"APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD"}
 """Opcodes that add their arguments to the object below them (which stays on the stack)."""
+_CALLS = {"REDUCE", "NEWOBJ", "NEWOBJ_EX", "INST", "OBJ", "BINPERSID"}
+"""Opcodes that hand their arguments to a callable: it may walk every character of a string in
+them (``list(s)``, ``str`` of a list holding it), so the call costs their weight."""
 
 
 def budget(nbytes: int) -> int:
@@ -45,6 +48,7 @@ _ACTIONS = {"MEMOIZE": _MEMOIZE, "BINGET": _GET1, "LONG_BINGET": _GET, "GET": _G
             "LONG_BINPUT": _PUT, "PUT": _PUT, "MARK": _MARK, "DUP": _DUP, "POP_MARK": _POP_MARK, "STOP": _STOP,
             "GLOBAL": _GLOBAL}
 _TEXTS = {"bytes_or_str", "bytes", "str", "bytearray"}
+"""What the atoms whose bytes only a call pays push (see ``_ONE``)."""
 _FIXED, _LINES, _SIZED = range(3)
 _LENGTHS = {pickletools.TAKEN_FROM_ARGUMENT1: 1, pickletools.TAKEN_FROM_ARGUMENT4: -4,
             pickletools.TAKEN_FROM_ARGUMENT4U: 4, pickletools.TAKEN_FROM_ARGUMENT8U: 8}
@@ -54,7 +58,7 @@ _LENGTHS = {pickletools.TAKEN_FROM_ARGUMENT1: 1, pickletools.TAKEN_FROM_ARGUMENT
 def _opcode_table() -> list:
     """Indexed by opcode byte (None: not an opcode): (action, argument layout, its size, items
     below a mark it pops (or -1: none), items popped otherwise, pushes one, adds to the object
-    below its arguments). From the standard library's descriptions of the opcodes."""
+    below its arguments (1) or calls (2)). From the standard library's descriptions of the opcodes."""
     table: list = [None] * 256
     for op in pickletools.opcodes:
         arg = op.arg
@@ -71,22 +75,24 @@ def _opcode_table() -> list:
         action = _ACTIONS.get(op.name, _GENERIC)
         if action == _GENERIC and not before and op.stack_after and op.stack_after[0].name not in _FILLABLE:
             action = _TEXT if op.stack_after[0].name in _TEXTS else _ATOM
-        table[ord(op.code)] = (action, *layout, below, len(before), bool(op.stack_after), op.name in _MUTATE)
+        table[ord(op.code)] = (action, *layout, below, len(before), bool(op.stack_after), 1 if op.name in _MUTATE else 2 if op.name in _CALLS else 0)
     return table
 
 
 _FILLABLE = {"list", "dict", "set"}
 """What an opcode that takes nothing may push and a later opcode fill (the rest: atoms)."""
 _TABLE = tuple(_opcode_table())
-_ONE = [1, True]
+_ONE = [1, True, 1]
 """The cell of every atom of fixed size (a small number, ``None``, a name): one node, never filled
-(a fill of it is refused as a fill of a shared object; the unpickler would refuse it too). An
-atom with a length (a string, bytes, a long number) counts its bytes: an allowed callable may
-make one object per character of it (``list(s)``, ``str`` of a container holding it) and hashing
-a number walks it, each time it is used."""
-_BYTEARRAY = [1, True]
+(a fill of it is refused as a fill of a shared object; the unpickler would refuse it too). A
+cell is [size, shared, weight]: the weight also counts the bytes of every string in it, which
+only a call pays (the pickler shares strings freely; hashing or storing one walks none of it).
+A long number counts its bytes in both (hashing one walks it; the pickler never shares one)."""
+_BYTEARRAY = [1, True, 1]
 """The cell of the global ``bytearray`` (``torch.load`` allows it): ``bytearray(n)`` of a number
 allocates ``n`` bytes, so only a call on a string or bytes (what the pickler writes) is let through."""
+_ENCODE = [1, True, 1]
+"""The cell of the global ``_codecs.encode``: how protocols 0-2 pickle bytes (also in a bytearray)."""
 
 
 @paused_gc()  # one small list per object made: a collection would walk them all, again and again
@@ -103,10 +109,11 @@ def check_expansion(data: bytes) -> None:
         pickle.UnpicklingError: saying what it asked for (the caller names the file).
     """
     data = bytes(data)
-    FIXED, LINES, MEMOIZE, ATOM, TEXT, GET1, GET, DUP, GENERIC, PUT, MARK, POP_MARK, GLOBAL, BYTEARRAY = (  # noqa
-        _FIXED, _LINES, _MEMOIZE, _ATOM, _TEXT, _GET1, _GET, _DUP, _GENERIC, _PUT, _MARK, _POP_MARK, _GLOBAL, _BYTEARRAY)
+    FIXED, LINES, MEMOIZE, ATOM, TEXT, GET1, GET, DUP, GENERIC, PUT, MARK, POP_MARK, GLOBAL = (  # noqa: N806
+        _FIXED, _LINES, _MEMOIZE, _ATOM, _TEXT, _GET1, _GET, _DUP, _GENERIC, _PUT, _MARK, _POP_MARK, _GLOBAL)
+    BYTEARRAY, ENCODE = _BYTEARRAY, _ENCODE  # noqa: N806
     limit, table, end, pos = budget(len(data)), _TABLE, len(data), 0
-    stack: list[list] = []  # each object's cell: [expanded size, handed out again by the memo(, led by text)]
+    stack: list[list] = []  # each object's cell: [expanded size, handed out again by the memo, weight]
     marks: list[int] = []
     memo: dict[int, list] = {}
     work = 0
@@ -132,9 +139,9 @@ def check_expansion(data: bytes) -> None:
             if action == MEMOIZE:
                 memo[len(memo)] = stack[-1]
             elif action == ATOM:
-                stack.append(_ONE if layout == FIXED else [1 + pos - arg, True])
+                stack.append(_ONE if layout == FIXED else [1 + pos - arg, True, 1 + pos - arg])
             elif action == TEXT:
-                stack.append([1 + pos - arg, True, True])
+                stack.append([1, True, 1 + pos - arg])
             elif action == GET1 or action == GET or action == DUP:
                 cell = memo[data[arg] if action == GET1 else _index(data, arg, pos, layout)] \
                     if action != _DUP else stack[-1]
@@ -142,39 +149,45 @@ def check_expansion(data: bytes) -> None:
                 stack.append(cell)
             elif action == GENERIC:
                 if below < 0 and popped <= 3:  # the common fixed-arity opcodes, taken off one by one
-                    if popped == 2 and stack[-2] is BYTEARRAY and data[arg - 1] == 0x52 and len(stack[-1]) < 3:
+                    if mutate == 2 and popped == 2 and stack[-2] is BYTEARRAY \
+                            and 1 < stack[-1][0] >= stack[-1][2]:  # neither () nor text in its arguments
                         raise pickle.UnpicklingError(f"refused: at byte {arg - 1} it calls bytearray() on no string "
                                                      "or bytes (bytearray(n) allocates n bytes)")
-                    cost, cell = 0, _ONE
-                    for _ in range(popped - 1 if mutate else popped):
+                    cost = weight = 0
+                    for _ in range(popped - 1 if mutate == 1 else popped):
                         cell = stack.pop()
                         cost += cell[0]
-                    if mutate:
+                        weight += cell[2]
+                    if mutate == 1:
                         target = stack[-1]
                         if target[1]:
                             raise _refill(arg - 1)
                         target[0] += cost
-                    elif pushes:  # a tuple whose first item is text stays marked as such (see _BYTEARRAY)
-                        stack.append([1 + cost, False, True] if len(cell) > 2 and data[arg - 1] in b"\x85\x86\x87"
-                                     else [1 + cost, False])
+                        target[2] += weight
+                    elif pushes:  # what _codecs.encode returns counts as text (see _BYTEARRAY)
+                        stack.append([1 + cost, False, 1 + weight] if mutate == 0 else
+                                     [1 + weight, False, 2 + weight if cell is ENCODE else 1 + weight])
                 else:
                     start = marks.pop() - below if below >= 0 else len(stack) - popped
                     if start < 0:
                         raise IndexError("stack underflow")
                     taken = stack[start:]
                     del stack[start:]
-                    cost = 0
-                    for cell in taken[1:] if mutate else taken:
+                    cost = weight = 0
+                    for cell in taken[1:] if mutate == 1 else taken:
                         cost += cell[0]
-                    if mutate:
+                        weight += cell[2]
+                    if mutate == 1:
                         target = taken[0]
                         if target[1]:
                             raise _refill(arg - 1)
                         target[0] += cost
+                        target[2] += weight
                         stack.append(target)
                     elif pushes:
-                        stack.append([1 + cost, False, True] if taken and len(taken[0]) > 2 and data[arg - 1] == 0x74
-                                     else [1 + cost, False])
+                        stack.append([1 + cost, False, 1 + weight] if mutate == 0 else [1 + weight, False, 1 + weight])
+                if mutate == 2:
+                    cost = weight
                 work += cost
                 if work > limit:
                     raise pickle.UnpicklingError(f"refused: it builds more than {limit} objects from {len(data)} "
@@ -188,7 +201,8 @@ def check_expansion(data: bytes) -> None:
             elif action == MARK:
                 marks.append(len(stack))
             elif action == GLOBAL:
-                stack.append(BYTEARRAY if data.endswith(b"\nbytearray\n", arg, pos) else _ONE)
+                stack.append(BYTEARRAY if data.endswith(b"\nbytearray\n", arg, pos) else
+                             ENCODE if data.endswith(b"_codecs\nencode\n", arg, pos) else _ONE)
             elif action == POP_MARK:
                 del stack[marks.pop():]
             else:

@@ -96,7 +96,7 @@ _ENCODE = [1, True, 1]
 
 
 @paused_gc()  # one small list per object made: a collection would walk them all, again and again
-def check_expansion(data: bytes) -> None:
+def check_expansion(data: bytes) -> int:
     """Refuse ``data`` (a pickle) if reading it would build or walk more than ``budget`` nodes,
     before anything is built (also an unknown opcode, or an argument past the end of the data).
 
@@ -104,6 +104,9 @@ def check_expansion(data: bytes) -> None:
     object's node count, a shared object counted every time it is used): an opcode that takes
     objects off the stack costs their sizes (the container it only adds to excepted). Text
     arguments are not parsed (the unpickler refuses bad ones); memo indexes are.
+
+    Returns:
+        Where the pickle ends (past its ``STOP``): what follows is not read.
 
     Raises:
         pickle.UnpicklingError: saying what it asked for (the caller names the file).
@@ -206,7 +209,7 @@ def check_expansion(data: bytes) -> None:
             elif action == POP_MARK:
                 del stack[marks.pop():]
             else:
-                return
+                return pos
     except (IndexError, KeyError, ValueError, TypeError) as e:
         if isinstance(e, (IndexError, TypeError)) and pos >= end:
             e = ValueError("the data ends before its STOP opcode")
@@ -226,19 +229,25 @@ def _index(data: bytes, arg: int, end: int, layout: int) -> int:
 
 
 def check_zip_pickles(source: io.BytesIO) -> None:
-    """``check_expansion`` on every pickle of the ``torch.save`` file (a zip) in ``source``, read
-    where it is (its position kept); a pickle stored compressed is refused (``torch.save`` never
-    compresses, and reading one would inflate it first). Anything that is not a zip is left to
-    the reader.
+    """``check_expansion`` on every pickle of the ``torch.save`` file (a zip) in ``source`` (a
+    binary file), read where it is (its position kept); a pickle stored compressed is refused
+    (``torch.save`` never compresses, and reading one would inflate it first). A file that is not
+    a zip is read by ``torch.load`` as its format before zips (five pickles one after another,
+    then raw storage bytes): those pickles are checked, and what is no pickle left to the reader.
 
     Raises:
         pickle.UnpicklingError: naming the pickle (the caller names the file).
+        ValueError: a file that is neither a zip nor starts with pickles (damaged).
     """
     start = source.tell()
     try:
         archive = zipfile.ZipFile(source)
     except (zipfile.BadZipFile, ValueError, OSError):
         source.seek(start)
+        try:
+            _check_sequential(source.read())
+        finally:
+            source.seek(start)
         return
     try:
         for info in archive.infolist():
@@ -250,6 +259,23 @@ def check_zip_pickles(source: io.BytesIO) -> None:
     finally:
         archive.close()
         source.seek(start)
+
+
+def _check_sequential(data: bytes) -> None:
+    """The pickles of ``torch.save``'s format before zips: magic number, version, system
+    information, the object, its storage keys (what follows is raw data)."""
+    if data[:2] == b"PK":
+        return  # a damaged zip: torch.load reads no pickle from it (it has no PERSID opcode)
+    at = 0
+    for _ in range(5):
+        if at >= len(data):
+            return  # the reader says it ends early
+        try:
+            at += check_expansion(memoryview(data)[at:])
+        except pickle.UnpicklingError as e:
+            if str(e).startswith("not a valid pickle"):
+                raise ValueError(f"neither a zip nor a pickle at byte {at}: {e}") from None
+            raise
 
 
 def _stored(source: io.BytesIO, info: zipfile.ZipInfo) -> bytes:

@@ -167,9 +167,9 @@ def check_expansion(data: bytes) -> int:
                             raise _refill(arg - 1)
                         target[0] += cost
                         target[2] += weight
-                    elif pushes:  # what _codecs.encode returns counts as text (see _BYTEARRAY)
+                    elif pushes:  # what _codecs.encode returns is bytes: counted as a text atom
                         stack.append([1 + cost, False, 1 + weight] if mutate == 0 else
-                                     [1 + weight, False, 2 + weight if cell is ENCODE else 1 + weight])
+                                     [1, False, 2 + weight] if cell is ENCODE else [1 + weight, False, 1 + weight])
                 else:
                     start = marks.pop() - below if below >= 0 else len(stack) - popped
                     if start < 0:

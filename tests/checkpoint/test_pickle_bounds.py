@@ -102,10 +102,12 @@ def test_damaged_pickles_are_refused_naming_nothing_else(data):
         check_expansion(data)
 
 
-def _calls(callable_global: bytes, argument: bytes, times: int) -> bytes:
-    """``[f(a), f(a), ...]``: ``f`` (a ``GLOBAL`` line pair) called ``times`` on the one object
-    ``argument`` pushes (memo 1), by protocol 2 opcodes."""
-    return (b"\x80\x02c" + callable_global + b"q\x00" + argument + b"q\x010](" + b"h\x00h\x01\x85R" * times + b"e.")
+def _calls(callable_global: bytes, argument: bytes, times: int, keep: bool = True) -> bytes:
+    """``[f(a), f(a), ...]`` (or each result dropped: ``keep=False``): ``f`` (a ``GLOBAL`` line
+    pair) called ``times`` on the one object ``argument`` pushes (memo 1), by protocol 2 opcodes."""
+    calls = b"h\x00h\x01\x85R" * times
+    kept = b"](" + calls + b"e." if keep else b"(" + calls + b"1N."  # POP_MARK: all dropped at once
+    return b"\x80\x02c" + callable_global + b"q\x00" + argument + b"q\x010" + kept
 
 
 def _text(n: int) -> bytes:
@@ -121,10 +123,11 @@ def test_a_call_pays_for_every_character_it_is_given(callable_global, argument):
     """A string shared through the memo costs one node where it is stored, but an allowed
     callable given it (``MetadataUnpickler`` allows these) makes something as long, per call."""
     check_expansion(_calls(callable_global, argument, 1))
-    many = _calls(callable_global, argument, 2000)
-    assert len(many) * 64 < 2000 * 100_000  # what the reader would make: far past the budget
-    with pytest.raises(pickle.UnpicklingError, match="builds more than"):
-        check_expansion(many)
+    for keep in (True, False):  # what the reader would make: far past the budget, kept or not
+        many = _calls(callable_global, argument, 2000, keep)
+        assert len(many) * 64 < 2000 * 100_000
+        with pytest.raises(pickle.UnpicklingError, match="builds more than"):
+            check_expansion(many)
     built = MetadataUnpickler(io.BytesIO(_calls(callable_global, argument, 3))).load()
     assert len(built) == 3 and len(str(built[0])) >= 100_000  # the reader does build each one
 

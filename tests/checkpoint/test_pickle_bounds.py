@@ -184,6 +184,10 @@ def test_torch_load_checks_a_path_and_the_format_before_zips(tmp_path):
     head = b"".join(pickle.dumps(v, 2) for v in (MAGIC_NUMBER, PROTOCOL_VERSION, info))
     with pytest.raises(UnsafeCheckpointError, match="builds more than"):
         torch_load(io.BytesIO(head + _doubling(40, 2) + pickle.dumps([], 2)), "old.pt")
+    buf = io.BytesIO()
+    torch.save({"w": torch.arange(2.0)}, buf)  # a zip after them: Python's zipfile reads that zip, torch those pickles
+    with pytest.raises(UnsafeCheckpointError, match="data before its zip"):
+        torch_load(io.BytesIO(head + _doubling(40, 2) + pickle.dumps([], 2) + buf.getvalue()), "both.pt")
     state = {"w": torch.arange(6.0), "view": [torch.arange(6.0)[2:4]], "names": {"a", "b"}}
     buf = io.BytesIO()
     torch.save(state, buf, _use_new_zipfile_serialization=False)

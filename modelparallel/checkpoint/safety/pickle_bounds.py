@@ -250,6 +250,10 @@ def check_zip_pickles(source: io.BytesIO) -> None:
             source.seek(start)
         return
     try:
+        record = zipfile._EndRecData(source)  # noqa: SLF001 - where the end record puts the directory
+        if record is None or archive.start_dir != record[zipfile._ECD_OFFSET]:  # noqa: SLF001
+            raise pickle.UnpicklingError("refused: data before its zip (torch.save writes none; torch.load "
+                                         "then reads the pickles at its start, not the zip this check reads)")
         for info in archive.infolist():
             if not info.filename.endswith(".pkl"):
                 continue

@@ -16,6 +16,12 @@ its size is kept in one cell that its memo entry shares, so a later use counts w
 Filling an object after the memo handed it out again is refused: a container would then hold
 one that grows afterwards (a size no count made up front bounds), or itself (a cycle, which
 no checkpoint of tensors and plain data has; Python's pickler writes nothing else that way).
+
+A call (``REDUCE`` and the like) also pays for every byte of the strings it is given, and what
+it returns counts as much: an allowed callable may make one object per character (``list(s)``,
+``str`` of a list holding ``s`` many times). What no count bounds is refused outright: a memo
+index past the data (the C unpickler allocates an array that long) and ``bytearray`` called on
+anything but text (``bytearray(n)`` allocates ``n`` bytes).
 """
 
 from __future__ import annotations
@@ -234,6 +240,7 @@ def check_zip_pickles(source: io.BytesIO) -> None:
     (``torch.save`` never compresses, and reading one would inflate it first). A file that is not
     a zip is read by ``torch.load`` as its format before zips (five pickles one after another,
     then raw storage bytes): those pickles are checked, and what is no pickle left to the reader.
+    A zip after other data is refused: Python's zipfile finds it, ``torch.load`` reads the start.
 
     Raises:
         pickle.UnpicklingError: naming the pickle (the caller names the file).

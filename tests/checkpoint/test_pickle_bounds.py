@@ -7,7 +7,10 @@ whatever they hold; the same objects made to share themselves level after level 
 at every protocol, once their expanded size passes the budget and not before.
 """
 
+import io
 import pickle
+import struct
+import zipfile
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorStorageMetadata)
 
 from modelparallel.checkpoint.safety.pickle_bounds import budget, check_expansion
+from modelparallel.checkpoint.safety.safe_load import MetadataUnpickler, UnsafeCheckpointError, torch_load
 
 PROTOCOLS = range(pickle.HIGHEST_PROTOCOL + 1)
 
@@ -33,10 +37,11 @@ def _metadata(tensors: int = 8, chunks: int = 4) -> Metadata:
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_what_the_standard_pickler_writes_passes(protocol):
-    shared = ("a", 1)
+    shared, long_text, long_bytes = ("a", 1), "x" * 5000, b"z" * 5000
     values = [_metadata(), {"shared": [shared] * 50, "set": {1, 2}, "frozen": frozenset({3}), "big": 10 ** 40,
                             "neg": -(2 ** 70), "f": 1.5, "nested": [[[[]]]], "t": (True, False, None)},
-              list(range(1000)), "x" * 300, b"y" * 300]
+              list(range(1000)), "x" * 300, b"y" * 300, [long_text] * 3000, [long_bytes] * 3000,
+              [bytearray(), bytearray(b"ab" * 3000)], {long_text: [long_text, (long_text, 1)]}]
     for value in values:
         data = pickle.dumps(value, protocol=protocol)
         check_expansion(data)
@@ -95,3 +100,98 @@ def test_an_object_filled_after_it_was_shared_is_refused():
 def test_damaged_pickles_are_refused_naming_nothing_else(data):
     with pytest.raises(pickle.UnpicklingError, match="not a valid pickle"):
         check_expansion(data)
+
+
+def _calls(callable_global: bytes, argument: bytes, times: int, keep: bool = True) -> bytes:
+    """``[f(a), f(a), ...]`` (or each result dropped: ``keep=False``): ``f`` (a ``GLOBAL`` line
+    pair) called ``times`` on the one object ``argument`` pushes (memo 1), by protocol 2 opcodes."""
+    calls = b"h\x00h\x01\x85R" * times
+    kept = b"](" + calls + b"e." if keep else b"(" + calls + b"1N."  # POP_MARK: all dropped at once
+    return b"\x80\x02c" + callable_global + b"q\x00" + argument + b"q\x010" + kept
+
+
+def _text(n: int) -> bytes:
+    return b"X" + struct.pack("<I", n) + b"a" * n
+
+
+@pytest.mark.parametrize("callable_global, argument", [
+    (b"__builtin__\nlist\n", _text(100_000)),  # a pointer per character, each call
+    (b"pathlib\nPosixPath\n", _text(100_000)),  # a new string (its parts) per call
+    (b"__builtin__\nstr\n", b"](" + _text(100_000) + b"q\x02" + b"h\x02" * 30 + b"e"),  # str of a list: 30 copies
+], ids=["list(s)", "PosixPath(s)", "str([s] * 30)"])
+def test_a_call_pays_for_every_character_it_is_given(callable_global, argument):
+    """A string shared through the memo costs one node where it is stored, but an allowed
+    callable given it (``MetadataUnpickler`` allows these) makes something as long, per call."""
+    check_expansion(_calls(callable_global, argument, 1))
+    for keep in (True, False):  # what the reader would make: far past the budget, kept or not
+        many = _calls(callable_global, argument, 2000, keep)
+        assert len(many) * 64 < 2000 * 100_000
+        with pytest.raises(pickle.UnpicklingError, match="builds more than"):
+            check_expansion(many)
+    built = MetadataUnpickler(io.BytesIO(_calls(callable_global, argument, 3))).load()
+    assert len(built) == 3 and len(str(built[0])) >= 100_000  # the reader does build each one
+
+
+def test_a_long_number_hashed_many_times_is_refused():
+    """Hashing a number walks all its digits (no hash is kept): one stored once, added to a set
+    20000 times through the memo, walks 20000 times its bytes."""
+    number = pickle.dumps(1 << 80_000, 2)[2:-1]
+    data = b"\x80\x04" + number + b"\x940\x8f(" + b"h\x00" * 20_000 + b"\x90."
+    assert pickle.loads(data) == {1 << 80_000}
+    with pytest.raises(pickle.UnpicklingError, match="builds more than"):
+        check_expansion(data)
+
+
+@pytest.mark.parametrize("data", [b"\x80\x02Nr" + struct.pack("<I", 1 << 26) + b".", b"Np67108864\n."],
+                         ids=["LONG_BINPUT", "PUT"])
+def test_a_memo_index_past_the_data_is_refused(data):
+    """Python's C unpickler sizes its memo array by the largest index: 9 bytes would make it
+    allocate and zero 1 GiB (4 bytes of index: up to 64 GiB). The pickler numbers from 0."""
+    with pytest.raises(pickle.UnpicklingError, match="memo index of 67108864"):
+        check_expansion(data)
+
+
+def _zip_with(pickled: bytes) -> bytes:
+    """A ``torch.save`` file whose ``data.pkl`` is ``pickled``."""
+    buf = io.BytesIO()
+    torch.save({"a": 1}, buf)
+    source, out = zipfile.ZipFile(io.BytesIO(buf.getvalue())), io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as w:
+        for info in source.infolist():
+            w.writestr(info, pickled if info.filename.endswith("data.pkl") else source.read(info))
+    return out.getvalue()
+
+
+def test_torch_load_refuses_bytearray_of_a_number_and_reads_bytearray_of_bytes():
+    """``torch.load(weights_only=True)`` allows ``bytearray``: ``bytearray(n)`` allocates ``n``
+    bytes (4 calls of 2**28 here: 1 GiB from 67 bytes); the pickler only ever writes it on text."""
+    attack = b"\x80\x02c__builtin__\nbytearray\nq\x00](" + (b"h\x00J" + struct.pack("<i", 1 << 28) + b"\x85R") * 4 + b"e."
+    with pytest.raises(UnsafeCheckpointError, match=r"bytearray\(\) on no string"):
+        torch_load(io.BytesIO(_zip_with(attack)), "x.pt")
+    buf = io.BytesIO()
+    torch.save({"b": bytearray(b"ab" * 100), "e": bytearray()}, buf)
+    assert torch_load(io.BytesIO(buf.getvalue()), "y.pt") == {"b": bytearray(b"ab" * 100), "e": bytearray()}
+
+
+def test_torch_load_checks_a_path_and_the_format_before_zips(tmp_path):
+    """A file read by its path (single-file resume memory-maps one) and a file in ``torch.save``'s
+    format before zips (pickles one after another) are checked like a zip read from memory."""
+    from torch.serialization import MAGIC_NUMBER, PROTOCOL_VERSION
+    (tmp_path / "z.pt").write_bytes(_zip_with(_doubling(40, 2)))
+    with pytest.raises(UnsafeCheckpointError, match="builds more than"):
+        torch_load(str(tmp_path / "z.pt"), mmap=True)
+    info = {"protocol_version": PROTOCOL_VERSION, "little_endian": True, "type_sizes": {"short": 2, "int": 4}}
+    head = b"".join(pickle.dumps(v, 2) for v in (MAGIC_NUMBER, PROTOCOL_VERSION, info))
+    with pytest.raises(UnsafeCheckpointError, match="builds more than"):
+        torch_load(io.BytesIO(head + _doubling(40, 2) + pickle.dumps([], 2)), "old.pt")
+    buf = io.BytesIO()
+    torch.save({"w": torch.arange(2.0)}, buf)  # a zip after them: Python's zipfile reads that zip, torch those pickles
+    with pytest.raises(UnsafeCheckpointError, match="data before its zip"):
+        torch_load(io.BytesIO(head + _doubling(40, 2) + pickle.dumps([], 2) + buf.getvalue()), "both.pt")
+    state = {"w": torch.arange(6.0), "view": [torch.arange(6.0)[2:4]], "names": {"a", "b"}}
+    buf = io.BytesIO()
+    torch.save(state, buf, _use_new_zipfile_serialization=False)
+    (tmp_path / "old.pt").write_bytes(buf.getvalue())
+    for source in (io.BytesIO(buf.getvalue()), str(tmp_path / "old.pt")):
+        back = torch_load(source, "old.pt")
+        assert torch.equal(back["w"], state["w"]) and torch.equal(back["view"][0], state["view"][0])

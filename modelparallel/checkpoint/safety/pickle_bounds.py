@@ -16,6 +16,12 @@ its size is kept in one cell that its memo entry shares, so a later use counts w
 Filling an object after the memo handed it out again is refused: a container would then hold
 one that grows afterwards (a size no count made up front bounds), or itself (a cycle, which
 no checkpoint of tensors and plain data has; Python's pickler writes nothing else that way).
+
+A call (``REDUCE`` and the like) also pays for every byte of the strings it is given, and what
+it returns counts as much: an allowed callable may make one object per character (``list(s)``,
+``str`` of a list holding ``s`` many times). What no count bounds is refused outright: a memo
+index past the data (the C unpickler allocates an array that long) and ``bytearray`` called on
+anything but text (``bytearray(n)`` allocates ``n`` bytes).
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ _LOCAL_HEADER = struct.Struct("<4s22xHH")
 """A zip member's local header: signature, then (past fields not used) name and extra lengths."""
 _MUTATE = {"APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD"}
 """Opcodes that add their arguments to the object below them (which stays on the stack)."""
+_CALLS = {"REDUCE", "NEWOBJ", "NEWOBJ_EX", "INST", "OBJ", "BINPERSID"}
+"""Opcodes that hand their arguments to a callable: it may walk every character of a string in
+them (``list(s)``, ``str`` of a list holding it), so the call costs their weight."""
 
 
 def budget(nbytes: int) -> int:
@@ -40,9 +49,12 @@ def budget(nbytes: int) -> int:
     return 64 * nbytes + (1 << 20)
 
 
-_GENERIC, _MEMOIZE, _GET1, _GET, _PUT, _MARK, _DUP, _POP_MARK, _STOP, _ATOM = range(10)
+_GENERIC, _MEMOIZE, _GET1, _GET, _PUT, _MARK, _DUP, _POP_MARK, _STOP, _ATOM, _TEXT, _GLOBAL = range(12)
 _ACTIONS = {"MEMOIZE": _MEMOIZE, "BINGET": _GET1, "LONG_BINGET": _GET, "GET": _GET, "BINPUT": _PUT,
-            "LONG_BINPUT": _PUT, "PUT": _PUT, "MARK": _MARK, "DUP": _DUP, "POP_MARK": _POP_MARK, "STOP": _STOP}
+            "LONG_BINPUT": _PUT, "PUT": _PUT, "MARK": _MARK, "DUP": _DUP, "POP_MARK": _POP_MARK, "STOP": _STOP,
+            "GLOBAL": _GLOBAL}
+_TEXTS = {"bytes_or_str", "bytes", "str", "bytearray"}
+"""What the atoms whose bytes only a call pays push (see ``_ONE``)."""
 _FIXED, _LINES, _SIZED = range(3)
 _LENGTHS = {pickletools.TAKEN_FROM_ARGUMENT1: 1, pickletools.TAKEN_FROM_ARGUMENT4: -4,
             pickletools.TAKEN_FROM_ARGUMENT4U: 4, pickletools.TAKEN_FROM_ARGUMENT8U: 8}
@@ -52,7 +64,7 @@ _LENGTHS = {pickletools.TAKEN_FROM_ARGUMENT1: 1, pickletools.TAKEN_FROM_ARGUMENT
 def _opcode_table() -> list:
     """Indexed by opcode byte (None: not an opcode): (action, argument layout, its size, items
     below a mark it pops (or -1: none), items popped otherwise, pushes one, adds to the object
-    below its arguments). From the standard library's descriptions of the opcodes."""
+    below its arguments (1) or calls (2)). From the standard library's descriptions of the opcodes."""
     table: list = [None] * 256
     for op in pickletools.opcodes:
         arg = op.arg
@@ -68,21 +80,29 @@ def _opcode_table() -> list:
         below = before.index(pickletools.markobject) if pickletools.stackslice in before else -1
         action = _ACTIONS.get(op.name, _GENERIC)
         if action == _GENERIC and not before and op.stack_after and op.stack_after[0].name not in _FILLABLE:
-            action = _ATOM
-        table[ord(op.code)] = (action, *layout, below, len(before), bool(op.stack_after), op.name in _MUTATE)
+            action = _TEXT if op.stack_after[0].name in _TEXTS else _ATOM
+        table[ord(op.code)] = (action, *layout, below, len(before), bool(op.stack_after), 1 if op.name in _MUTATE else 2 if op.name in _CALLS else 0)
     return table
 
 
 _FILLABLE = {"list", "dict", "set"}
 """What an opcode that takes nothing may push and a later opcode fill (the rest: atoms)."""
 _TABLE = tuple(_opcode_table())
-_ONE = [1, True]
-"""The cell of every atom (a number, a string, a name): one node, never filled (a fill of it is
-refused as a fill of a shared object; the unpickler would refuse it too)."""
+_ONE = [1, True, 1]
+"""The cell of every atom of fixed size (a small number, ``None``, a name): one node, never filled
+(a fill of it is refused as a fill of a shared object; the unpickler would refuse it too). A
+cell is [size, shared, weight]: the weight also counts the bytes of every string in it, which
+only a call pays (the pickler shares strings freely; hashing or storing one walks none of it).
+A long number counts its bytes in both (hashing one walks it; the pickler never shares one)."""
+_BYTEARRAY = [1, True, 1]
+"""The cell of the global ``bytearray`` (``torch.load`` allows it): ``bytearray(n)`` of a number
+allocates ``n`` bytes, so only a call on a string or bytes (what the pickler writes) is let through."""
+_ENCODE = [1, True, 1]
+"""The cell of the global ``_codecs.encode``: how protocols 0-2 pickle bytes (also in a bytearray)."""
 
 
 @paused_gc()  # one small list per object made: a collection would walk them all, again and again
-def check_expansion(data: bytes) -> None:
+def check_expansion(data: bytes) -> int:
     """Refuse ``data`` (a pickle) if reading it would build or walk more than ``budget`` nodes,
     before anything is built (also an unknown opcode, or an argument past the end of the data).
 
@@ -91,14 +111,18 @@ def check_expansion(data: bytes) -> None:
     objects off the stack costs their sizes (the container it only adds to excepted). Text
     arguments are not parsed (the unpickler refuses bad ones); memo indexes are.
 
+    Returns:
+        Where the pickle ends (past its ``STOP``): what follows is not read.
+
     Raises:
         pickle.UnpicklingError: saying what it asked for (the caller names the file).
     """
     data = bytes(data)
-    FIXED, LINES, MEMOIZE, ATOM, GET1, GET, DUP, GENERIC, PUT, MARK, POP_MARK = (  # noqa: N806 - locals, read fast
-        _FIXED, _LINES, _MEMOIZE, _ATOM, _GET1, _GET, _DUP, _GENERIC, _PUT, _MARK, _POP_MARK)
+    FIXED, LINES, MEMOIZE, ATOM, TEXT, GET1, GET, DUP, GENERIC, PUT, MARK, POP_MARK, GLOBAL = (  # noqa: N806
+        _FIXED, _LINES, _MEMOIZE, _ATOM, _TEXT, _GET1, _GET, _DUP, _GENERIC, _PUT, _MARK, _POP_MARK, _GLOBAL)
+    BYTEARRAY, ENCODE = _BYTEARRAY, _ENCODE  # noqa: N806
     limit, table, end, pos = budget(len(data)), _TABLE, len(data), 0
-    stack: list[list] = []  # each object's cell: [expanded size, handed out again by the memo]
+    stack: list[list] = []  # each object's cell: [expanded size, handed out again by the memo, weight]
     marks: list[int] = []
     memo: dict[int, list] = {}
     work = 0
@@ -124,7 +148,9 @@ def check_expansion(data: bytes) -> None:
             if action == MEMOIZE:
                 memo[len(memo)] = stack[-1]
             elif action == ATOM:
-                stack.append(_ONE)
+                stack.append(_ONE if layout == FIXED else [1 + pos - arg, True, 1 + pos - arg])
+            elif action == TEXT:
+                stack.append([1, True, 1 + pos - arg])
             elif action == GET1 or action == GET or action == DUP:
                 cell = memo[data[arg] if action == GET1 else _index(data, arg, pos, layout)] \
                     if action != _DUP else stack[-1]
@@ -132,45 +158,64 @@ def check_expansion(data: bytes) -> None:
                 stack.append(cell)
             elif action == GENERIC:
                 if below < 0 and popped <= 3:  # the common fixed-arity opcodes, taken off one by one
-                    cost = 0
-                    for _ in range(popped - 1 if mutate else popped):
-                        cost += stack.pop()[0]
-                    if mutate:
+                    if mutate == 2 and popped == 2 and stack[-2] is BYTEARRAY \
+                            and 1 < stack[-1][0] >= stack[-1][2]:  # neither () nor text in its arguments
+                        raise pickle.UnpicklingError(f"refused: at byte {arg - 1} it calls bytearray() on no string "
+                                                     "or bytes (bytearray(n) allocates n bytes)")
+                    cost = weight = 0
+                    for _ in range(popped - 1 if mutate == 1 else popped):
+                        cell = stack.pop()
+                        cost += cell[0]
+                        weight += cell[2]
+                    if mutate == 1:
                         target = stack[-1]
                         if target[1]:
                             raise _refill(arg - 1)
                         target[0] += cost
-                    elif pushes:
-                        stack.append([1 + cost, False])
+                        target[2] += weight
+                    elif pushes:  # what _codecs.encode returns is bytes: counted as a text atom
+                        stack.append([1 + cost, False, 1 + weight] if mutate == 0 else
+                                     [1, False, 2 + weight] if cell is ENCODE else [1 + weight, False, 1 + weight])
                 else:
                     start = marks.pop() - below if below >= 0 else len(stack) - popped
                     if start < 0:
                         raise IndexError("stack underflow")
                     taken = stack[start:]
                     del stack[start:]
-                    cost = 0
-                    for cell in taken[1:] if mutate else taken:
+                    cost = weight = 0
+                    for cell in taken[1:] if mutate == 1 else taken:
                         cost += cell[0]
-                    if mutate:
+                        weight += cell[2]
+                    if mutate == 1:
                         target = taken[0]
                         if target[1]:
                             raise _refill(arg - 1)
                         target[0] += cost
+                        target[2] += weight
                         stack.append(target)
                     elif pushes:
-                        stack.append([1 + cost, False])
+                        stack.append([1 + cost, False, 1 + weight] if mutate == 0 else [1 + weight, False, 1 + weight])
+                if mutate == 2:
+                    cost = weight
                 work += cost
                 if work > limit:
                     raise pickle.UnpicklingError(f"refused: it builds more than {limit} objects from {len(data)} "
                                                  "bytes (objects shared through its memo many times over)")
             elif action == PUT:
-                memo[_index(data, arg, pos, layout)] = stack[-1]
+                index = _index(data, arg, pos, layout)
+                if index >= end:  # Python's C unpickler sizes its memo array by the largest index
+                    raise pickle.UnpicklingError(f"refused: at byte {arg - 1} a memo index of {index}, past "
+                                                 f"the {end} bytes of the pickle")
+                memo[index] = stack[-1]
             elif action == MARK:
                 marks.append(len(stack))
+            elif action == GLOBAL:
+                stack.append(BYTEARRAY if data.endswith(b"\nbytearray\n", arg, pos) else
+                             ENCODE if data.endswith(b"_codecs\nencode\n", arg, pos) else _ONE)
             elif action == POP_MARK:
                 del stack[marks.pop():]
             else:
-                return
+                return pos
     except (IndexError, KeyError, ValueError, TypeError) as e:
         if isinstance(e, (IndexError, TypeError)) and pos >= end:
             e = ValueError("the data ends before its STOP opcode")
@@ -190,21 +235,32 @@ def _index(data: bytes, arg: int, end: int, layout: int) -> int:
 
 
 def check_zip_pickles(source: io.BytesIO) -> None:
-    """``check_expansion`` on every pickle of the ``torch.save`` file (a zip) in ``source``, read
-    where it is (its position kept); a pickle stored compressed is refused (``torch.save`` never
-    compresses, and reading one would inflate it first). Anything that is not a zip is left to
-    the reader.
+    """``check_expansion`` on every pickle of the ``torch.save`` file (a zip) in ``source`` (a
+    binary file), read where it is (its position kept); a pickle stored compressed is refused
+    (``torch.save`` never compresses, and reading one would inflate it first). A file that is not
+    a zip is read by ``torch.load`` as its format before zips (five pickles one after another,
+    then raw storage bytes): those pickles are checked, and what is no pickle left to the reader.
+    A zip after other data is refused: Python's zipfile finds it, ``torch.load`` reads the start.
 
     Raises:
         pickle.UnpicklingError: naming the pickle (the caller names the file).
+        ValueError: a file that is neither a zip nor starts with pickles (damaged).
     """
     start = source.tell()
     try:
         archive = zipfile.ZipFile(source)
     except (zipfile.BadZipFile, ValueError, OSError):
         source.seek(start)
+        try:
+            _check_sequential(source.read())
+        finally:
+            source.seek(start)
         return
     try:
+        record = zipfile._EndRecData(source)  # noqa: SLF001 - where the end record puts the directory
+        if record is None or archive.start_dir != record[zipfile._ECD_OFFSET]:  # noqa: SLF001
+            raise pickle.UnpicklingError("refused: data before its zip (torch.save writes none; torch.load "
+                                         "then reads the pickles at its start, not the zip this check reads)")
         for info in archive.infolist():
             if not info.filename.endswith(".pkl"):
                 continue
@@ -214,6 +270,23 @@ def check_zip_pickles(source: io.BytesIO) -> None:
     finally:
         archive.close()
         source.seek(start)
+
+
+def _check_sequential(data: bytes) -> None:
+    """The pickles of ``torch.save``'s format before zips: magic number, version, system
+    information, the object, its storage keys (what follows is raw data)."""
+    if data[:2] == b"PK":
+        return  # a damaged zip: torch.load reads no pickle from it (it has no PERSID opcode)
+    at = 0
+    for _ in range(5):
+        if at >= len(data):
+            return  # the reader says it ends early
+        try:
+            at += check_expansion(memoryview(data)[at:])
+        except pickle.UnpicklingError as e:
+            if str(e).startswith("not a valid pickle"):
+                raise ValueError(f"neither a zip nor a pickle at byte {at}: {e}") from None
+            raise
 
 
 def _stored(source: io.BytesIO, info: zipfile.ZipInfo) -> bytes:

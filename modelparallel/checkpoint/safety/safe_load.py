@@ -142,8 +142,11 @@ def torch_load(source: str | Path | io.BytesIO, name: str | None = None, trusted
     """
     name = name or str(source)
     try:
-        if isinstance(source, io.BytesIO) and not trusted:
+        if not trusted and isinstance(source, io.BytesIO):
             check_zip_pickles(source)
+        elif not trusted:  # a path (also /proc/self/fd/N, memory-mapped after): its pickles read from it
+            with open(source, "rb") as f:
+                check_zip_pickles(f)
         return torch.load(source, map_location="cpu", weights_only=not trusted, **kwargs)
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()

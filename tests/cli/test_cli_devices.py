@@ -102,18 +102,20 @@ def test_the_training_batch_goes_to_the_ranks_device(monkeypatch):
     assert x.device.type == "meta" and y.device.type == "meta" and x.shape == (2, 4)
 
 
-def _readme_gpu_commands() -> list[list[str]]:
-    """The command lines of the "On GPUs" block of docs/gpus.md, without comments."""
-    text = (ROOT / "docs" / "gpus.md").read_text()
-    block = text.split("## On GPUs", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+def _gpu_commands(doc: str, heading: str) -> list[list[str]]:
+    """The command lines of the first bash block under ``heading`` in ``doc``, without comments."""
+    text = (ROOT / doc).read_text()
+    block = text.split(heading + "\n", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     return [shlex.split(line) for line in block.splitlines() if line.strip() and not line.startswith("#")]
 
 
-def test_the_readme_gpu_commands_pass_the_checks(monkeypatch, tmp_path):
-    """Every ``train`` line of the GPU quick start in docs/gpus.md is accepted as written (the first on a
-    one-GPU machine, the others on machines with 8), under torchrun as one of its 8 ranks too."""
-    commands = _readme_gpu_commands()
-    assert len(commands) == 5, commands
+@pytest.mark.parametrize("doc,heading,count", [("docs/gpus.md", "## On GPUs", 5), ("README.md", "### On GPUs", 4)])
+def test_the_readme_gpu_commands_pass_the_checks(monkeypatch, tmp_path, doc, heading, count):
+    """Every ``train`` line of the GPU quick starts (docs/gpus.md, the README) is accepted as written
+    (the first on a one-GPU machine, the others on machines with 8), under torchrun as one of its 8
+    ranks too."""
+    commands = _gpu_commands(doc, heading)
+    assert len(commands) == count, commands
     for i, cmd in enumerate(commands):
         fake_gpus(monkeypatch, 1 if i == 0 else 8)
         if cmd[0].endswith("torchrun"):

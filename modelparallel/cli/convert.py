@@ -41,24 +41,10 @@ _CONFIG_CAP = 16 << 20
 """Bytes a ``config.json`` may have (Hugging Face's are a few KiB)."""
 
 
-def _read_small(path: Path) -> bytes:
-    """The bytes of the regular file ``path`` (a symlink followed, as the Hugging Face cache links
-    its files; a FIFO or device refused at once rather than read forever), at most ``_CONFIG_CAP``."""
-    from ..checkpoint.safety.safe_open import open_file
-
-    fd = open_file(path, follow=True)
-    try:
-        data = os.read(fd, _CONFIG_CAP + 1)
-    finally:
-        os.close(fd)
-    if len(data) > _CONFIG_CAP:
-        raise ValueError(f"{path}: over {_CONFIG_CAP >> 20} MiB, not a model configuration")
-    return data
-
-
 def _read_config(source: Path) -> dict:
     """``source/config.json`` as a dict, or an error saying what ``source`` is instead."""
     from ..checkpoint.safety.manifest import MANIFEST
+    from ..checkpoint.safety.safe_open import read_small
 
     if not source.exists():
         raise FileNotFoundError(f"{source}: no such directory")
@@ -71,7 +57,8 @@ def _read_config(source: Path) -> dict:
                          "training state, not a model directory): resume it and save a full one with "
                          "smp.save_checkpoint(path, tag, partial=False), whose directory converts")
     try:
-        config = json.loads(_read_small(path).decode("utf-8"))
+        # one open, symlinks followed (the HF cache links its files), a FIFO refused rather than read forever
+        config = json.loads(read_small(path, _CONFIG_CAP, follow=True).decode("utf-8"))
     except FileNotFoundError:
         raise FileNotFoundError(f"{source}: no config.json (expected a model directory saved with "
                                 "save_pretrained)") from None

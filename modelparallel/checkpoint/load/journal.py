@@ -87,11 +87,6 @@ def check_policy(mode, bucket) -> list[str]:
     return problems
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    """The bytes of contiguous CPU tensor ``t`` (any dtype)."""
-    return host_bytes(t)
-
-
 class Journal:
     """The undo journal of one load on this rank (see the module docstring). Its file is made
     at the first write, inside the load's read phase, so that failing to make it is an error
@@ -139,7 +134,7 @@ class Journal:
         if self.fd is None:
             self._open()
         old = live.detach().to("cpu").contiguous()
-        data = _bytes_of(old)
+        data = host_bytes(old)
         self.peak = max(self.peak, held + (len(data) if old.data_ptr() != live.data_ptr() else 0))
         done = 0
         while done < len(data):
@@ -159,7 +154,7 @@ class Journal:
         for live, offset in reversed(self.records):
             old = torch.empty(live.shape, dtype=live.dtype)
             try:
-                self._read(_bytes_of(old), offset)
+                self._read(host_bytes(old), offset)
             except OSError as e:
                 failed.append(f"{tuple(live.shape)} {live.dtype} at byte {offset}: {e}")
                 continue

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import stat
 from collections.abc import Callable
@@ -34,9 +35,12 @@ from .load.staging import agreed
 from .safety import commit
 from .safety.errors import cause, run_phase
 from .safety.files import open_inside, read_from
+from .safety.lease import BUSY, read_lease
 from .safety.lock import job_lock
 from .safety.safe_load import torch_load
 from .save import full
+
+logger = logging.getLogger("modelparallel")
 
 
 def is_single_file(path: Path, tag: str) -> bool:
@@ -107,24 +111,30 @@ def stage_file(path: Path, tag: str, model, strict: bool, translate_function: Ca
     file = path / tag
     fd = open_inside(path, tag, "the tag")  # a regular file, no symlink, one link
     try:
-        whole = _load_descriptor(fd, file)
+        with read_lease(fd) as lease:  # held until every tensor is copied out of the mapping
+            whole = _load_descriptor(fd, file, mapped=lease != BUSY)
+            if not isinstance(whole, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                      for k, v in whole.items()):
+                raise ValueError(f"{file}: expected a state dict (parameter name -> tensor), "
+                                 f"got {type(whole).__name__}")
+            if translate_function is not None:
+                return stage_whole(model, translate_function(whole), strict, None, str(file), policy=policy)
+            return stage_whole(model, whole, strict, _translation(whole, model), str(file), policy=policy)
     finally:
         os.close(fd)
-    if not isinstance(whole, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
-                                              for k, v in whole.items()):
-        raise ValueError(f"{file}: expected a state dict (parameter name -> tensor), got {type(whole).__name__}")
-    if translate_function is not None:
-        return stage_whole(model, translate_function(whole), strict, None, str(file), policy=policy)
-    return stage_whole(model, whole, strict, _translation(whole, model), str(file), policy=policy)
 
 
-def _load_descriptor(fd: int, file: Path) -> Any:
+def _load_descriptor(fd: int, file: Path, mapped: bool = True) -> Any:
     """``torch_load`` of the file open as ``fd``, never reopened by its name: memory-mapped
-    through ``/proc/self/fd`` (the open file itself, whatever its name now points to), else read
-    from the descriptor."""
+    through ``/proc/self/fd`` (the open file itself, whatever its name now points to; the caller
+    holds a read lease, see ``safety/lease.py``), else (not ``mapped``: the file is open for
+    writing somewhere, so a mapping could change or vanish under the load) read from the
+    descriptor."""
     proc = Path(f"/proc/self/fd/{fd}")
-    if proc.exists():
+    if mapped and proc.exists():
         return torch_load(str(proc), name=str(file), mmap=True)
+    if not mapped:
+        logger.warning("%s is open for writing by another process: read into memory, not mapped", file)
     return torch_load(io.BytesIO(read_from(fd, file)), name=str(file))
 
 

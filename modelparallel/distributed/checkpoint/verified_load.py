@@ -5,8 +5,10 @@ unpickles ``.metadata`` and non-tensor entries freely (a crafted file runs code)
 the metadata names (``../x``, an absolute path, a FIFO that blocks forever) and, when a file is
 short, leaves the tensors read before the failure overwritten. Here:
 
-1. the files are the checkpoint's as committed (``directory.checkpoint_files``): the manifest's
-   list, each a regular file inside the directory opened once without following links, its size
+1. the files are the checkpoint's as committed (``directory.checkpoint_files``) in the directory
+   the caller named, resolved once by ``state_dict_loader.load`` (a ``latest`` link followed
+   there, never here): the manifest's list, each a regular file inside the directory opened once
+   without following links (a symlinked data file is refused, naming it), its size
    and CRC32 checked on the bytes read (``fastread.FastReader``); ``.metadata`` through the
    allow-list unpickler and non-tensor entries with ``weights_only`` (``SafeLoadPlanner``);
 2. the tensors are read into fresh copies (the state dict is untouched);

@@ -158,5 +158,5 @@ def load(state_dict, *, checkpoint_id: str | os.PathLike | None = None, storage_
         except Exception as e:  # noqa: BLE001 - every rank must hear of it
             error = e
         saving.collective_outcome(group, error, f"checkpoint load from {where} (checks)", kind=saving.CheckpointLoadError)
-        load_all_or_nothing(state_dict, files, group, allow_partial)
+        load_all_or_nothing(state_dict, files, group, allow_partial, where)
     restore()

@@ -61,8 +61,10 @@ def _apply(live, staged) -> None:
         dst.detach().copy_(src)
 
 
-def load_all_or_nothing(state_dict, files: CheckpointFiles, group: Group, allow_partial: bool) -> None:
+def load_all_or_nothing(state_dict, files: CheckpointFiles, group: Group, allow_partial: bool,
+                        where: str | None = None) -> None:
     """Load ``files`` (one DCP directory) into ``state_dict`` over ``group``, all or nothing.
+    ``where``: the checkpoint as the caller named it, for the error (default: its directory).
 
     Raises:
         CheckpointLoadError: on every rank of ``group``, when any rank's read or check failed
@@ -76,7 +78,7 @@ def load_all_or_nothing(state_dict, files: CheckpointFiles, group: Group, allow_
                  planner=SafeLoadPlanner(allow_partial_load=allow_partial), process_group=group.pg)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank must hear of it
         error = e
-    collective_outcome(group, error, f"checkpoint load from {files.directory}", kind=CheckpointLoadError)
+    collective_outcome(group, error, f"checkpoint load from {where or files.directory}", kind=CheckpointLoadError)
     for key, value in flat.items():
         if _is_tensor(value):
             _apply(value, staged[key])

@@ -51,9 +51,10 @@ def plain_parts(rel: str, what: str) -> list[str]:
 def _refuse_link(path: Path, e: OSError):
     if e.errno in (errno.ELOOP, errno.EMLINK):
         raise UnsafeCheckpointError(f"{path}: a symlink (a checkpoint holds regular files only, and no "
-                                    "link is followed)") from None
+                                    "link inside it is followed: put the file itself there)") from None
     if e.errno == errno.ENOTDIR:
-        raise UnsafeCheckpointError(f"{path}: a path component is not a directory (or is a symlink)") from None
+        raise UnsafeCheckpointError(f"{path}: a path component is not a directory (or is a symlink: no link "
+                                    "inside a checkpoint is followed; name the real directory to load)") from None
     raise type(e)(e.errno, e.strerror, str(path)) from None
 
 

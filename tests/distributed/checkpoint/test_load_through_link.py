@@ -87,7 +87,7 @@ def test_v2_load_follows_the_named_path_once_and_nothing_inside(tmp_path):
         assert r["equal"] == {"final": True, "parent": True, "both": True, "ranks name it differently": True}, r
         inside = r["msgs"]["inside"]
         assert f"{tmp_path / 'vol' / 'step_100' / '__0_0.distcp'}: a symlink" in inside, inside
-        assert "resolved to" in inside and r["unchanged"], r
+        assert "put the file itself there" in inside and "resolved to" in inside and r["unchanged"], r
         save_over = r["msgs"]["save over latest"]
         assert f"{tmp_path / 'vol' / 'latest'} is a symlink (to step_100)" in save_over, save_over
         assert "give the directory itself" in save_over, save_over

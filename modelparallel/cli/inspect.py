@@ -7,8 +7,9 @@ checkpoints. A checkpoint whose manifest does not parse or is malformed, or that
 manifest does not list, is reported BROKEN and the listing goes on. A ``newest`` that cannot be
 read, or that is there but empty (a write of it that never finished), is reported as such, naming
 the file (``train --resume`` then takes the intact checkpoint committed last, as without one).
-Exit status 1 if anything is broken or ``newest`` is unreadable, empty or names nothing. Reads JSON manifests and raw bytes only (checksums): nothing
-in a checkpoint is unpickled, so inspecting one never runs code from it.
+Exit status 1 if anything is broken or ``newest`` is unreadable, empty or names nothing. Reads
+JSON manifests and raw bytes only (checksums): nothing in a checkpoint is unpickled, so
+inspecting one never runs code from it.
 """
 
 from __future__ import annotations

@@ -4,9 +4,12 @@ Lists every complete checkpoint (partial and full) with the layout it was saved 
 its size and the result of checking every file against the manifest's CRC32 checksums; marks
 the one ``newest`` names; reports leftovers of interrupted saves and directories that are not
 checkpoints. A checkpoint whose manifest does not parse or is malformed, or that holds files its
-manifest does not list, is reported BROKEN and the listing goes on. Exit status 1 if anything is
-broken or ``newest`` names nothing. Reads JSON manifests and raw bytes only (checksums): nothing
-in a checkpoint is unpickled, so inspecting one never runs code from it.
+manifest does not list, is reported BROKEN and the listing goes on. A ``newest`` that cannot be
+read, or that is there but empty (a write of it that never finished), is reported as such, naming
+the file (``train --resume`` then takes the intact checkpoint committed last, as without one).
+Exit status 1 if anything is broken or ``newest`` is unreadable, empty or names nothing. Reads
+JSON manifests and raw bytes only (checksums): nothing in a checkpoint is unpickled, so
+inspecting one never runs code from it.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ def scan(path: Path, verify: bool) -> dict:
     """The whole directory's report."""
     from ..checkpoint.safety import commit
     from ..checkpoint.safety.errors import CheckpointError
+    from .resume import newest_is_empty
 
     if (path / commit.MANIFEST).is_file():
         return {"path": str(path), "newest": None, "checkpoints": [describe(path, verify)], "leftovers": [],
@@ -75,7 +79,9 @@ def scan(path: Path, verify: bool) -> dict:
         newest, unreadable = commit.read_newest(path), None
     except (OSError, ValueError, CheckpointError) as e:  # a directory, FIFO or link, too large, not text
         newest, unreadable = None, str(e)
-    return {"path": str(path), "newest": newest, "newest_unreadable": unreadable, "checkpoints": reports,
+    empty = str(path / commit.NEWEST) if newest is None and unreadable is None and newest_is_empty(path) else None
+    return {"path": str(path), "newest": newest, "newest_unreadable": unreadable, "newest_empty": empty,
+            "checkpoints": reports,
             "leftovers": [p.name for p in entries if p.name.startswith(commit.HIDDEN)],
             "not_checkpoints": [p.name for p in entries if p.is_dir() and p not in complete
                                 and not p.name.startswith(commit.HIDDEN)]}
@@ -89,6 +95,9 @@ def _print(report: dict) -> None:
         print(f"newest: {newest}" + ("" if newest in names else "  (MISSING: no such complete checkpoint)"))
     if report.get("newest_unreadable"):
         print(f"newest: UNREADABLE: {report['newest_unreadable']}")
+    if report.get("newest_empty"):
+        print(f"newest: EMPTY: {report['newest_empty']} names no checkpoint (train --resume takes the intact "
+              "checkpoint committed last)")
     print(f"  {'checkpoint':<28} {'kind':<8} {'saved (UTC)':<20} {'model':<28} {'layout':<12} {'size':>9}  checksums")
     for c in report["checkpoints"]:
         saved = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(c["saved_at_ns"] / 1e9)) if c["saved_at_ns"] else "?"
@@ -113,4 +122,4 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(json.dumps(report, indent=1)) if args.json else _print(report)
     bad = any(c["problems"] for c in report["checkpoints"])
     dangling = report["newest"] is not None and report["newest"] not in {c["name"] for c in report["checkpoints"]}
-    return 1 if bad or dangling or report.get("newest_unreadable") else 0
+    return 1 if bad or dangling or report.get("newest_unreadable") or report.get("newest_empty") else 0

@@ -7,8 +7,10 @@ what exists. The ranks then resume exactly the checkpoint the launcher chose.
 
 ``--resume``: the newest checkpoint, which must exist. ``--resume auto``: the newest if there is
 one, else a fresh start. ``--resume-from TAG``: that checkpoint (e.g. an older one next to a
-damaged newest). The newest is the one ``newest`` names; without that file (lost, deleted), the
-intact checkpoint committed last (its manifest's commit time), said in a note. A ``newest`` that
+damaged newest). The newest is the one ``newest`` names; without that file (lost, deleted), or
+with it empty (a write of it that never finished: a crash, a full disk), the intact checkpoint
+committed last (its manifest's commit time), said in a note naming the file and which of the two
+it is: an empty ``newest`` names nothing, so it is taken as no ``newest``. A ``newest`` that
 cannot be read or names no partial checkpoint there, or a missing one beside checkpoints ``train``
 did not save, is refused (listing what exists), never taken for a fresh start.
 
@@ -82,9 +84,17 @@ def _nothing_there(ckpt_dir: Path, how: str) -> str:
             "there is none")
 
 
+def newest_is_empty(ckpt_dir: Path) -> bool:
+    """Whether ``ckpt_dir/newest`` exists although ``read_newest`` found no name in it (empty or
+    blank). Only asked after ``read_newest`` returned None, which it does for a missing file too."""
+    from ..checkpoint.safety import commit
+
+    return os.path.lexists(ckpt_dir / commit.NEWEST)
+
+
 def _newest(ckpt_dir: Path, verify: bool) -> tuple[str | None, str, list[str]]:
-    """(tag, note, problems) of ``--resume``: the checkpoint ``newest`` names; without that file,
-    the intact ``train`` checkpoint committed last, with a note saying so."""
+    """(tag, note, problems) of ``--resume``: the checkpoint ``newest`` names; without that file
+    or with it empty, the intact ``train`` checkpoint committed last, with a note saying so."""
     if not ckpt_dir.is_dir():
         return None, "", []
     from ..checkpoint.safety import commit
@@ -103,18 +113,22 @@ def _newest(ckpt_dir: Path, verify: bool) -> tuple[str | None, str, list[str]]:
                               f"saved: {', '.join(tags) or 'none'} (pick one with --resume-from TAG)"]
         return tag, "", []
     steps = [t for t in tags if tag_step(t) is not None]
+    empty = newest_is_empty(ckpt_dir)
+    absent = "is empty (it names no checkpoint)" if empty else "is missing"
     damaged = []
     for tag in steps:
         if not verify or not damage(ckpt_dir, tag):
             skipped = f" (skipping damaged {', '.join(damaged)})" if damaged else ""
-            return tag, (f"{ckpt_dir}/newest is missing: resuming {tag}, the intact checkpoint committed "
+            return tag, (f"{ckpt_dir}/newest {absent}: resuming {tag}, the intact checkpoint committed "
                          f"last{skipped}"), []
         damaged.append(tag)
     if damaged:
-        return None, "", [f"--resume: {ckpt_dir}/newest is missing and every checkpoint is damaged "
+        return None, "", [f"--resume: {ckpt_dir}/newest {absent} and every checkpoint is damaged "
                           f"({', '.join(damaged)})"]
-    return None, "", [f"--resume: {ckpt_dir}/newest is missing and none of its checkpoints is one train saved "
-                      f"(stepN); saved: {', '.join(tags)} (pick one with --resume-from TAG)"] if tags else []
+    if not tags:  # nothing to resume: a fresh start (--resume auto), said when an empty newest was there
+        return None, f"{ckpt_dir}/newest {absent} and no checkpoint is there" if empty else "", []
+    return None, "", [f"--resume: {ckpt_dir}/newest {absent} and none of its checkpoints is one train saved "
+                      f"(stepN); saved: {', '.join(tags)} (pick one with --resume-from TAG)"]
 
 
 def choose(out: Path, resume: str | None, resume_from: str | None, steps: int,
@@ -136,10 +150,10 @@ def choose(out: Path, resume: str | None, resume_from: str | None, steps: int,
         tag, note, problems = _newest(ckpt_dir, verify)
         if problems:
             return None, problems
-        if tag is None:
-            return None, [] if resume == "auto" else [_nothing_there(ckpt_dir, "--resume")]
         if note and notes is not None:
             notes.append(note)
+        if tag is None:
+            return None, [] if resume == "auto" else [_nothing_there(ckpt_dir, "--resume")]
         how = "--resume"
     step = tag_step(tag)
     if step is not None and step >= steps:

@@ -6,6 +6,10 @@ open: a symlink swapped in between makes it read a file outside the checkpoint, 
 Every reader of checkpoint files (the verified reader, the single-file resume, ``smp.load``, the
 ``newest`` pointer, manifests) opens through ``open_file`` / ``open_inside`` and reads only from
 the descriptor they return. Errors name the file.
+
+The path the user names is his own choice, not the checkpoint's: a ``latest -> step_100`` link
+or a root linked to a mounted volume is followed, once, at the start (``resolve_named``); inside
+the checkpoint nothing is followed.
 """
 
 from __future__ import annotations
@@ -47,9 +51,10 @@ def plain_parts(rel: str, what: str) -> list[str]:
 def _refuse_link(path: Path, e: OSError):
     if e.errno in (errno.ELOOP, errno.EMLINK):
         raise UnsafeCheckpointError(f"{path}: a symlink (a checkpoint holds regular files only, and no "
-                                    "link is followed)") from None
+                                    "link inside it is followed: put the file itself there)") from None
     if e.errno == errno.ENOTDIR:
-        raise UnsafeCheckpointError(f"{path}: a path component is not a directory (or is a symlink)") from None
+        raise UnsafeCheckpointError(f"{path}: a path component is not a directory (or is a symlink: no link "
+                                    "inside a checkpoint is followed; name the real directory to load)") from None
     raise type(e)(e.errno, e.strerror, str(path)) from None
 
 
@@ -123,6 +128,16 @@ def open_inside(root: str | Path, rel: str, what: str = "the checkpoint") -> int
         return open_file(parts[-1], path, dir_fd=dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def resolve_named(path: str | Path) -> Path:
+    """The real directory of a checkpoint path the user named, every symlink in it followed once,
+    now (``os.path.realpath``): a ``latest -> step_100`` link or a root on a linked volume is the
+    user's own choice. Everything inside the result is then opened as any checkpoint file
+    (``open_inside``: no link followed), and the result's own last component without following
+    a link either, so a link swapped in after this call is refused, not followed. A path that
+    does not exist comes back resolved as far as it goes (the caller's open names it)."""
+    return Path(os.path.realpath(os.fspath(path)))
 
 
 def read_small(path: str | Path, limit: int, follow: bool = False) -> bytes:

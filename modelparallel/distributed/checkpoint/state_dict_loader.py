@@ -8,6 +8,13 @@ it was saved with. The ranks agree on the outcome, so a mismatch on one rank rai
 them, naming the keys, before any collective of the load itself. The read is
 ``verified_load``'s: only the checkpoint's own files, checksummed, no code run from any of them,
 and nothing in the state dict changes unless every rank read everything.
+
+The directory the caller names is resolved once, first (``safe_open.resolve_named``): a
+``checkpoint_id`` that is a link (``ckpt/latest -> step_100``) or lies under one (a root linked
+to a mounted volume) loads the directory it leads to, since which path to load is the caller's
+choice. Inside that directory no link is followed: a data file, ``.metadata`` or manifest that is
+a symlink is refused, naming it. Saves are not resolved: a save never replaces a link or writes
+through it (``directory.check_replaceable`` names the link; give the directory itself).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, L
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ...checkpoint.safety.files import CheckpointFiles
+from ...checkpoint.safety.safe_open import resolve_named
 from ...compat import flatten_state_dict
 from ...checkpoint.paused_gc import paused_gc
 from . import directories, saving, stages
@@ -77,7 +85,7 @@ _READS = ("read_metadata", "read_data", "set_up_storage_reader", "prepare_local_
 
 
 def _path_of(checkpoint_id, storage_reader) -> Path:
-    """The directory a call names (a file system reader's, or ``checkpoint_id``)."""
+    """The directory a call names (a file system reader's, or ``checkpoint_id``), as named."""
     if storage_reader is not None and (not isinstance(storage_reader, FileSystemReader) or any(
             getattr(type(storage_reader), m) is not getattr(FileSystemReader, m) for m in _READS)):
         raise NotImplementedError(f"storage_reader={type(storage_reader).__name__}: only file system readers "
@@ -112,7 +120,8 @@ def load(state_dict, *, checkpoint_id: str | os.PathLike | None = None, storage_
     Args:
         state_dict: what to load: ``{"model": model.state_dict(), "optimizer": ...}`` under the
             state dict type it was saved with.
-        checkpoint_id: the checkpoint directory (or give ``storage_reader``).
+        checkpoint_id: the checkpoint directory (or give ``storage_reader``); a link to it, or a
+            path through linked directories, is followed once, here (its files are not).
         storage_reader: e.g. ``DistributedFileSystemReader(path)``.
         planner: a DCP ``LoadPlanner`` (default: ``DefaultLoadPlanner``).
         process_group: the ranks that saved it together (default: the world); only they call this.
@@ -130,7 +139,9 @@ def load(state_dict, *, checkpoint_id: str | os.PathLike | None = None, storage_
     if s3_region is not None or s3client_config is not None:
         raise NotImplementedError("s3_region / s3client_config: S3 checkpoints are not built here")
     group = saving.group_of(process_group, coordinator_rank)
-    path = _path_of(checkpoint_id, storage_reader)
+    named = _path_of(checkpoint_id, storage_reader)
+    path = resolve_named(named)  # once: from here on the real directory, opened link-free inside
+    where = str(named) if path == Path(os.path.abspath(named)) else f"{named} (resolved to {path})"
     allow_partial = _allow_partial(planner, check_keys_matched)
     wait_for_staging()  # a save still copying from these tensors must finish that first
     state_dict, restore = stages.qualified(state_dict)  # pipeline stages: their own non-tensor entries
@@ -143,9 +154,9 @@ def load(state_dict, *, checkpoint_id: str | os.PathLike | None = None, storage_
             problems = _layout_problems(state_dict, files)
             problems += _problems(state_dict, files.metadata(""), check_keys_matched)
             if problems:
-                error = ValueError(f"checkpoint {path}: " + "; ".join(problems))
+                error = ValueError(f"checkpoint {where}: " + "; ".join(problems))
         except Exception as e:  # noqa: BLE001 - every rank must hear of it
             error = e
-        saving.collective_outcome(group, error, f"checkpoint load from {path} (checks)", kind=saving.CheckpointLoadError)
-        load_all_or_nothing(state_dict, files, group, allow_partial)
+        saving.collective_outcome(group, error, f"checkpoint load from {where} (checks)", kind=saving.CheckpointLoadError)
+        load_all_or_nothing(state_dict, files, group, allow_partial, where)
     restore()

@@ -5,8 +5,10 @@ unpickles ``.metadata`` and non-tensor entries freely (a crafted file runs code)
 the metadata names (``../x``, an absolute path, a FIFO that blocks forever) and, when a file is
 short, leaves the tensors read before the failure overwritten. Here:
 
-1. the files are the checkpoint's as committed (``directory.checkpoint_files``): the manifest's
-   list, each a regular file inside the directory opened once without following links, its size
+1. the files are the checkpoint's as committed (``directory.checkpoint_files``) in the directory
+   the caller named, resolved once by ``state_dict_loader.load`` (a ``latest`` link followed
+   there, never here): the manifest's list, each a regular file inside the directory opened once
+   without following links (a symlinked data file is refused, naming it), its size
    and CRC32 checked on the bytes read (``fastread.FastReader``); ``.metadata`` through the
    allow-list unpickler and non-tensor entries with ``weights_only`` (``SafeLoadPlanner``);
 2. the tensors are read into fresh copies (the state dict is untouched);
@@ -59,8 +61,10 @@ def _apply(live, staged) -> None:
         dst.detach().copy_(src)
 
 
-def load_all_or_nothing(state_dict, files: CheckpointFiles, group: Group, allow_partial: bool) -> None:
+def load_all_or_nothing(state_dict, files: CheckpointFiles, group: Group, allow_partial: bool,
+                        where: str | None = None) -> None:
     """Load ``files`` (one DCP directory) into ``state_dict`` over ``group``, all or nothing.
+    ``where``: the checkpoint as the caller named it, for the error (default: its directory).
 
     Raises:
         CheckpointLoadError: on every rank of ``group``, when any rank's read or check failed
@@ -74,7 +78,7 @@ def load_all_or_nothing(state_dict, files: CheckpointFiles, group: Group, allow_
                  planner=SafeLoadPlanner(allow_partial_load=allow_partial), process_group=group.pg)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank must hear of it
         error = e
-    collective_outcome(group, error, f"checkpoint load from {files.directory}", kind=CheckpointLoadError)
+    collective_outcome(group, error, f"checkpoint load from {where or files.directory}", kind=CheckpointLoadError)
     for key, value in flat.items():
         if _is_tensor(value):
             _apply(value, staged[key])

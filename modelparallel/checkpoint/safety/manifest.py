@@ -111,8 +111,10 @@ def safe_name(path: str | Path, name, what: str) -> str:
         raise ValueError(f"{what} {name!r} is not a checkpoint name in {path} (no '/', not starting with '.')")
     entry = Path(path) / name
     if entry.is_symlink():
-        raise ValueError(f"{what} {name!r} is a symlink (to {os.readlink(entry)}); a checkpoint is a directory "
-                         f"written in {path}, and links are never followed")
+        target = os.readlink(entry)
+        raise ValueError(f"{what} {name!r} is a symlink (to {target}); a checkpoint is a directory written in "
+                         f"{path}, and no link inside it is followed: use the tag of the checkpoint it points to "
+                         f"({Path(target).name.removesuffix('_partial')!r}), or the directory holding it as the path")
     return name
 
 

@@ -146,12 +146,17 @@ def check_expansion(data: bytes) -> int:
             if action == MEMOIZE:
                 memo[len(memo)] = stack[-1]
             elif action == ATOM or action == TEXT:  # never filled: the reader refuses that too
-                try:
-                    value = decode(data, start, pos)
-                except DECODE_ERRORS:
-                    value = UNKNOWN
-                weight = 1 if layout == FIXED else 1 + pos - arg
-                stack.append([1 if action == TEXT else weight, True, weight, value, None])
+                if type(decode) is list:
+                    stack.append(decode)
+                elif type(decode) is tuple:
+                    stack.append(decode[data[arg]])
+                else:
+                    try:
+                        value = decode(data, start, pos)
+                    except DECODE_ERRORS:
+                        value = UNKNOWN
+                    weight = 1 if layout == FIXED else 1 + pos - arg
+                    stack.append([1 if action == TEXT else weight, True, weight, value, None])
             elif action == GET1 or action == GET or action == DUP:
                 cell = memo[data[arg] if action == GET1 else _index(data, arg, pos, layout)] \
                     if action != _DUP else stack[-1]

@@ -29,16 +29,18 @@ counted at that call. Left uncounted, as no key set can be aimed at them: hashes
 from __future__ import annotations
 
 import _compat_pickle
+import operator
 import pickle
 import struct
 from pathlib import PurePosixPath, PureWindowsPath
 
 UNKNOWN = object()
 """The value of an object whose hash the scan does not know (never counted)."""
+_VALUE = operator.itemgetter(3)
 BOUND = 64
 _MI = "torch.distributed.checkpoint.metadata.MetadataIndex"
 _MI_PENDING = "<a MetadataIndex before its BUILD>"
-_FIELDS = ("fqn", "offset")
+_FIELDS = frozenset({"fqn", "offset"})
 """The ``MetadataIndex`` fields its hash is made of: a dict filled with them keeps their cells."""
 
 
@@ -60,8 +62,7 @@ def _ascii(data, start, end):
 
 
 _DECODE = {
-    "NONE": lambda d, s, e: None, "NEWTRUE": lambda d, s, e: True, "NEWFALSE": lambda d, s, e: False,
-    "EMPTY_TUPLE": lambda d, s, e: (), "BININT1": lambda d, s, e: d[s], "INT": _int_line, "LONG": _int_line,
+    "INT": _int_line, "LONG": _int_line,
     "BININT2": lambda d, s, e: int.from_bytes(d[s:e], "little"),
     "BININT": lambda d, s, e: int.from_bytes(d[s:e], "little", signed=True),
     "LONG1": lambda d, s, e: int.from_bytes(d[s:e], "little", signed=True),
@@ -78,9 +79,18 @@ _DECODE = {
 """Opcode name -> the value of the atom it pushes, from its argument ``data[start:end]``."""
 
 
+_CONSTANTS = {"NONE": None, "NEWTRUE": True, "NEWFALSE": False, "EMPTY_TUPLE": ()}
+
+
 def decode(name: str):
-    """The decoder of an atom opcode: ``fn(data, start, end)`` -> its value (``UNKNOWN`` if
-    none is known); it raises ``DECODE_ERRORS`` for what the reader cannot read either."""
+    """How the scan gets the cell of an atom opcode: the cell of a constant (a list), one cell
+    per value of its byte (a tuple: ``BININT1``), or ``fn(data, start, end)`` -> its value
+    (``UNKNOWN`` if none is known), which raises ``DECODE_ERRORS`` for what the reader cannot
+    read either. An atom's cell is never changed (never filled): one serves every use."""
+    if name in _CONSTANTS:
+        return [1, True, 1, _CONSTANTS[name], None]
+    if name == "BININT1":
+        return tuple([1, True, 1, i, None] for i in range(256))
     return _DECODE.get(name, _unknown)
 
 
@@ -152,12 +162,12 @@ def _contents(cell: list, kind: type):
 
 
 def _pairs(counts: dict, cells: list, at: int) -> int:
-    """Counts the keys of ``cells`` (key, value, key, value...); a small dict (an object's state)
-    also keeps the cells of the values of ``_FIELDS``."""
+    """``count`` of the keys of ``cells`` (key, value, key, value...); a small dict (an object's
+    state) also keeps the cells of the values of ``_FIELDS``, under their names."""
     if len(cells) <= 8:
-        for key, value in zip(cells[::2], cells[1::2]):
-            if type(key[3]) is str and key[3] in _FIELDS:
-                counts[key[3]] = value
+        for i in range(0, len(cells) - 1, 2):
+            if type(cells[i][3]) is str and cells[i][3] in _FIELDS:
+                counts[cells[i][3]] = cells[i + 1]
     return count(counts, cells[::2], at, "a dict")
 
 
@@ -186,8 +196,9 @@ def _build(taken: list, cell: list, at: int) -> int:
 
 
 def _tuple(taken: list, cell: list, at: int) -> int:
-    cell[4] = tuple(taken)
-    cell[3] = _values(taken)
+    cell[4] = taken
+    values = tuple(map(_VALUE, taken))
+    cell[3] = UNKNOWN if UNKNOWN in values else values
     return 0
 
 
@@ -218,7 +229,11 @@ def _reduce(taken: list, cell: list, at: int) -> int:
     if type(taken[0][4]) is not str or taken[0][4] not in _MODELLED or len(taken) < 2:
         return 0
     args = taken[1]
-    return _call(taken[0][4], args[4] if type(args[4]) is tuple else () if args[3] == () else None, cell, at)
+    if taken[0][4] == "torch.Size" and type(args[4]) is list and len(args[4]) == 1 \
+            and type(args[4][0][3]) is tuple:  # what DCP's metadata makes most: a size of a tuple
+        cell[3] = args[4][0][3]
+        return 0
+    return _call(taken[0][4], args[4] if type(args[4]) is list else () if args[3] == () else None, cell, at)
 
 
 def _obj(taken: list, cell: list, at: int) -> int:
@@ -236,7 +251,7 @@ or filled and the opcode's position; each returns the comparisons the reader mak
 
 
 def _values(cells):
-    values = tuple([c[3] for c in cells])
+    values = tuple(map(_VALUE, cells))
     return UNKNOWN if UNKNOWN in values else values
 
 
@@ -265,8 +280,8 @@ def _call(name, args, cell: list, at: int) -> int:
     work, pairs = 0, _HASHES.get(name)
     if pairs is not None:
         for arg in args:
-            if type(arg[4]) in (list, tuple):
-                keys = [c[4][0] for c in arg[4] if type(c[4]) in (list, tuple) and c[4]] if pairs else arg[4]
+            if type(arg[4]) is list:  # a list's or a tuple's cells
+                keys = [c[4][0] for c in arg[4] if type(c[4]) is list and c[4]] if pairs else arg[4]
                 work += count({}, keys, at, f"a call of {name}")
     fn = _EVAL.get(name)
     if fn is not None:

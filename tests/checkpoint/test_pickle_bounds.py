@@ -219,6 +219,8 @@ def _flood(shape: str, n: int) -> bytes:
     ints = [_int(k * P) for k in range(1, n + 1)]
     body = {"dict of ints": lambda: _batched(ints, b"}", b"u", b"N"),
             "dict of tuples": lambda: _batched([k + b"K\x01\x86" for k in ints], b"}", b"u", b"N"),
+            "dict of (dtype, int)": lambda: b"ctorch\nfloat32\nq\x010" + _batched(
+                [b"h\x01" + k + b"\x86" for k in ints], b"}", b"u", b"N"),  # a global stands for itself
             "set": lambda: _batched(ints, b"\x8f", b"\x90"),
             "frozenset": lambda: b"(" + b"".join(ints) + b"\x91",
             "set at protocol 2": lambda: b"c__builtin__\nset\n" + _batched(ints, b"]", b"e") + b"\x85R",
@@ -228,7 +230,7 @@ def _flood(shape: str, n: int) -> bytes:
     return b"\x80\x04" + body + b"."
 
 
-FLOODS = ["dict of ints", "dict of tuples", "set", "frozenset", "set at protocol 2", "dict of int(text)"]
+FLOODS = ["dict of ints", "dict of tuples", "dict of (dtype, int)", "set", "frozenset", "set at protocol 2", "dict of int(text)"]
 
 
 @pytest.mark.parametrize("shape", FLOODS)

@@ -117,7 +117,7 @@ def check_expansion(data: bytes) -> int:
     data = bytes(data)
     FIXED, LINES, MEMOIZE, ATOM, TEXT, GET1, GET, DUP, GENERIC, PUT, MARK, POP_MARK, GLOBAL = (  # noqa: N806
         _FIXED, _LINES, _MEMOIZE, _ATOM, _TEXT, _GET1, _GET, _DUP, _GENERIC, _PUT, _MARK, _POP_MARK, _GLOBAL)
-    UNKNOWN, DECODE_ERRORS = pickle_keys.UNKNOWN, pickle_keys.DECODE_ERRORS  # noqa: N806
+    UNKNOWN, DECODE_ERRORS, STANDS = pickle_keys.UNKNOWN, pickle_keys.DECODE_ERRORS, pickle_keys.STANDS  # noqa: N806
     limit, table, end, pos = budget(len(data)), _TABLE, len(data), 0
     stack: list[list] = []
     marks: list[int] = []
@@ -144,7 +144,9 @@ def check_expansion(data: bytes) -> int:
             if pos > end:
                 raise ValueError(f"opcode {data[arg - 1]:#04x} at byte {arg - 1}: its argument runs past the end")
             if action == MEMOIZE:
-                memo[len(memo)] = stack[-1]
+                cell = memo[len(memo)] = stack[-1]
+                if cell[3] is UNKNOWN and type(cell[4]) is not list:
+                    cell[3] = (STANDS, id(cell))  # see pickle_keys.STANDS
             elif action == ATOM or action == TEXT:  # never filled: the reader refuses that too
                 if type(decode) is list:
                     stack.append(decode)
@@ -209,12 +211,15 @@ def check_expansion(data: bytes) -> int:
                 if index >= end:  # Python's C unpickler sizes its memo array by the largest index
                     raise pickle.UnpicklingError(f"refused: at byte {arg - 1} a memo index of {index}, past "
                                                  f"the {end} bytes of the pickle")
-                memo[index] = stack[-1]
+                cell = memo[index] = stack[-1]
+                if cell[3] is UNKNOWN and type(cell[4]) is not list:
+                    cell[3] = (STANDS, id(cell))  # see pickle_keys.STANDS
             elif action == MARK:
                 marks.append(len(stack))
             elif action == GLOBAL:
                 module, name = data[arg:pos - 1].decode("utf-8", "replace").split("\n")
-                stack.append([1, True, 1, UNKNOWN, pickle_keys.global_name(module, name)])
+                name = pickle_keys.global_name(module, name)
+                stack.append([1, True, 1, ("a global", name), name])
             elif action == POP_MARK:
                 del stack[marks.pop():]
             else:

@@ -5,7 +5,7 @@ compared one by one, so the ``k``-th of them costs ``k`` comparisons and ``n`` o
 ``n**2 / 2``. Integers ``i * (2**61 - 1)`` all hash to 0 (and floats, tuples of them, complex
 numbers, frozensets of them follow): 20,000 such keys in a 300 KB ``.metadata`` cost its reader
 2 s, 3 MB minutes, on every rank. So the scan keeps the value of every object whose hash it can
-know and counts, per container, the keys of each hash; ``BOUND`` more than one of them is refused.
+know and counts, per container, the keys of each hash: more than ``BOUND`` of one is refused.
 
 ``BOUND = 64``: unequal keys with equal full hashes do not happen by chance (64-bit hashes;
 integers collide only when they differ by a multiple of 2**61 - 1, and -1 with -2), so a
@@ -22,8 +22,11 @@ what the readers' allowed constructors make of known values (``int``, ``float``,
 ``NEWOBJ`` and ``copyreg._reconstructor``) and DCP's ``MetadataIndex`` (``hash((fqn, offset))``,
 from its ``BUILD`` state). A list handed to a call that hashes what it is given (``set``,
 ``frozenset``, ``dict``, ``OrderedDict``, ``Counter``: elements, or the first of each pair) is
-counted at that call. Left uncounted, as no key set can be aimed at them: hashes of identity
-(tensors, objects) and keys from a finite set (dtypes, layouts, enum members, devices, globals).
+counted at that call. An object the scan knows no value of
+stands for itself (a global for its name, an object the memo keeps for its cell): one used in
+many keys hashes alike in each, as in the reader. Left uncounted, as no key set can be aimed at
+them: objects of unknown value made anew for each key (a tensor: a hash of its identity; an enum
+member or a device: one of a few values).
 """
 
 from __future__ import annotations
@@ -221,7 +224,15 @@ def _frozenset(taken: list, cell: list, at: int) -> int:
 def _stack_global(taken: list, cell: list, at: int) -> int:
     if len(taken) == 2 and type(taken[0][3]) is str and type(taken[1][3]) is str:
         cell[4] = global_name(taken[0][3], taken[1][3])
+        cell[3] = ("a global", cell[4])
     return 0
+
+
+STANDS = "an object"
+"""``(STANDS, id(cell))``: the value the scan gives an object the memo keeps whose value it does
+not know (a list excepted: it keeps its elements for calls), so that keys holding the same object
+(``(t, i)`` for one tensor ``t``) hash alike, as they do in the reader, and their other parts
+are counted."""
 
 
 def _reduce(taken: list, cell: list, at: int) -> int:

@@ -59,6 +59,9 @@ _TEXTS = {"bytes_or_str", "bytes", "str", "bytearray"}
 _FIXED, _LINES, _SIZED = range(3)
 _LENGTHS = {pickletools.TAKEN_FROM_ARGUMENT1: 1, pickletools.TAKEN_FROM_ARGUMENT4: -4,
             pickletools.TAKEN_FROM_ARGUMENT4U: 4, pickletools.TAKEN_FROM_ARGUMENT8U: 8}
+"""Bytes of a length argument that precedes the data (negative: signed)."""
+
+
 def _opcode_table() -> list:
     """Indexed by opcode byte (None: not an opcode): (action, argument layout, its size, items
     below a mark it pops (or -1: none), items popped otherwise, pushes one, adds to the object
@@ -106,7 +109,8 @@ def check_expansion(data: bytes) -> int:
     contents what it holds (a list's cells, a dict's counts of keys per hash, a global's name). An
     opcode that takes objects off the stack costs their sizes (the container it only adds to
     excepted). Text arguments are not parsed (the unpickler refuses bad ones); memo indexes are.
-    ``bytearray`` called on anything but text is refused: ``bytearray(n)`` allocates ``n`` bytes.
+    ``bytearray`` (``torch.load`` allows it) called on anything but text is refused:
+    ``bytearray(n)`` allocates ``n`` bytes; the pickler only calls it on bytes.
 
     Returns:
         Where the pickle ends (past its ``STOP``): what follows is not read.
@@ -187,7 +191,8 @@ def check_expansion(data: bytes) -> int:
                         weight += item[2]
                     if mutate == 2:
                         callee = taken[0][4] if popped == 2 and below < 0 else None
-                        if type(callee) is str and callee.endswith(".bytearray") and 1 < taken[1][0] >= taken[1][2]:
+                        if type(callee) is str and callee.endswith(".bytearray") \
+                                and 1 < taken[1][0] >= taken[1][2]:  # neither () nor text in its arguments
                             raise pickle.UnpicklingError(f"refused: at byte {arg - 1} it calls bytearray() on no "
                                                          "string or bytes (bytearray(n) allocates n bytes)")
                         cost = weight  # what _codecs.encode returns is bytes: counted as a text atom

@@ -33,6 +33,7 @@ import struct
 import zipfile
 
 from ..paused_gc import paused_gc
+from . import pickle_keys
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")
 """A zip member's local header: signature, then (past fields not used) name and extra lengths."""
@@ -54,7 +55,7 @@ _ACTIONS = {"MEMOIZE": _MEMOIZE, "BINGET": _GET1, "LONG_BINGET": _GET, "GET": _G
             "LONG_BINPUT": _PUT, "PUT": _PUT, "MARK": _MARK, "DUP": _DUP, "POP_MARK": _POP_MARK, "STOP": _STOP,
             "GLOBAL": _GLOBAL}
 _TEXTS = {"bytes_or_str", "bytes", "str", "bytearray"}
-"""What the atoms whose bytes only a call pays push (see ``_ONE``)."""
+"""What the atoms whose bytes only a call pays push (see ``check_expansion``)."""
 _FIXED, _LINES, _SIZED = range(3)
 _LENGTHS = {pickletools.TAKEN_FROM_ARGUMENT1: 1, pickletools.TAKEN_FROM_ARGUMENT4: -4,
             pickletools.TAKEN_FROM_ARGUMENT4U: 4, pickletools.TAKEN_FROM_ARGUMENT8U: 8}
@@ -64,7 +65,8 @@ _LENGTHS = {pickletools.TAKEN_FROM_ARGUMENT1: 1, pickletools.TAKEN_FROM_ARGUMENT
 def _opcode_table() -> list:
     """Indexed by opcode byte (None: not an opcode): (action, argument layout, its size, items
     below a mark it pops (or -1: none), items popped otherwise, pushes one, adds to the object
-    below its arguments (1) or calls (2)). From the standard library's descriptions of the opcodes."""
+    below its arguments (1) or calls (2), what ``pickle_keys`` follows of it, the decoder of an atom's value).
+    From the standard library's descriptions of the opcodes."""
     table: list = [None] * 256
     for op in pickletools.opcodes:
         arg = op.arg
@@ -81,35 +83,34 @@ def _opcode_table() -> list:
         action = _ACTIONS.get(op.name, _GENERIC)
         if action == _GENERIC and not before and op.stack_after and op.stack_after[0].name not in _FILLABLE:
             action = _TEXT if op.stack_after[0].name in _TEXTS else _ATOM
-        table[ord(op.code)] = (action, *layout, below, len(before), bool(op.stack_after), 1 if op.name in _MUTATE else 2 if op.name in _CALLS else 0)
+        table[ord(op.code)] = (action, *layout, below, len(before), bool(op.stack_after),
+                               1 if op.name in _MUTATE else 2 if op.name in _CALLS else 0,
+                               pickle_keys.KINDS.get(op.name), pickle_keys.decode(op.name))
     return table
 
 
 _FILLABLE = {"list", "dict", "set"}
 """What an opcode that takes nothing may push and a later opcode fill (the rest: atoms)."""
 _TABLE = tuple(_opcode_table())
-_ONE = [1, True, 1]
-"""The cell of every atom of fixed size (a small number, ``None``, a name): one node, never filled
-(a fill of it is refused as a fill of a shared object; the unpickler would refuse it too). A
-cell is [size, shared, weight]: the weight also counts the bytes of every string in it, which
-only a call pays (the pickler shares strings freely; hashing or storing one walks none of it).
-A long number counts its bytes in both (hashing one walks it; the pickler never shares one)."""
-_BYTEARRAY = [1, True, 1]
-"""The cell of the global ``bytearray`` (``torch.load`` allows it): ``bytearray(n)`` of a number
-allocates ``n`` bytes, so only a call on a string or bytes (what the pickler writes) is let through."""
-_ENCODE = [1, True, 1]
-"""The cell of the global ``_codecs.encode``: how protocols 0-2 pickle bytes (also in a bytearray)."""
 
 
 @paused_gc()  # one small list per object made: a collection would walk them all, again and again
 def check_expansion(data: bytes) -> int:
     """Refuse ``data`` (a pickle) if reading it would build or walk more than ``budget`` nodes,
-    before anything is built (also an unknown opcode, or an argument past the end of the data).
+    or put more than ``pickle_keys.BOUND`` keys of one hash in one container, before anything is
+    built (also an unknown opcode, or an argument past the end of the data).
 
-    The opcodes are followed as the unpickler reads them, on a stack of expanded sizes (each
-    object's node count, a shared object counted every time it is used): an opcode that takes
-    objects off the stack costs their sizes (the container it only adds to excepted). Text
-    arguments are not parsed (the unpickler refuses bad ones); memo indexes are.
+    The opcodes are followed as the unpickler reads them, on a stack of cells, one per object:
+    [expanded size (its node count, a shared object counted every time it is used), handed out
+    again by the memo, weight, value, contents]. The weight also counts the bytes of every string
+    in it, which only a call pays (the pickler shares strings freely; hashing or storing one walks
+    none of it); a long number counts its bytes in both (hashing one walks it). The value is the
+    object where the scan knows it (numbers, text, tuples of them: see ``pickle_keys``), the
+    contents what it holds (a list's cells, a dict's counts of keys per hash, a global's name). An
+    opcode that takes objects off the stack costs their sizes (the container it only adds to
+    excepted). Text arguments are not parsed (the unpickler refuses bad ones); memo indexes are.
+    ``bytearray`` (``torch.load`` allows it) called on anything but text is refused:
+    ``bytearray(n)`` allocates ``n`` bytes; the pickler only calls it on bytes.
 
     Returns:
         Where the pickle ends (past its ``STOP``): what follows is not read.
@@ -120,16 +121,16 @@ def check_expansion(data: bytes) -> int:
     data = bytes(data)
     FIXED, LINES, MEMOIZE, ATOM, TEXT, GET1, GET, DUP, GENERIC, PUT, MARK, POP_MARK, GLOBAL = (  # noqa: N806
         _FIXED, _LINES, _MEMOIZE, _ATOM, _TEXT, _GET1, _GET, _DUP, _GENERIC, _PUT, _MARK, _POP_MARK, _GLOBAL)
-    BYTEARRAY, ENCODE = _BYTEARRAY, _ENCODE  # noqa: N806
+    UNKNOWN, DECODE_ERRORS, STANDS = pickle_keys.UNKNOWN, pickle_keys.DECODE_ERRORS, pickle_keys.STANDS  # noqa: N806
     limit, table, end, pos = budget(len(data)), _TABLE, len(data), 0
-    stack: list[list] = []  # each object's cell: [expanded size, handed out again by the memo, weight]
+    stack: list[list] = []
     marks: list[int] = []
     memo: dict[int, list] = {}
     work = 0
     try:
         while True:
-            action, layout, size, below, popped, pushes, mutate = table[data[pos]]
-            arg = pos + 1
+            action, layout, size, below, popped, pushes, mutate, kind, decode = table[data[pos]]
+            arg = start = pos + 1
             if layout == FIXED:
                 pos = arg + size
             elif layout == LINES:
@@ -142,62 +143,71 @@ def check_expansion(data: bytes) -> int:
                 if length < 0 or arg + width + length > end:
                     raise ValueError(f"opcode {data[pos]:#04x} at byte {pos} asks for {length} bytes, "
                                      f"{end - arg - width} remain")
-                pos = arg + width + length
+                start = arg + width
+                pos = start + length
             if pos > end:
                 raise ValueError(f"opcode {data[arg - 1]:#04x} at byte {arg - 1}: its argument runs past the end")
             if action == MEMOIZE:
-                memo[len(memo)] = stack[-1]
-            elif action == ATOM:
-                stack.append(_ONE if layout == FIXED else [1 + pos - arg, True, 1 + pos - arg])
-            elif action == TEXT:
-                stack.append([1, True, 1 + pos - arg])
+                cell = memo[len(memo)] = stack[-1]
+                if cell[3] is UNKNOWN and type(cell[4]) is not list:
+                    cell[3] = (STANDS, id(cell))  # see pickle_keys.STANDS
+            elif action == ATOM or action == TEXT:  # never filled: the reader refuses that too
+                if type(decode) is list:
+                    stack.append(decode)
+                elif type(decode) is tuple:
+                    stack.append(decode[data[arg]])
+                else:
+                    try:
+                        value = decode(data, start, pos)
+                    except DECODE_ERRORS:
+                        value = UNKNOWN
+                    weight = 1 if layout == FIXED else 1 + pos - arg
+                    stack.append([1 if action == TEXT else weight, True, weight, value, None])
             elif action == GET1 or action == GET or action == DUP:
                 cell = memo[data[arg] if action == GET1 else _index(data, arg, pos, layout)] \
                     if action != _DUP else stack[-1]
                 cell[1] = True
                 stack.append(cell)
             elif action == GENERIC:
-                if below < 0 and popped <= 3:  # the common fixed-arity opcodes, taken off one by one
-                    if mutate == 2 and popped == 2 and stack[-2] is BYTEARRAY \
-                            and 1 < stack[-1][0] >= stack[-1][2]:  # neither () nor text in its arguments
-                        raise pickle.UnpicklingError(f"refused: at byte {arg - 1} it calls bytearray() on no string "
-                                                     "or bytes (bytearray(n) allocates n bytes)")
-                    cost = weight = 0
-                    for _ in range(popped - 1 if mutate == 1 else popped):
-                        cell = stack.pop()
-                        cost += cell[0]
-                        weight += cell[2]
-                    if mutate == 1:
-                        target = stack[-1]
-                        if target[1]:
-                            raise _refill(arg - 1)
-                        target[0] += cost
-                        target[2] += weight
-                    elif pushes:  # what _codecs.encode returns is bytes: counted as a text atom
-                        stack.append([1 + cost, False, 1 + weight] if mutate == 0 else
-                                     [1, False, 2 + weight] if cell is ENCODE else [1 + weight, False, 1 + weight])
+                at = marks.pop() - below if below >= 0 else len(stack) - popped
+                if at < 0:
+                    raise IndexError("stack underflow")
+                taken = stack[at:]
+                del stack[at:]
+                cost = weight = 0
+                if mutate == 1:
+                    cell = taken[0]
+                    if cell[1]:
+                        raise _refill(arg - 1)
+                    for item in taken[1:]:
+                        cost += item[0]
+                        weight += item[2]
+                    cell[0] += cost
+                    cell[2] += weight
+                    stack.append(cell)
                 else:
-                    start = marks.pop() - below if below >= 0 else len(stack) - popped
-                    if start < 0:
-                        raise IndexError("stack underflow")
-                    taken = stack[start:]
-                    del stack[start:]
-                    cost = weight = 0
-                    for cell in taken[1:] if mutate == 1 else taken:
-                        cost += cell[0]
-                        weight += cell[2]
-                    if mutate == 1:
-                        target = taken[0]
-                        if target[1]:
-                            raise _refill(arg - 1)
-                        target[0] += cost
-                        target[2] += weight
-                        stack.append(target)
+                    for item in taken:
+                        cost += item[0]
+                        weight += item[2]
+                    if mutate == 2:
+                        callee = taken[0][4] if popped == 2 and below < 0 else None
+                        if type(callee) is str and callee.endswith(".bytearray") \
+                                and 1 < taken[1][0] >= taken[1][2]:  # neither () nor text in its arguments
+                            raise pickle.UnpicklingError(f"refused: at byte {arg - 1} it calls bytearray() on no "
+                                                         "string or bytes (bytearray(n) allocates n bytes)")
+                        cost = weight  # what _codecs.encode returns is bytes: counted as a text atom
+                        cell = [1, False, 2 + weight, UNKNOWN, None] if callee == "_codecs.encode" else \
+                            [1 + weight, False, 1 + weight, UNKNOWN, None]
+                        stack.append(cell)
                     elif pushes:
-                        stack.append([1 + cost, False, 1 + weight] if mutate == 0 else [1 + weight, False, 1 + weight])
-                if mutate == 2:
-                    cost = weight
+                        cell = [1 + cost, False, 1 + weight, UNKNOWN, None]
+                        stack.append(cell)
                 work += cost
+                if kind is not None and work <= limit:  # what it hashes walks no more than was paid
+                    if layout == LINES:  # INST: its class named on two lines
+                        module, name = data[arg:pos - 1].decode("utf-8", "replace").split("\n")
+                        taken.insert(0, [1, True, 1, UNKNOWN, pickle_keys.global_name(module, name)])
+                    work += kind(taken, cell, arg - 1)
                 if work > limit:
                     raise pickle.UnpicklingError(f"refused: it builds more than {limit} objects from {len(data)} "
                                                  "bytes (objects shared through its memo many times over)")
@@ -206,12 +216,15 @@ def check_expansion(data: bytes) -> int:
                 if index >= end:  # Python's C unpickler sizes its memo array by the largest index
                     raise pickle.UnpicklingError(f"refused: at byte {arg - 1} a memo index of {index}, past "
                                                  f"the {end} bytes of the pickle")
-                memo[index] = stack[-1]
+                cell = memo[index] = stack[-1]
+                if cell[3] is UNKNOWN and type(cell[4]) is not list:
+                    cell[3] = (STANDS, id(cell))  # see pickle_keys.STANDS
             elif action == MARK:
                 marks.append(len(stack))
             elif action == GLOBAL:
-                stack.append(BYTEARRAY if data.endswith(b"\nbytearray\n", arg, pos) else
-                             ENCODE if data.endswith(b"_codecs\nencode\n", arg, pos) else _ONE)
+                module, name = data[arg:pos - 1].decode("utf-8", "replace").split("\n")
+                name = pickle_keys.global_name(module, name)
+                stack.append([1, True, 1, ("a global", name), name])
             elif action == POP_MARK:
                 del stack[marks.pop():]
             else:

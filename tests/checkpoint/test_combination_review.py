@@ -173,6 +173,15 @@ class Reference:
         noise = {n: (g - grads32[n]).abs().max().item() for n, g in grads.items()}
         return loss, grads, abs(loss - loss32).item(), noise
 
+    def scale_after_good_step(self) -> float:
+        """SageMaker's dynamic rule (scale_window 2, factor 2) from the saved counters: the scale
+        for the next step."""
+        if "good_steps" in self.scaler:
+            self.scaler["good_steps"] += 1
+            if self.scaler["good_steps"] >= SCALING["dynamic_loss_args"]["scale_window"]:
+                self.scaler.update(good_steps=0, loss_scale=self.scaler["loss_scale"] * 2)
+        return self.scaler["loss_scale"]
+
     def step(self, grads, scale):
         """The masters step on the given gradients unscaled as fp32 (multiplied by 1/scale)."""
         for name, p in self.named.items():
@@ -209,6 +218,7 @@ def check_resume(tmp_path, arch, dtype, opt_name, opt_kwargs, save, load, async_
                                    atol=tolerance(want_loss) + NOISE_FACTOR * loss_noise,
                                    msg=lambda m: f"step {3 + i} loss: {m}")
         scale = got["scale"]
+        assert scale == (ref.scaler["loss_scale"] if i == 0 else ref.scale_after_good_step()), (i, scale, ref.scaler)
         for name, want in want_grads.items():
             torch.testing.assert_close(_hf(got["grads"][name], want).float() / scale, want, rtol=0,
                                        atol=tolerance(want) + NOISE_FACTOR * noise[name],
@@ -313,3 +323,36 @@ def test_accumulated_checkpointed_pipeline_from_delayed_init_steps_like_one_proc
     opt.step()
     for name, p in named.items():
         _assert_equal(merged["after"][name], p.detach(), f"weight {name} after the step")
+
+
+# ---- a full export after a resume at another layout, read by plain from_pretrained -------------
+
+def resume_then_export(path, out, layout, dtype, arch, opt_name, opt_kwargs):
+    """Resume, one step, then the two exports a half-precision run offers: the training dtype
+    (asynchronously) and the fp32 masters."""
+    model, opt = _job(layout, dtype, arch, opt_name, opt_kwargs, seed=7)
+    smp.resume_from_checkpoint(path, tag="s3")
+    _step(model, opt, 3)
+    smp.save_checkpoint(out, tag="half", partial=False, model=model, async_save=True)
+    smp.save_checkpoint(out, tag="fp32", partial=False, model=model, dtype=torch.float32)
+    smp.wait_for_checkpoints()
+    return _state(model, opt)
+
+
+@pytest.mark.parametrize("arch, save, load", [("gpt2", PP2, (2, {"tensor_parallel_degree": 2})),
+                                              ("llama", TP2, PP2)])
+def test_full_export_after_a_resume_at_another_layout_loads_in_hugging_face(tmp_path, arch, save, load):
+    from transformers import AutoModelForCausalLM
+
+    harness.run(save[0], save_then_go_on, str(tmp_path / "ckpt"), save[1], "fp16", arch, "AdamW", {"foreach": True},
+                True)
+    held = _merged(harness.run(load[0], resume_then_export, str(tmp_path / "ckpt"), str(tmp_path / "out"), load[1],
+                               "fp16", arch, "AdamW", {"foreach": True}))
+    for tag, key, dtype in (("half", "params", torch.float16), ("fp32", "stepped", torch.float32)):
+        hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / tag, dtype="auto")  # the dtype saved
+        theirs = dict(hf.named_parameters())
+        assert {p.dtype for p in theirs.values()} == {dtype}, tag
+        assert theirs.keys() == held[key].keys() - {"lm_head.weight"} or theirs.keys() == held[key].keys(), tag
+        for name, p in theirs.items():
+            _assert_equal(p.detach(), _hf(held[key][name], p), f"{tag} export of {name}")
+        assert (hf.lm_head.weight is hf.get_input_embeddings().weight) == (arch == "gpt2"), f"{tag}: tie as configured"

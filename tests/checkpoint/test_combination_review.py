@@ -207,7 +207,8 @@ def check_resume(tmp_path, arch, dtype, opt_name, opt_kwargs, save, load, async_
     for name in loaded["stepped"]:  # the new layout's names: a tied weight once
         want = saved["stepped"][name]
         _assert_equal(loaded["stepped"][name], want, f"resumed master {name}")
-        _assert_equal(loaded["params"][name], saved["params"][name], f"resumed weight {name}")
+        computed = saved["params"][name].dtype  # sharded data parallelism: fp32 shards, cast for the forward
+        _assert_equal(loaded["params"][name].to(computed), saved["params"][name], f"resumed weight {name}")
         for k, v in saved["slots"][name].items():
             got = loaded["slots"][name][k]
             assert (torch.equal(got, v) if torch.is_tensor(v) else got == v), f"resumed {k} of {name}"
@@ -231,7 +232,8 @@ def check_resume(tmp_path, arch, dtype, opt_name, opt_kwargs, save, load, async_
         ref.step(got["grads"], scale)
         for name, p in ref.named.items():
             _assert_equal(_hf(got["after"]["stepped"][name], p), p.detach(), f"step {3 + i} master {name}")
-            _assert_equal(_hf(got["after"]["params"][name], p), p.detach().to(ref.dtype), f"step {3 + i} weight {name}")
+            _assert_equal(_hf(got["after"]["params"][name], p).to(ref.dtype), p.detach().to(ref.dtype),
+                          f"step {3 + i} weight {name}")
 
 
 def _merged_step(per_rank):
@@ -246,6 +248,7 @@ TP2 = (2, {"tensor_parallel_degree": 2, "prescaled_batch": True})
 PP2 = (2, {"pipeline_parallel_degree": 2, "microbatches": 2})
 TP1 = (1, {})
 TP1_DP2 = (2, {})
+SDP2 = (2, {"sharded_data_parallel_degree": 2})
 
 
 @pytest.mark.parametrize("arch, dtype, opt_name, opt_kwargs, save, load, async_save", [
@@ -253,6 +256,7 @@ TP1_DP2 = (2, {})
     ("gpt2", "fp16", "AdamW", {"fused": True}, TP2, TP1, False),
     ("gpt2", "fp32", "SGD", {"momentum": 0.9, "foreach": True}, PP2, TP1_DP2, True),
     ("llama", "fp16", "AdamW", {"foreach": True}, PP2, TP1, True),
+    ("gpt2", "fp16", "AdamW", {"foreach": True}, TP2, SDP2, True),  # fp32 shards take the saved masters
 ])
 def test_resume_at_another_layout_steps_like_one_process(tmp_path, arch, dtype, opt_name, opt_kwargs, save, load,
                                                          async_save):

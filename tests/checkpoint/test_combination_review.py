@@ -27,12 +27,11 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import harness
 import modelparallel as smp
-from reference import NOISE_FACTOR, _fp32_gradient_noise, count_block_runs, tolerance
+from reference import NOISE_FACTOR, _fp32_gradient_noise, count_block_runs, gathered, tolerance
 
 VOCAB = 64
 LR = {"AdamW": 1e-2, "SGD": 1e-1}
@@ -68,7 +67,7 @@ def _train_step(model, ids):
 
 
 def _full(t):
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+    return gathered(t.detach()).clone()
 
 
 def _job(layout: dict, dtype: str, arch: str, opt_name: str, opt_kwargs: dict, seed: int):
@@ -128,12 +127,13 @@ def resume_and_train(path, layout, dtype, arch, opt_name, opt_kwargs):
 
 
 def _merged(per_rank: list[dict]) -> dict:
-    """Every stage's part of ``_state`` as one dict (ranks of a stage hold the same values)."""
-    out = {"params": {}, "stepped": {}, "slots": {}, "scaler": per_rank[0]["scaler"]}
-    for r in per_rank:
-        for k in ("params", "stepped", "slots"):
-            out[k].update(r[k])
-    return out
+    """Every stage's part as one dict (ranks of a stage hold the same values): the by-name entries
+    united, the rest rank 0's."""
+    return {k: ({n: t for r in per_rank for n, t in r[k].items()} if k in BY_NAME else
+                _merged([r[k] for r in per_rank]) if k == "after" else v) for k, v in per_rank[0].items()}
+
+
+BY_NAME = ("params", "stepped", "slots", "grads", "initial", "weights")
 
 
 def _assert_equal(got, want, what):
@@ -216,7 +216,7 @@ def check_resume(tmp_path, arch, dtype, opt_name, opt_kwargs, save, load, async_
     ref = Reference(saved, arch, dtype, opt_name, opt_kwargs)
     steps = [[r[i] for _, r in second] for i in range(2)]
     for i, per_rank in enumerate(steps):
-        got = _merged_step(per_rank)
+        got = _merged(per_rank)
         ids = _batch(3 + i)
         want_loss, want_grads, loss_noise, noise = ref.loss_and_grads(ids)
         assert not got["overflow"]
@@ -234,14 +234,6 @@ def check_resume(tmp_path, arch, dtype, opt_name, opt_kwargs, save, load, async_
             _assert_equal(_hf(got["after"]["stepped"][name], p), p.detach(), f"step {3 + i} master {name}")
             _assert_equal(_hf(got["after"]["params"][name], p).to(ref.dtype), p.detach().to(ref.dtype),
                           f"step {3 + i} weight {name}")
-
-
-def _merged_step(per_rank):
-    out = {"loss": per_rank[0]["loss"], "scale": per_rank[0]["scale"], "overflow": per_rank[0]["overflow"],
-           "grads": {}, "after": _merged([r["after"] for r in per_rank])}
-    for r in per_rank:
-        out["grads"].update(r["grads"])
-    return out
 
 
 TP2 = (2, {"tensor_parallel_degree": 2, "prescaled_batch": True})
@@ -287,7 +279,7 @@ def accumulated_step(layout, passes):
     grads = {n: _full(p.grad) for n, p in model.module.named_parameters()}
     opt.step()
     return {"initial": initial, "losses": losses, "grads": grads, "runs": runs,
-            "after": {n: _full(p) for n, p in model.module.named_parameters()}}
+            "weights": {n: _full(p) for n, p in model.module.named_parameters()}}
 
 
 @pytest.mark.parametrize("world, layout, passes", [
@@ -296,7 +288,7 @@ def accumulated_step(layout, passes):
 ])
 def test_accumulated_checkpointed_pipeline_from_delayed_init_steps_like_one_process(world, layout, passes):
     out = harness.run(world, accumulated_step, layout, passes)
-    merged = {k: {n: t for r in out for n, t in r[k].items()} for k in ("initial", "grads", "after")}
+    merged = _merged(out)
     torch.manual_seed(5)
     eager = dict(_llama().named_parameters())
     assert merged["initial"].keys() == eager.keys()
@@ -328,7 +320,7 @@ def test_accumulated_checkpointed_pipeline_from_delayed_init_steps_like_one_proc
         p.grad = merged["grads"][name].clone()
     opt.step()
     for name, p in named.items():
-        _assert_equal(merged["after"][name], p.detach(), f"weight {name} after the step")
+        _assert_equal(merged["weights"][name], p.detach(), f"weight {name} after the step")
 
 
 # ---- a full export after a resume at another layout, read by plain from_pretrained -------------

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from ...pipeline.split import elsewhere, saved_names
-from ...tp.layout import from_local_like
+from ...tp.layout import from_local_like, local_part
 from ...training.optimizer_state import load_masters
 from .parts import LoadReport
 
@@ -201,14 +201,19 @@ def plan_load(module: nn.Module, optimizer, metadata, reuse: bool = False) -> Pl
 def _plan_master(key: str, md, param: torch.Tensor, live: dict | None, masters: dict, reused: dict,
                  slots_now: dict) -> None:
     """Plan a saved fp32 master: it must be a tensor of its live master's global shape and dtype
-    (checked here, before anything is read or changed, not when it is copied in). A master of a
-    parameter that is not half precision here is not read (nothing would hold it).
+    (checked here, before anything is read or changed, not when it is copied in). Where the
+    parameter has no master but is itself fp32 of that shape (sharded data parallelism keeps
+    fp32 shards and computes in half precision), the master is read for the parameter; where it
+    is neither, the master is not read (nothing would hold it).
 
     Raises:
         ValueError: naming the key, the saved and the expected shape or dtype.
     """
     if live is None:
-        return
+        if not (isinstance(md, TensorStorageMetadata) and param is not None and param.dtype == torch.float32
+                and md.properties.dtype == torch.float32 and tuple(md.size) == tuple(param.shape)):
+            return
+        live = {"master": param}
     want = live["master"]
     if not isinstance(md, TensorStorageMetadata):
         raise ValueError(f"{key}: an fp32 master weight saved as a {type(md).__name__}, not a tensor")
@@ -275,6 +280,18 @@ def apply_optimizer_state(module: nn.Module, optimizer, loaded: dict[str, Any]) 
     load_masters(optimizer, {i: saved[names[id(p)]]["master"] for i, (p, m) in
                              enumerate(optimizer.master_weights.params_and_masters())
                              if m is not p and names[id(p)] in saved} or None)
+    _masters_into_fp32_params(optimizer, names, saved)
+
+
+@torch.no_grad()
+def _masters_into_fp32_params(optimizer, names: dict[int, str], saved: dict) -> None:
+    """Copy each saved master planned for an fp32 parameter without a master (``_plan_master``)
+    into it: the model part holds that weight rounded to half precision, the master is what the
+    saving job stepped, so the resumed job steps on from the same numbers."""
+    for p, m in optimizer.master_weights.params_and_masters():
+        value = saved.get(names[id(p)], {}).get("master")
+        if m is p and value is not None and p.dtype == torch.float32:
+            local_part(p).copy_(local_part(value))
 
 
 def scaler_state(loaded: dict[str, Any]) -> dict | None:

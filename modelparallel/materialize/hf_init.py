@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from ..pipeline.split import eager_named_children
+
 try:  # transformers >= 5
     from transformers.initialization import guard_torch_init_functions
 except ImportError:  # pragma: no cover - older transformers
@@ -49,7 +51,7 @@ def owners(model: nn.Module) -> dict[int, nn.Module]:
         owner = mod if is_hf_model(mod) else owner
         if owner is not None:
             out.setdefault(id(mod), owner)
-        for child in mod.children():
+        for _, child in eager_named_children(mod):  # at pipeline degree > 1 other stages' modules too
             visit(child, owner)
 
     visit(model, None)

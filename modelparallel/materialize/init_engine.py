@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..pipeline.split import eager_named_children
 from ..tp.layout import copy_shard, local_part, tied_parameters
 from . import hf_init, meta
 
@@ -53,6 +54,12 @@ class InitEngine:
         self._unwritten: set[str] = set()
         self._mine: dict[int, str] = {}
         self._names = {id(m): path for path, m in model.named_modules(remove_duplicate=False)}
+        self._live = set(self._names)
+        self._eager = True
+        """The modules of ``model`` (at pipeline degree > 1 the others, set aside by the split, are
+        initialized only for their random draws, then put back on meta: ``_eager_children``)."""
+        self._live_tensors = {id(t) for m in model.modules() for t in (*m._parameters.values(), *m._buffers.values())
+                              if t is not None}
 
     # ---- step 1: materialize and initialize one module --------------------------------------
 
@@ -72,7 +79,7 @@ class InitEngine:
         meta.materialize(module, self.device, recurse=False)
         for table, name in own:
             self._mine[id(table[name])] = _join(path, name)
-        children = [(tb, n) for child in module.children() for tb in (child._parameters, child._buffers)
+        children = [(tb, n) for child in self._eager_children(module) for tb in (child._parameters, child._buffers)
                     for n, t in tb.items() if t is not None and id(t) in self._mine]
         slots = [(tb, n, "own") for tb, n in own] + [(tb, n, "discard") for tb, n in again]
         slots += [(tb, n, "child") for tb, n in children]
@@ -97,7 +104,7 @@ class InitEngine:
             if kind == "discard":
                 continue
             if full._version == version:
-                if kind == "own":
+                if kind == "own" and id(module) in self._live:
                     self._unwritten.add(qname)
                 continue
             self._unwritten.discard(qname)
@@ -151,16 +158,21 @@ class InitEngine:
         ``__init__``, so GPT-2 matches in distribution only). It costs one more init's compute.
         """
         done: set[int] = set()
+        self._eager = match_eager
 
         def init_pass(mod: nn.Module) -> None:
-            for child in mod.children():
+            children = self._eager_children(mod)
+            for child in children:
                 init_pass(child)
+                if id(child) not in self._live:  # no later init reaches below it
+                    self._release([m for m in child.modules() if m is not child])
             if id(mod) not in done:
                 done.add(id(mod))
                 self._init_module(mod)
+            self._release([c for c in children if id(c) not in self._live])  # after the parent's init
 
         def build(mod: nn.Module) -> None:
-            for child in mod.children():
+            for child in self._eager_children(mod):
                 build(child)
             if match_eager:
                 self._replay_draws(mod)
@@ -169,6 +181,44 @@ class InitEngine:
 
         build(self.model)
         self.get_post_param_init_fn()(self.model)
+
+    def _eager_children(self, mod: nn.Module) -> list[nn.Module]:
+        """``mod``'s children as the eager build made them. At pipeline degree > 1 the split set
+        aside, on meta, the blocks and first / last modules other stages hold
+        (``pipeline.split.eager_named_children``): with ``match_eager`` they take their places
+        again here, so the random draws before and between this stage's modules are the whole
+        model's, and each stage's values are the eager model's for the same seed. That costs
+        every stage the whole model's draws, and holds each set-aside module's own tensors (full
+        size, on the device) until its parent's init: one block at a time, and a set-aside
+        embedding or head until the end of its model's pass (a parent's init may redraw its
+        children's tensors, as GPT-2's does)."""
+        if not self._eager:
+            return list(mod.children())
+        out = []
+        for name, kid in eager_named_children(mod):
+            if id(kid) not in self._live:
+                self._name_aside(kid, _join(self._names.get(id(mod), ""), name))
+            out.append(kid)
+        return out
+
+    def _name_aside(self, module: nn.Module, path: str) -> None:
+        for sub_path, sub in module.named_modules(prefix=path, remove_duplicate=False):
+            self._names.setdefault(id(sub), sub_path)
+
+    def _release(self, modules: list[nn.Module]) -> None:
+        """Put the tensors of set-aside ``modules`` back on meta (their values were only drawn to
+        keep the random stream), except those the model itself holds (a tie across stages)."""
+        for mod in modules:
+            for table in (mod._parameters, mod._buffers):
+                for name, t in list(table.items()):
+                    if t is None or meta.is_meta(t) or id(t) in self._live_tensors:
+                        continue
+                    self._mine.pop(id(t), None)
+                    if isinstance(t, nn.Parameter):
+                        torch.utils.swap_tensors(t, nn.Parameter(torch.empty_like(t, device="meta"),
+                                                                 requires_grad=t.requires_grad))
+                    else:
+                        table[name] = torch.empty_like(t, device="meta")
 
     # ---- step 2: ties ------------------------------------------------------------------------
 

@@ -12,12 +12,12 @@ import copy
 
 import pytest
 import torch
-from transformers import GPT2LMHeadModel, LlamaForCausalLM
+from transformers import GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import harness
 import modelparallel as smp
 from modelparallel.materialize import meta
-from reference import gathered
+from reference import as_hf, gathered
 from test_pipeline_training import assert_stage_grads_match, build, global_batch, my_rows, train_step
 
 
@@ -93,6 +93,34 @@ def test_delayed_init_initializes_the_stage_and_keeps_ties():
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
     assert not set(first_names) & set(last_names) - {"transformer.wte.weight", "lm_head.weight"}
     assert torch.equal(first_tied[0], last_tied[0]), "wte (first stage) and lm_head (last stage) start and stay equal"
+
+
+def _delayed_llama(pp, tp, virtual, tied):
+    smp.init({"pipeline_parallel_degree": pp, "tensor_parallel_degree": tp, "microbatches": 2,
+              "pipeline_virtual_stages": virtual})
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=97, tie_word_embeddings=tied)
+    torch.manual_seed(5)
+    eager = LlamaForCausalLM(cfg)
+    torch.manual_seed(5)
+    with smp.delay_param_initialization():
+        model = LlamaForCausalLM(cfg)
+    model = smp.DistributedModel(model)
+    differ = [n for n, p in model.module.named_parameters()
+              if not torch.equal(as_hf(p.detach(), eager.get_parameter(n)), eager.get_parameter(n))]
+    return sorted(n for n, _ in model.module.named_parameters()), differ
+
+
+@pytest.mark.parametrize("world, pp, tp, virtual, tied", [(2, 2, 1, 1, False), (2, 2, 1, 2, True),
+                                                          (4, 2, 2, 1, True)])
+def test_delayed_llama_at_pipeline_degree_2_equals_eager(world, pp, tp, virtual, tied):
+    """Each stage draws where the whole model's eager build draws (the other stages' modules are
+    replayed, then dropped): every parameter of every stage equals the eager build's for the seed."""
+    out = harness.run(world, _delayed_llama, pp, tp, virtual, tied)
+    names = [set(n) for n, _ in out]
+    assert names[0] != names[-1] and all(n for n in names), names  # the stages hold different layers
+    for rank, (_, differ) in enumerate(out):
+        assert not differ, f"rank {rank}: {differ}"
 
 
 def _rank0_only():

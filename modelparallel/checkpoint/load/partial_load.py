@@ -31,7 +31,7 @@ from ..safety import commit
 from ..safety.errors import run_phase, single_error
 from ..safety.files import CheckpointFiles, fstat, open_inside
 from ..save.partial import MODEL, OPTIMIZER, check_architecture
-from . import optim_part, parts, staging
+from . import model_masters, optim_part, parts, staging
 from .journal import BucketPlanner, Cost, Journal, Policy
 from .parts import LoadReport
 
@@ -166,16 +166,29 @@ def prepare_optimizer(files: CheckpointFiles, model, optimizer, strict: bool,
             found["plan"] = optim_part.plan_load(model.module, optimizer, metadata, reuse)
         except ValueError as e:  # a saved entry that cannot be loaded: name the file that holds it
             raise ValueError(f"{files.directory / OPTIMIZER / '.metadata'}: {e}") from None
+        found["protect"] = _protect(found["plan"], policy)
+        in_model = found["protect"][0] is None and MODEL in files.manifest["parts"]
+        found["masters"] = model_masters.plan(model.module, optimizer, found["plan"].nested,
+                                              files.metadata(MODEL)) if in_model else {}
+        return in_model, bool(found["masters"])
 
-    run_phase("load (optimizer: plan)", plan)
+    wants = run_phase("load (optimizer: plan)", plan)
+    # masters from the model part only if no rank journals (a rank recreating them would leave
+    # replicated masters unequal); a collective read, so every rank takes part
+    from_model = all(w[0] for w in wants) and any(w[1] for w in wants)
+    masters = found["masters"] if from_model else {}
     planned = found["plan"]
-    journal, cost = _protect(planned, policy)
+    journal, cost = found["protect"]
     keys = set(parts.flatten(planned.nested))
     planner = BucketPlanner(journal, set(planned.reused)) if journal is not None else None
     other_class = _class_problem(files, optimizer)
 
     def read():
         parts.read_part(planned.nested, files, OPTIMIZER, keys, planner)
+        if from_model:
+            targets = {key: target for key, (_, target) in masters.items()}
+            parts.read_part(targets, files, MODEL, set(targets))
+            model_masters.merge(planned.nested, masters)
         if journal is not None:
             journal.flush()
 

@@ -55,9 +55,9 @@ class InitEngine:
         self._mine: dict[int, str] = {}
         self._names = {id(m): path for path, m in model.named_modules(remove_duplicate=False)}
         self._live = set(self._names)
-        self._eager = True
         """The modules of ``model`` (at pipeline degree > 1 the others, set aside by the split, are
         initialized only for their random draws, then put back on meta: ``_eager_children``)."""
+        self._eager = True
         self._live_tensors = {id(t) for m in model.modules() for t in (*m._parameters.values(), *m._buffers.values())
                               if t is not None}
 

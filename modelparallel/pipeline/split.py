@@ -232,7 +232,8 @@ def apply(model: nn.Module, split: PipelineSplit, stage: Stage, hidden_size: int
     and final modules replaced by ``Elsewhere`` stubs; ``model._mp_stage`` records the stage."""
     _, blocks = blocks_of(model, split)
     mine = {i for s in stage.stages for i in range(*stage.ranges[s])}
-    _set_aside(blocks, EVERY_BLOCK, list(blocks))
+    every = list(blocks)
+    _set_aside(blocks, EVERY_BLOCK, every, every)
     for i in range(len(blocks)):
         if i not in mine:
             del blocks._modules[str(i)]
@@ -242,12 +243,13 @@ def apply(model: nn.Module, split: PipelineSplit, stage: Stage, hidden_size: int
             module = model.get_submodule(path)
             dim = module.embedding_dim if isinstance(module, nn.Embedding) else hidden_size
             stub = Elsewhere(path, 0, "embedding", dim, _floating_dtype(module))
-            _set_aside(stub, ORIGINAL, [module])
+            _set_aside(stub, ORIGINAL, module, [module])
             _replace(model, path, stub)
     if not stage.is_last:
         for path in last:
             stub = Elsewhere(path, len(stage.ranges) - 1, "final")
-            _set_aside(stub, ORIGINAL, [model.get_submodule(path)])
+            original = model.get_submodule(path)
+            _set_aside(stub, ORIGINAL, original, [original])
             _replace(model, path, stub)
     model._mp_stage = stage
 
@@ -266,14 +268,14 @@ def eager_named_children(mod: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, child.__dict__.get(ORIGINAL, child)) for name, child in mod.named_children()]
 
 
-def _set_aside(holder: nn.Module, key: str, modules: list[nn.Module]) -> None:
-    """Keep the modules the split removes on ``holder``, outside the module tree (no
+def _set_aside(holder: nn.Module, key: str, value, modules: list[nn.Module]) -> None:
+    """Keep ``value`` (the ``modules`` the split removes) on ``holder``, outside the module tree (no
     registration: nothing iterates, moves or saves them), when they hold no memory (every tensor
     on meta): delayed initialization replays their random draws where the eager build made them,
     so each stage's modules get the values the whole model would (``materialize.init_engine``).
     Real modules are not kept: their memory is freed with them."""
     if all(t.is_meta for m in modules for t in (*m.parameters(), *m.buffers())):
-        holder.__dict__[key] = modules if key == EVERY_BLOCK else modules[0]
+        holder.__dict__[key] = value
 
 
 def _replace(model: nn.Module, path: str, new: nn.Module) -> None:

@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ...pipeline.split import saved_names
-from .optim_part import MASTERS, _target, param_names
+from .optim_part import MASTERS, read_target, param_names
 
 MASTERS_KEY = MASTERS.rstrip(".")
 
@@ -39,7 +39,7 @@ def plan(module: nn.Module, optimizer, nested: dict, model_metadata) -> dict[str
         if not (isinstance(md, TensorStorageMetadata) and md.properties.dtype == torch.float32
                 and tuple(md.size) == tuple(master.shape)):
             return {}
-        out[key] = (name, _target(p, md))
+        out[key] = (name, read_target(p, md))
     return out
 
 

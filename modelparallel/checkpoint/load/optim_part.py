@@ -103,7 +103,7 @@ def _split(key: str, params: dict[str, torch.Tensor]) -> tuple[str, str, str] | 
     return None
 
 
-def _target(param: torch.Tensor | None, md: TensorStorageMetadata) -> torch.Tensor:
+def read_target(param: torch.Tensor | None, md: TensorStorageMetadata) -> torch.Tensor:
     """A new empty tensor to read a saved entry into, placed like ``param`` if it has its shape
     (never the optimizer's own slot: nothing live changes until the whole part is read)."""
     size, dtype = tuple(md.size), md.properties.dtype
@@ -181,7 +181,7 @@ def plan_load(module: nn.Module, optimizer, metadata, reuse: bool = False) -> Pl
                 bucket.setdefault(name, {})[slot] = existing
                 reused[key] = (bucket[name], slot)
             else:
-                bucket.setdefault(name, {})[slot] = _target(param, md)
+                bucket.setdefault(name, {})[slot] = read_target(param, md)
         elif key.startswith(GROUPS):
             index, _, field = key[len(GROUPS):].partition(".")
             groups.setdefault(int(index), {})[field] = _placeholder(md)
@@ -227,7 +227,7 @@ def _plan_master(key: str, md, param: torch.Tensor, live: dict | None, masters: 
         masters.setdefault(name, {})["master"] = existing
         reused[key] = (masters[name], "master")
     else:
-        masters.setdefault(name, {})["master"] = _target(param, md)
+        masters.setdefault(name, {})["master"] = read_target(param, md)
 
 
 def _live_slots(optimizer, names: dict[int, str]) -> dict[str, dict[str, dict[str, torch.Tensor]]]:
@@ -238,7 +238,7 @@ def _live_slots(optimizer, names: dict[int, str]) -> dict[str, dict[str, dict[st
 
 
 def _reusable(existing, param: torch.Tensor | None, md: TensorStorageMetadata) -> bool:
-    """Whether the live slot ``existing`` is exactly what ``_target`` would make for ``md``."""
+    """Whether the live slot ``existing`` is exactly what ``read_target`` would make for ``md``."""
     size, dtype = tuple(md.size), md.properties.dtype
     if not isinstance(existing, torch.Tensor) or tuple(existing.shape) != size or existing.dtype != dtype:
         return False

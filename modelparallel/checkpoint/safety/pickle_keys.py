@@ -100,10 +100,15 @@ def decode(name: str):
 DECODE_ERRORS = (ValueError, UnicodeError, struct.error)
 
 
-def global_name(module: str, name: str) -> str:
-    """``module.name`` as the readers resolve it (Python 2 names mapped)."""
+def py3_global(module: str, name: str) -> tuple[str, str]:
+    """``(module, name)`` of a global as Python 3's unpickler resolves it (Python 2 names mapped)."""
     module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
-    return f"{_compat_pickle.IMPORT_MAPPING.get(module, module)}.{name}"
+    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
+
+
+def global_name(module: str, name: str) -> str:
+    """``module.name`` as the readers resolve it (``py3_global``)."""
+    return ".".join(py3_global(module, name))
 
 
 def _latin1(text, encoding="utf-8"):

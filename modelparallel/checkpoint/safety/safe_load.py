@@ -21,7 +21,6 @@ load. What users save (``user_content``, ``smp.save``) is checked on the way in 
 
 from __future__ import annotations
 
-import _compat_pickle
 import collections
 import enum
 import errno
@@ -36,6 +35,7 @@ import torch
 from .files import CorruptFileError, UnsafeCheckpointError
 from .metadata_check import metadata_problems
 from .pickle_bounds import check_expansion, check_zip_pickles
+from .pickle_keys import py3_global
 
 # class name -> module of every class DCP's metadata pickles (torch 2.x)
 _DCP_CLASSES = {
@@ -95,8 +95,7 @@ class MetadataUnpickler(pickle.Unpickler):
     """
 
     def find_class(self, module: str, name: str):
-        module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
-        module = _compat_pickle.IMPORT_MAPPING.get(module, module)
+        module, name = py3_global(module, name)
         if (module, name) in _REDUCERS:
             return _REDUCERS[module, name]
         if name in _DCP_CLASSES.get(module, ()):

@@ -12,6 +12,7 @@ the same edits.
 
 import ctypes
 import logging
+import mmap
 import os
 import platform
 import threading
@@ -118,6 +119,31 @@ def test_every_write_after_the_call_is_seen_and_reads_are_not():
         seen = mark.written() if inside else mark.edges(t) != edges
         WATCH.release()
         assert seen, f"{what}: a write {'to a protected page' if inside else 'to an edge byte'} was missed"
+
+
+@needs_watch
+def test_pages_never_touched_or_still_protected_are_watched_too():
+    """Memory no write has populated yet (a fresh mapping) and pages an unfinished protection
+    still covers are protected like the rest: the first write to either is seen."""
+    area = mmap.mmap(-1, 256 * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    t = torch.frombuffer(area, dtype=torch.uint8)
+    t[: 8 * PAGE] = 1  # the first eight pages populated, the rest never touched
+    WATCH.start()
+    mark = WATCH.claim(t)
+    assert WATCH.protect_claimed() == []
+    WATCH._protect(mark.lo, mark.lo + 4 * PAGE)  # protected twice: still one protection
+    assert not mark.written(), "nothing was written"
+    for page in (2, 200):  # a populated page and a page the write populates
+        WATCH.release()
+        WATCH.start()
+        mark = WATCH.claim(t)
+        assert WATCH.protect_claimed() == [] and not mark.written()
+        t[page * PAGE + 5] = 9
+        assert mark.written(), f"a write to page {page} was missed"
+        assert not WATCH.written(mark.lo + (page + 1) * PAGE, mark.hi), "a write was seen where none happened"
+    WATCH.release()
+    del t
+    area.close()
 
 
 def _written_address(t: torch.Tensor, what: str) -> int:

@@ -208,7 +208,16 @@ class PageWatch:
         return failed
 
     def _protect(self, lo: int, hi: int, on: bool = True) -> None:
-        self.kernel.ioctl(self.uffd, abi.UFFDIO_WRITEPROTECT, lo, hi - lo, 1 if on else 0)
+        """Write-protect ``[lo, hi)`` (``on``) by ``PAGEMAP_SCAN``'s protect-while-walking, with no
+        output asked: about 3x faster per page than ``UFFDIO_WRITEPROTECT`` on the VM measured
+        (466 MB: 3.2 ms against 10.8 ms); clearing has only the latter."""
+        if on:
+            _, arg = self.kernel.ioctl(self.pagemap, abi.PAGEMAP_SCAN, 96, abi.WP_MATCHING | abi.CHECK_WPASYNC, lo, hi,
+                                       0, 0, 0, 0, 0, abi.PAGE_IS_WRITTEN, 0, abi.PAGE_IS_WRITTEN)
+            if arg[4] < hi:  # the walk stopped short (its ``walk_end``): the rest is not protected
+                raise OSError(0, f"write-protecting stopped at {arg[4]:#x} of {lo:#x}-{hi:#x}")
+        else:
+            self.kernel.ioctl(self.uffd, abi.UFFDIO_WRITEPROTECT, lo, hi - lo, 0)
 
     def written(self, lo: int, hi: int) -> bool:
         """Whether any page of ``[lo, hi)`` was written since it was protected (an error reading

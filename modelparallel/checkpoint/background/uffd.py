@@ -26,7 +26,7 @@ UFFDIO_UNREGISTER = (2 << 30) | (16 << 16) | (0xAA << 8) | 0x01  # _IOR: the ker
 PAGEMAP_SCAN = _iowr(ord("f"), 16, 96)
 UFFD_API, USER_MODE_ONLY, REGISTER_WP = 0xAA, 1, 2
 WP_UNPOPULATED, WP_ASYNC = 1 << 13, 1 << 15
-PAGE_IS_WRITTEN, CHECK_WPASYNC = 1 << 1, 1 << 1
+PAGE_IS_WRITTEN, WP_MATCHING, CHECK_WPASYNC = 1 << 1, 1 << 0, 1 << 1
 VEC = 8
 """Regions one ``PAGEMAP_SCAN`` may return: one written page is enough to know."""
 

@@ -44,8 +44,8 @@ logger = logging.getLogger("modelparallel")
 PAGE = mmap.PAGESIZE
 MIN_BYTES = 1 << 19
 """Smaller tensors are read at the call. A protection costs about 10 microseconds (system call,
-bookkeeping) plus 80 ns per page on the 2-core VM measured, a CRC32 about 150 ns per page
-(27 GB/s): protecting pays from about half a megabyte up."""
+bookkeeping) plus 30-45 ns per page on the 2-core VM measured, a CRC32 150-250 ns per page
+(16-27 GB/s): protecting pays from a few hundred kilobytes up."""
 MIN_SAVE_BYTES = 1 << 26
 """A save deferring fewer bytes is read at the call: reading the process's mappings and the
 registrations (about 2 ms) cost as much as reading 64 MiB at 27 GB/s."""

@@ -12,6 +12,10 @@ local (``SM_LOCAL_STATE_DICT``, replication group) state dict:
 * ``step while writing`` against ``step``: one training step while the background copy and write
   run, against one without (the slowdown the writer thread causes, the wait included), then
   ``finalize``;
+* ``dcp_async`` (sharded only: DCP's stager cannot copy a local state dict's views of FSDP's flat
+  parameters): the peer, PyTorch's own ``torch.distributed.checkpoint.async_save`` of the same
+  state dict over the same group: its call (it copies every tensor to host memory there, then
+  plans and writes in a thread) and, after a step, the wait for its future;
 * ``read_vs_copy`` (once, after the rounds): the two ways the call can keep what it saves from an
   in-place change through ``.data`` or numpy: the CRC-32 of every deferred tensor (what it does)
   against a copy of them all into reused buffers, both ranks at once.
@@ -130,10 +134,33 @@ def _one_round(kind, model, optimizer, root, queue) -> dict:
     hits = queue.plans.hits
     watched = _async_part(kind, model, optimizer, queue, kwargs, group, watch=True)
     read = _async_part(kind, model, optimizer, queue, kwargs, group, watch=False)
-    slow = common.slowest([sync, plain, made, *watched, *read])
+    # the peer for the sharded state dict only: DCP's stager cannot copy a local state dict's FSDP flat views
+    peer = _dcp_async(kind, model, optimizer, where + "_dcp", group) if kind == "sharded" else []
+    slow = common.slowest([sync, plain, made, *watched, *read, *peer])
     names = ("async_blocked_s", "async_call_s", "hook_wait_s", "step_while_writing_s", "finalize_s", "async_call_cpu_s")
-    return dict(zip(("sync_s", "step_s", "state_dict_s", *names, *(f"read_{n}" for n in names)), slow),
+    return dict(zip(("sync_s", "step_s", "state_dict_s", *names, *(f"read_{n}" for n in names),
+                     *(("dcp_async_call_s", "dcp_async_finalize_s") if peer else ())), slow),
                 bytes_on_this_rank=size, staging_bytes=queue.staging_bytes, plan_reused=queue.plans.hits > hits)
+
+
+def _dcp_async(kind, model, optimizer, where: str, group) -> list[float]:
+    """The peer: PyTorch's own ``torch.distributed.checkpoint.async_save`` of the same state dict
+    over the same group (it copies every tensor to host memory in the call, then plans and
+    writes in a thread): the call, then (after a step) the wait for its future."""
+    import torch.distributed.checkpoint as dcp
+
+    shutil.rmtree(where, ignore_errors=True)
+    state_dict = _state_dict(kind, model, optimizer)
+    t0 = time.perf_counter()
+    future = dcp.async_save(state_dict, checkpoint_id=where, process_group=group)
+    call = time.perf_counter() - t0
+    del state_dict
+    _step(model, optimizer)
+    t0 = time.perf_counter()
+    future.result()
+    done = time.perf_counter() - t0
+    shutil.rmtree(where, ignore_errors=True)
+    return [call, done]
 
 
 _WATCH: dict = {}
@@ -233,12 +260,16 @@ def rank_main(hidden: int, layers: int, repeats: int) -> dict:
             med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
             med["async_blocked_over_sync"] = med["async_blocked_s"] / med["sync_s"]
             med["read_async_blocked_over_sync"] = med["read_async_blocked_s"] / med["sync_s"]
+            if "dcp_async_call_s" in med:
+                med["dcp_async_call_over_sync"] = med["dcp_async_call_s"] / med["sync_s"]
             spread = {"async_blocked_over_sync": _spread(r["async_blocked_s"] / r["sync_s"] for r in rounds),
                       "read_async_blocked_over_sync": _spread(r["read_async_blocked_s"] / r["sync_s"] for r in rounds),
                       "async_call_cpu_s": _spread(r["async_call_cpu_s"] for r in rounds),
                       "read_async_call_cpu_s": _spread(r["read_async_call_cpu_s"] for r in rounds),
                       "step_slowdown_while_writing": _spread(r["step_while_writing_s"] / r["step_s"] for r in rounds),
                       "async_blocked_s": _spread(r["async_blocked_s"] for r in rounds)}
+            if "dcp_async_call_s" in med:
+                spread["dcp_async_call_over_sync"] = _spread(r["dcp_async_call_s"] / r["sync_s"] for r in rounds)
             out[kind] = {"median": med, "spread": spread, "rounds": rounds,
                          "read_vs_copy": _read_vs_copy(kind, model, optimizer)}
     finally:
@@ -271,7 +302,9 @@ def main() -> None:
               f"step {m['step_s']:.3f}s / while writing {m['step_while_writing_s']:.3f}s, "
               f"finalize {m['finalize_s']:.3f}s, state dicts {m['state_dict_s']:.3f}s, "
               f"staging {m['staging_bytes'] / 1e6:.1f} MB/rank; without write tracking (reading): blocked "
-              f"{m['read_async_blocked_over_sync']:.1%}, call CPU {m['read_async_call_cpu_s']:.3f}s")
+              f"{m['read_async_blocked_over_sync']:.1%}, call CPU {m['read_async_call_cpu_s']:.3f}s"
+              + (f"; DCP's async_save: its call {m['dcp_async_call_s']:.3f}s ({m['dcp_async_call_over_sync']:.1%})"
+                 if "dcp_async_call_s" in m else ""))
         rc = rec["read_vs_copy"]
         print(f"{kind}: the deferred {rc['bytes'] / 1e6:.1f} MB/rank: CRC-32 {rc['crc_s'] * 1e3:.1f} ms "
               f"({rc['crc_gb_s']:.1f} GB/s), copy {rc['copy_s'] * 1e3:.1f} ms ({rc['copy_gb_s']:.1f} GB/s), "

@@ -15,11 +15,20 @@ import numpy as np
 import pytest
 import torch
 
+from modelparallel.checkpoint.background import uffd
 from modelparallel.checkpoint.background.pages import PAGE, PageWatch, Protected
 from modelparallel.checkpoint.background.stager import StagedTensorChanged, Stager
 
 WATCH = PageWatch.open()
 needs_watch = pytest.mark.skipif(WATCH is None, reason="no asynchronous write-protect on this machine")
+
+
+@pytest.fixture(autouse=True, params=["asked", "listed"])
+def _lookup(request, monkeypatch):
+    """Every case with the mappings asked of the kernel one at a time (where it answers) and with
+    the whole list read (older kernels)."""
+    if request.param == "listed":
+        monkeypatch.setattr(uffd, "mapping_lookup", lambda kernel: uffd.Listed())
 N = 300_000
 """Elements of a test tensor (1.2 MB: whole pages inside, above ``min_bytes``)."""
 

@@ -53,6 +53,10 @@ def _problems(state_dict, metadata, check_keys: bool) -> list[str]:
             continue
         if torch.is_tensor(value):
             md = saved[key]
+            if value.is_meta:
+                out.append(f"{key}: a tensor on the meta device, which a load cannot change (materialize the model "
+                           "first, e.g. to_empty() and its initialization, then load)")
+                continue
             if not isinstance(md, TensorStorageMetadata):
                 out.append(f"{key}: saved as an object, asked for as a tensor")
             elif tuple(md.size) != tuple(value.size()):
@@ -77,7 +81,16 @@ def _layout_problems(state_dict, files: CheckpointFiles) -> list[str]:
                 out.append(f"{key or 'state dict'}: a local checkpoint saved with {name} {old.get(name)} loads only "
                            f"into the same sharding; this job has {layout.get(name)} (the number of replicas may "
                            "change; save a sharded SHARDED_STATE_DICT checkpoint to change the sharding)")
+        if not out and isinstance(old, dict) and "shard" in old and old["shard"] != layout.get("shard"):
+            out.append(f"{key or 'state dict'}: this directory holds the local shard with {_words(old['shard'])}, "
+                       f"rank {dist.get_rank()} holds the one with {_words(layout.get('shard'))} (same keys and "
+                       "shapes, other values): each rank loads the directory its own shard saved; check how the "
+                       "directory name is computed")
     return out
+
+
+def _words(shard) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(shard.items())) if isinstance(shard, dict) else repr(shard)
 
 
 _READS = ("read_metadata", "read_data", "set_up_storage_reader", "prepare_local_plan", "prepare_global_plan")

@@ -78,6 +78,21 @@ def _shard_degree(units) -> int | None:
     return degrees.pop() if len(degrees) == 1 else None
 
 
+def _shard_of(units) -> dict:
+    """Which shard this rank holds: its place in its FSDP shard group and its tensor- and
+    expert-parallel ranks (the same on every replica of the shard, whatever the number of
+    replicas). Two shards of one model have the same keys and shapes, so only this tells a
+    directory saved by another shard (a directory name computed from the wrong rank)."""
+    from ... import runtime
+
+    places = {0 if u.sharding_strategy == ShardingStrategy.NO_SHARD else dist.get_rank(u.process_group)
+              for u in units}
+    shard = {"fsdp_shard_rank": places.pop() if len(places) == 1 else None}
+    if runtime.is_initialized():
+        shard.update(tensor_parallel_rank=runtime.tp_rank(), expert_parallel_rank=runtime.ep_rank())
+    return shard
+
+
 def local_state_dict(model: nn.Module) -> LocalStateDict:
     """This rank's tensors of ``model``, as it holds them (the model's own memory)."""
     out = LocalStateDict()
@@ -102,7 +117,7 @@ def local_state_dict(model: nn.Module) -> LocalStateDict:
 
     tp = runtime.current().config.tensor_parallel_degree if runtime.is_initialized() else 1
     out.replicas = _replicas()
-    out.layout = {"fsdp_shard_degree": _shard_degree(units), "tensor_parallel_degree": tp,
+    out.layout = {"fsdp_shard_degree": _shard_degree(units), "tensor_parallel_degree": tp, "shard": _shard_of(units),
                   "shapes": {k: list(v.shape) for k, v in out.items()}}
     return out
 

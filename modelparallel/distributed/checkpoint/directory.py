@@ -25,9 +25,12 @@ from pathlib import Path
 
 import torch
 
+from torch.distributed.checkpoint import FileSystemWriter, StorageWriter
+
 from ...checkpoint.safety import commit
 from ...checkpoint.safety.files import CheckpointFiles
 from ...checkpoint.safety.manifest import MANIFEST, read_manifest
+from ...checkpoint.save.writer import CheckpointWriter
 
 FORMAT = "modelparallel-dcp"
 _CHECKPOINT_FILE = re.compile(r"^(\.metadata(\.tmp)?|__\d+\.metadata|__\d+_\d+\.distcp|"
@@ -55,6 +58,20 @@ def check_replaceable(final: Path) -> None:
         raise ValueError(f"{final} holds {', '.join(others[:5])}{' ...' if len(others) > 5 else ''}, which "
                          "is not part of a checkpoint; a save replaces the whole directory, so it never replaces "
                          "this one: move those away or choose another checkpoint_id")
+
+
+def check_not_pending(final: Path, busy: dict) -> None:
+    """Refuse a save of ``final`` while another queue has one pending (``busy``: path -> whether
+    in the saving queue): its staging directory would be taken for a leftover, and the older
+    save would commit over this one.
+
+    Raises:
+        ValueError: naming ``final``.
+    """
+    if busy.get(str(final)) is False:
+        raise ValueError(f"{final}: an asynchronous save of it is still pending in another queue (not finalized); "
+                         "finalize it first (maybe_finalize_async_calls(blocking=True)) or save to another "
+                         "checkpoint_id")
 
 
 def remove_leftovers(final: Path) -> list[str]:
@@ -130,3 +147,23 @@ def checkpoint_files(path: Path) -> CheckpointFiles:
     if ".metadata" not in files:
         raise FileNotFoundError(f"{path} is not a complete checkpoint: no .metadata (nor {MANIFEST})")
     return CheckpointFiles(path, {"format": "dcp", "files": files})
+
+
+def writer_for(checkpoint_id, storage_writer: StorageWriter | None) -> StorageWriter:
+    """The storage writer a call names: the one given, else a ``FileSystemWriter`` at
+    ``checkpoint_id`` (a local or shared file system path)."""
+    if storage_writer is not None:
+        if not isinstance(storage_writer, FileSystemWriter):
+            raise NotImplementedError(f"storage_writer={type(storage_writer).__name__}: only file system writers "
+                                      "(FileSystemWriter, DistributedFileSystemWriter) are supported: a save is "
+                                      "committed by renaming a directory")
+        if checkpoint_id is not None:
+            storage_writer.reset(checkpoint_id)
+        return storage_writer
+    if checkpoint_id is None:
+        raise ValueError("a checkpoint save needs checkpoint_id (a directory) or storage_writer")
+    path = os.fspath(checkpoint_id)
+    if "://" in path:
+        raise NotImplementedError(f"checkpoint_id={path!r}: only file system paths are supported here "
+                                  "(S3 checkpoints are not built; mount the bucket or copy after saving)")
+    return CheckpointWriter(path)

@@ -6,8 +6,9 @@ leftover and deleted, and its finalize failed later with a ``FileNotFoundError``
 directory). Each must raise the same error on both ranks naming the checkpoint, leave the disk
 as it was, and leave the pending save to commit as it would have.
 
-A failure points at ``saving._prepare`` (the coordinators' agreement, the pending paths) or
-``AsyncCallsQueue.schedule`` (which paths other queues hold).
+A failure points at ``saving._prepare`` (the coordinators' agreement, the pending paths),
+``AsyncCallsQueue.schedule`` (which paths other queues hold) or
+``state_dict_utils.check_plans_agree`` (called by ``saving._global_plan``).
 """
 
 from __future__ import annotations
@@ -77,3 +78,20 @@ def test_a_save_over_a_path_another_queue_has_pending_is_refused(tmp_path):
     assert re.search(r"ck: an asynchronous save of it is still pending in another queue", first), first
     assert old, "the refused save changed the checkpoint"
     assert committed and listing == ["ck"], f"the pending save did not commit as saved: {committed}, {listing}"
+
+
+def shapes_differ(root: str) -> tuple[str, list]:
+    rank = dist.get_rank()
+    with pytest.raises(CheckpointError) as info:
+        save({"w": torch.full((4 + rank,), float(rank)), "b": torch.ones(2)}, checkpoint_id=os.path.join(root, "ck"))
+    dist.barrier()
+    return str(info.value).splitlines()[0], sorted(os.listdir(root))
+
+
+def test_a_key_whose_shape_differs_between_ranks_is_refused(tmp_path):
+    results = harness.run(2, shapes_differ, str(tmp_path))
+    assert results[0] == results[1], f"the ranks differ: {results}"
+    first, listing = results[0]
+    assert re.search(r"state dict entry 'w' differs between the ranks saving it \(ranks \[0\]: \(4,\) torch\.float32; "
+                     r"ranks \[1\]: \(5,\) torch\.float32\)", first), first
+    assert listing == [], f"a refused save wrote {listing}"

@@ -49,7 +49,7 @@ from .group_blocks import for_group
 from .outcome import (CheckpointLoadError, CheckpointSaveError, Group, collective_outcome, group_of,  # noqa: F401
                       check_coordinators)
 from .staging import StagedPlanner, deferrable, stage
-from .state_dict_utils import check_local_group, check_objects
+from .state_dict_utils import check_local_group, check_objects, check_plans_agree
 
 
 @dataclass
@@ -126,6 +126,7 @@ def _global_plan(planner: SavePlanner, writer: StorageWriter, group: Group, loca
     scatter: list = [None] * len(group.members)
     if group.is_coordinator:
         try:
+            check_plans_agree(plans, group.members)
             plans, metadata = planner.create_global_plan(plans)
             scatter = writer.prepare_global_plan(plans)
         except Exception as e:  # noqa: BLE001 - sent to every rank below

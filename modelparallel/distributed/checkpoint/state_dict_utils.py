@@ -30,8 +30,8 @@ from ...tp.layout import local_part
 from ...training.flat_grads import flattened_by_fsdp1, fsdp1_units
 from .optim_init import init_optim_state
 
-__all__ = ["LOCAL_LAYOUT_FILE", "LocalStateDict", "SMStateDictType", "check_local_group", "init_optim_state",
-           "local_layouts", "sm_state_dict_type"]
+__all__ = ["LOCAL_LAYOUT_FILE", "LocalStateDict", "SMStateDictType", "check_local_group", "check_plans_agree",
+           "init_optim_state", "local_layouts", "sm_state_dict_type"]
 
 LOCAL_LAYOUT_FILE = ".sm_local_layout.json"
 _WRAPPER_SEGMENTS = {"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod", "module"}
@@ -165,6 +165,30 @@ def check_objects(state_dict) -> None:
             check_loadable(obj, f"state dict entry {path!r}", escape="")
 
     visit(state_dict, "")
+
+
+def check_plans_agree(plans: list, members: list[int]) -> None:
+    """Every rank's save plan (``plans``, in the order of ``members``) gives each key one kind,
+    shape and dtype. DCP keeps one rank's copy of a plain tensor saved by several (it takes them
+    for replicas) and the first rank's size for a sharded one, so a key whose shape differs
+    between ranks would lose the others' tensors while the save reports success (and their load
+    fail). Values are not compared (that would read every replicated tensor).
+
+    Raises:
+        ValueError: naming the first such key and what each rank saves under it.
+    """
+    seen: dict[str, dict] = {}
+    for rank, plan in zip(members, plans):
+        for item in plan.items:
+            data = item.tensor_data
+            kind = "an object" if data is None else f"{tuple(data.size)} {data.properties.dtype}"
+            seen.setdefault(item.index.fqn, {}).setdefault(kind, []).append(rank)
+    for fqn, kinds in seen.items():
+        if len(kinds) > 1:
+            raise ValueError(f"state dict entry {fqn!r} differs between the ranks saving it ("
+                             + "; ".join(f"ranks {ranks}: {kind}" for kind, ranks in kinds.items()) + "): a key saved "
+                             "by several ranks holds one tensor (a replica, or a DTensor's shards); give per-rank "
+                             "values their own keys")
 
 
 def check_local_group(state_dict, members: list[int], what: str = "save") -> None:

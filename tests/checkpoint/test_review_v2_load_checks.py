@@ -3,10 +3,13 @@ at, on 2 ranks: loading into tensors still on the meta device (a delayed-init mo
 materialized: a load into them changes nothing, and reported success), and a local
 (``SM_LOCAL_STATE_DICT``) checkpoint directory saved by another shard (a directory name computed
 from the wrong rank: every shard has the same keys and shapes, so it loaded the other shard's
-values silently). Each must raise on both ranks, naming the key, before anything changes.
+values silently), and a checkpoint of ours whose manifest was removed (it loaded as a plain DCP
+directory, with no checksum: a flipped byte loaded silently). Each must raise on both ranks,
+naming the key or file, before anything changes; a directory plain DCP wrote still loads.
 
 A failure points at ``state_dict_loader._problems`` (the meta check) or ``_layout_problems``
-with ``state_dict_utils._shard_of`` (the shard recorded in ``.sm_local_layout.json``).
+with ``state_dict_utils._shard_of`` (the shard recorded in ``.sm_local_layout.json``), or
+``directory.check_manifest_kept`` / ``directory.marked`` (the mark in ``.metadata``).
 """
 
 from __future__ import annotations
@@ -80,3 +83,48 @@ def test_a_local_directory_of_another_shard_is_refused(tmp_path):
                 rf"expert_parallel_rank 0, fsdp_shard_rank {rank}, ")
         assert re.search(want, first), first
         assert unchanged, "a refused load changed the model"
+
+
+def _flip_in_tensor(path: Path, fqn: str) -> None:
+    """Flip one bit inside ``fqn``'s stored values (found through the zip record of its chunk)."""
+    import io
+    import pickle
+    import zipfile
+
+    with open(path / ".metadata", "rb") as f:
+        metadata = pickle.load(f)  # our own file, trusted by the test
+    info = next(v for k, v in metadata.storage_data.items() if k.fqn == fqn)
+    data = bytearray((path / info.relative_path).read_bytes())
+    chunk = zipfile.ZipFile(io.BytesIO(bytes(data[info.offset:info.offset + info.length])))
+    record = next(z for z in chunk.infolist() if "/data/" in z.filename)
+    name_len, extra_len = int.from_bytes(data[info.offset + record.header_offset + 26:][:2], "little"), \
+        int.from_bytes(data[info.offset + record.header_offset + 28:][:2], "little")
+    data[info.offset + record.header_offset + 30 + name_len + extra_len + 5] ^= 0x40
+    (path / info.relative_path).write_bytes(bytes(data))
+
+
+def manifest_removed(root: str) -> tuple[str, bool, bool]:
+    import torch.distributed.checkpoint as dcp
+
+    path, plain = Path(root) / "ck", Path(root) / "plain"
+    state = {"w": torch.arange(64.0).reshape(8, 8), f"r{dist.get_rank()}": torch.full((4,), 3.0)}
+    save(state, checkpoint_id=str(path))
+    dcp.save(state, checkpoint_id=str(plain))  # PyTorch's own save: no manifest, no mark
+    if dist.get_rank() == 0:
+        os.remove(path / "checkpoint_manifest.json")
+        _flip_in_tensor(path, "w")
+    dist.barrier()
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    with pytest.raises(CheckpointError) as info:
+        load(target, checkpoint_id=str(path))
+    unchanged = all(bool((v == 0).all()) for v in target.values())
+    load(target, checkpoint_id=str(plain))
+    return str(info.value).splitlines()[0], unchanged, all(torch.equal(target[k], state[k]) for k in state)
+
+
+def test_a_checkpoint_of_ours_without_its_manifest_is_refused(tmp_path):
+    for first, unchanged, plain in harness.run(2, manifest_removed, str(tmp_path)):
+        assert re.search(r"ck/checkpoint_manifest\.json: missing, but this checkpoint was saved by modelparallel", first), \
+            first
+        assert unchanged, "a refused load changed the state dict"
+        assert plain, "a directory PyTorch's DCP wrote no longer loads as saved"

@@ -12,11 +12,14 @@ The committed directory is what ``torch.distributed.checkpoint.save`` writes (``
 plain DCP tools read it as any DCP checkpoint. A load opens it through
 ``files.CheckpointFiles``: only the files the manifest lists, each a regular file inside,
 verified as it is read. A directory plain DCP wrote (no manifest) loads the same way with sizes
-taken from the directory and no checksums to compare.
+taken from the directory and no checksums to compare, unless its ``.metadata`` says this library
+saved it (``SAVED_BY``, which plain DCP ignores): then the manifest was lost or removed, and the
+load is refused rather than silently done without checksums.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -28,7 +31,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter, StorageWriter
 
 from ...checkpoint.safety import commit
-from ...checkpoint.safety.files import CheckpointFiles
+from ...checkpoint.safety.files import CheckpointFiles, CorruptFileError
 from ...checkpoint.safety.manifest import MANIFEST, read_manifest
 from ...checkpoint.save.writer import CheckpointWriter
 
@@ -36,6 +39,9 @@ FORMAT = "modelparallel-dcp"
 _CHECKPOINT_FILE = re.compile(r"^(\.metadata(\.tmp)?|__\d+\.metadata|__\d+_\d+\.distcp|"
                               + re.escape(MANIFEST) + r"|\.sm_local_layout\.json)$")
 """The names a DCP checkpoint directory holds (a save may replace a directory of only these)."""
+SAVED_BY = "modelparallel.manifest"
+"""Key of ``Metadata.planner_data`` (DCP's flattening record, read by key, so an extra key is
+ignored) that marks a checkpoint this library saved: it has a manifest."""
 
 
 def check_replaceable(final: Path) -> None:
@@ -118,6 +124,28 @@ def commit_checkpoint(staging: Path, final: Path, sums: dict[str, dict]) -> None
     commit.write_manifest(staging, manifest)
     commit.commit_dir(staging, final)
     commit.check_committed(final, manifest)
+
+
+def marked(metadata):
+    """``metadata`` marked as saved here (``SAVED_BY``); unchanged when its ``planner_data`` is
+    not DCP's dict (a custom planner's)."""
+    if not isinstance(metadata.planner_data, dict):
+        return metadata
+    return dataclasses.replace(metadata, planner_data={**metadata.planner_data, SAVED_BY: MANIFEST})
+
+
+def check_manifest_kept(files: CheckpointFiles) -> None:
+    """Refuse a checkpoint without a manifest whose ``.metadata`` says this library saved it.
+
+    Raises:
+        CorruptFileError: naming the missing manifest.
+    """
+    data = files.metadata("").planner_data
+    if files.manifest["format"] != FORMAT and isinstance(data, dict) and SAVED_BY in data:
+        raise CorruptFileError(f"{files.directory / MANIFEST}: missing, but this checkpoint was saved by modelparallel, "
+                               "which always writes it: without it no file's checksum can be verified (a damaged or "
+                               "altered file would load). Restore the whole directory, or load it unverified with "
+                               "torch.distributed.checkpoint.load")
 
 
 def discard(staging: Path) -> None:

@@ -285,5 +285,5 @@ def _commit(pending: PendingSave, gathered: list) -> None:
     for name, data in pending.extra_files.items():
         with open(pending.staging / name, "wb") as f:
             f.write(data)
-    pending.writer.finish(metadata=pending.metadata, results=[r for r, _ in gathered])
+    pending.writer.finish(metadata=directory.marked(pending.metadata), results=[r for r, _ in gathered])
     directory.commit_checkpoint(pending.staging, Path(pending.path), {k: v for _, s in gathered for k, v in s.items()})

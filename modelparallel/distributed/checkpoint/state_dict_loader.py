@@ -34,7 +34,7 @@ from ...compat import flatten_state_dict
 from ...checkpoint.paused_gc import paused_gc
 from . import directories, saving, stages
 from .async_utils import wait_for_staging
-from .directory import checkpoint_files
+from .directory import check_manifest_kept, checkpoint_files
 from .group_blocks import for_group
 from .state_dict_utils import LOCAL_LAYOUT_FILE, check_local_group, local_layouts
 from .verified_load import load_all_or_nothing
@@ -164,6 +164,7 @@ def load(state_dict, *, checkpoint_id: str | os.PathLike | None = None, storage_
         try:
             check_local_group(state_dict, group.members, "load")
             files = checkpoint_files(path)
+            check_manifest_kept(files)
             problems = _layout_problems(state_dict, files)
             problems += _problems(state_dict, files.metadata(""), check_keys_matched)
             if problems:

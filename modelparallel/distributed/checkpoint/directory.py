@@ -87,6 +87,7 @@ def remove_leftovers(final: Path) -> list[str]:
     ours = re.compile(r"^\.mp-(staging|trash)-[0-9a-f]{12}-" + re.escape(final.name) + "$")
     if not final.parent.is_dir():
         return []
+    commit.restore_swapped_out(final.parent, final.name)
     with os.scandir(final.parent) as entries:
         doomed = sorted(e.name for e in entries if ours.match(e.name) and e.is_dir(follow_symlinks=False))
     for name in doomed:

@@ -85,10 +85,14 @@ def _shard_of(units) -> dict:
     directory saved by another shard (a directory name computed from the wrong rank)."""
     from ... import runtime
 
+    from ...training.replication import Ranker
+
     places = {0 if u.sharding_strategy == ShardingStrategy.NO_SHARD else dist.get_rank(u.process_group)
               for u in units}
     shard = {"fsdp_shard_rank": places.pop() if len(places) == 1 else None}
     if runtime.is_initialized():
+        if not units:  # FSDP2 (fully_shard) or none: the job's layout says where this rank's shard is
+            shard["fsdp_shard_rank"] = Ranker.of(runtime.current()).get_shard_rank()
         shard.update(tensor_parallel_rank=runtime.tp_rank(), expert_parallel_rank=runtime.ep_rank())
     return shard
 

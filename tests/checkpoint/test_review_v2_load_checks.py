@@ -47,15 +47,17 @@ def test_a_load_into_meta_tensors_is_refused_naming_the_key(tmp_path):
         assert unchanged, "a refused load changed the state dict"
 
 
-def other_shards_directory(root: str) -> tuple[str, bool]:
-    """FSDP over both ranks (tensor parallel degree 1): each rank saves its local shard into its
-    own directory over its replication group (itself), then loads the other rank's."""
+def other_shards_directory(root: str, wrapper: str) -> tuple[str, bool]:
+    """FSDP (``wrapper``: FSDP1 or FSDP2's ``fully_shard``) over both ranks (tensor parallel
+    degree 1): each rank saves its local shard into its own directory over its replication group
+    (itself), then loads the other rank's."""
     import modelparallel as tsm
     from modelparallel.distributed.checkpoint.state_dict_utils import SMStateDictType, sm_state_dict_type
+    from test_v2_fsdp2_local import build as build_fsdp2
     from v2_script import build, replication_group
 
     tsm.init({"tensor_parallel_degree": 1})
-    model, _ = build()
+    model, _ = build() if wrapper == "fsdp1" else build_fsdp2(0)
     group, coordinator = replication_group()
     rank = dist.get_rank()
     with sm_state_dict_type(model, SMStateDictType.SM_LOCAL_STATE_DICT):
@@ -74,10 +76,10 @@ def other_shards_directory(root: str) -> tuple[str, bool]:
     return str(info.value).splitlines()[0], unchanged
 
 
-def test_a_local_directory_of_another_shard_is_refused(tmp_path):
-    """Both ranks' flat shards have the same keys and shapes: only the recorded shard tells them
-    apart."""
-    for rank, (first, unchanged) in enumerate(harness.run(2, other_shards_directory, str(tmp_path))):
+@pytest.mark.parametrize("wrapper", ["fsdp1", "fsdp2"])
+def test_a_local_directory_of_another_shard_is_refused(tmp_path, wrapper):
+    """Both ranks' shards have the same keys and shapes: only the recorded shard tells them apart."""
+    for rank, (first, unchanged) in enumerate(harness.run(2, other_shards_directory, str(tmp_path), wrapper)):
         want = (rf"fsdp{1 - rank}: model: this directory holds the local shard with expert_parallel_rank 0, "
                 rf"fsdp_shard_rank {1 - rank}, tensor_parallel_rank 0, rank {rank} holds the one with "
                 rf"expert_parallel_rank 0, fsdp_shard_rank {rank}, ")

@@ -1,6 +1,7 @@
 """Ordinary mistakes a v2 load (``state_dict_loader.load``) must refuse rather than "succeed"
 at, on 2 ranks: loading into tensors still on the meta device (a delayed-init model not yet
-materialized: a load into them changes nothing, and reported success), and a local
+materialized: a load into them changes nothing, and reported success) or into an expanded view
+(a bare RuntimeError after other tensors were already loaded), and a local
 (``SM_LOCAL_STATE_DICT``) checkpoint directory saved by another shard (a directory name computed
 from the wrong rank: every shard has the same keys and shapes, so it loaded the other shard's
 values silently), and a checkpoint of ours whose manifest was removed (it loaded as a plain DCP
@@ -31,19 +32,25 @@ from modelparallel.distributed.checkpoint.state_dict_saver import save
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed" / "checkpoint"))
 
 
-def meta_target(root: str) -> tuple[str, bool]:
-    """A state dict whose ``w`` is on the meta device; its other tensor must stay as it was."""
+def unwritable_target(root: str, kind: str) -> tuple[str, bool]:
+    """A state dict whose ``w`` a load cannot write (on the meta device, or an expanded view);
+    its other tensors must stay as they were."""
     path = os.path.join(root, "ck")
-    save({"w": torch.arange(6.0), "b": torch.full((3,), 2.0)}, checkpoint_id=path)
-    target = {"w": torch.empty(6, device="meta"), "b": torch.zeros(3)}
+    save({"a": torch.full((3,), 2.0), "w": torch.arange(6.0), "b": torch.full((3,), 2.0)}, checkpoint_id=path)
+    w = torch.empty(6, device="meta") if kind == "meta" else torch.zeros(1).expand(6)
+    target = {"a": torch.zeros(3), "w": w, "b": torch.zeros(3)}
     with pytest.raises(CheckpointError) as info:
         load(target, checkpoint_id=path)
-    return str(info.value).splitlines()[0], bool((target["b"] == 0).all())
+    return str(info.value).splitlines()[0], bool((target["a"] == 0).all() and (target["b"] == 0).all())
 
 
-def test_a_load_into_meta_tensors_is_refused_naming_the_key(tmp_path):
-    for first, unchanged in harness.run(2, meta_target, str(tmp_path)):
-        assert re.search(r"ck: w: a tensor on the meta device, which a load cannot change", first), first
+@pytest.mark.parametrize("kind,says", [("meta", "a tensor on the meta device, which a load cannot change"),
+                                       ("expanded", r"an expanded view \(stride 0 along a dimension of size > 1\)")])
+def test_a_load_into_tensors_it_cannot_write_is_refused_naming_the_key(tmp_path, kind, says):
+    """On the meta device the load changed nothing and reported success; into an expanded view it
+    raised a bare RuntimeError after ``a`` was already loaded (not all or nothing)."""
+    for first, unchanged in harness.run(2, unwritable_target, str(tmp_path), kind):
+        assert re.search(rf"ck: w: {says}", first), first
         assert unchanged, "a refused load changed the state dict"
 
 

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from ...checkpoint.safety.files import CheckpointFiles
 from ...checkpoint.safety.safe_open import resolve_named
 from ...compat import flatten_state_dict
+from ...tp.layout import local_part
 from ...checkpoint.paused_gc import paused_gc
 from . import directories, saving, stages
 from .async_utils import wait_for_staging
@@ -56,6 +57,11 @@ def _problems(state_dict, metadata, check_keys: bool) -> list[str]:
             if value.is_meta:
                 out.append(f"{key}: a tensor on the meta device, which a load cannot change (materialize the model "
                            "first, e.g. to_empty() and its initialization, then load)")
+                continue
+            local = local_part(value)
+            if any(n > 1 and st == 0 for n, st in zip(local.shape, local.stride())):
+                out.append(f"{key}: an expanded view (stride 0 along a dimension of size > 1), which a load cannot "
+                           "write into without the others' values ending in the same memory: clone() it first")
                 continue
             if not isinstance(md, TensorStorageMetadata):
                 out.append(f"{key}: saved as an object, asked for as a tensor")

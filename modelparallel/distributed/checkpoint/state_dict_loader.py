@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ...checkpoint.safety.files import CheckpointFiles
 from ...checkpoint.safety.safe_open import resolve_named
-from ...compat import flatten_state_dict
+from ...compat import ShardedTensor, flatten_state_dict
 from ...tp.layout import local_part
 from ...checkpoint.paused_gc import paused_gc
 from . import directories, saving, stages
@@ -58,8 +58,8 @@ def _problems(state_dict, metadata, check_keys: bool) -> list[str]:
                 out.append(f"{key}: a tensor on the meta device, which a load cannot change (materialize the model "
                            "first, e.g. to_empty() and its initialization, then load)")
                 continue
-            local = local_part(value)
-            if any(n > 1 and st == 0 for n, st in zip(local.shape, local.stride())):
+            parts = [s.tensor for s in value.local_shards()] if isinstance(value, ShardedTensor) else [local_part(value)]
+            if any(n > 1 and st == 0 for t in parts for n, st in zip(t.shape, t.stride())):
                 out.append(f"{key}: an expanded view (stride 0 along a dimension of size > 1), which a load cannot "
                            "write into without the others' values ending in the same memory: clone() it first")
                 continue

@@ -41,7 +41,8 @@ from .errors import CheckpointError
 from .files import check_file, read_small
 from .lock import LOCK, DirectoryLock, DirectoryLocked  # noqa: F401 - part of this module's API
 from .manifest import (  # noqa: F401 - part of this module's API
-    MANIFEST, ManifestError, check_committed, manifest_problems, read_manifest, safe_name, unlisted_files)
+    MANIFEST, TRASH, ManifestError, check_committed, manifest_problems, read_manifest, restore_swapped_out, safe_name,
+    unlisted_files)
 from ..save.stream import named
 
 logger = logging.getLogger("modelparallel")
@@ -209,7 +210,8 @@ def commit_dir(staging: str | Path, final: str | Path) -> None:
     """Make the complete ``staging`` directory visible as ``final`` in one atomic step.
 
     An existing ``final`` (same tag saved again) is swapped out whole and then deleted; where
-    an atomic swap is unavailable it is first moved aside, leaving a short window without it.
+    an atomic swap is unavailable it is first moved aside, leaving a short window without it
+    (a crash there leaves it whole as ``.mp-trash-...``, which ``restore_swapped_out`` puts back).
     """
     staging, final = Path(staging), Path(final)
     fsync_tree(staging)
@@ -217,7 +219,11 @@ def commit_dir(staging: str | Path, final: str | Path) -> None:
         if not _exchange(staging, final):
             aside = final.parent / hidden_name("trash", new_nonce(), final.name)
             os.rename(final, aside)
-            os.rename(staging, final)
+            try:
+                os.rename(staging, final)
+            except BaseException:
+                os.rename(aside, final)  # the old checkpoint back under its name
+                raise
             staging = aside
         fsync_path(final.parent)
         remove_dir(staging)
@@ -247,6 +253,9 @@ def clean_leftovers(path: str | Path) -> list[str]:
     ``DirectoryLock``: then no other live job has anything in ``path``."""
     removed = []
     for entry in sorted(Path(path).iterdir()):
+        trash = TRASH.match(entry.name)
+        if trash and restore_swapped_out(path, trash.group(1)):
+            continue
         if _OURS.match(entry.name):
             shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
             removed.append(entry.name)

@@ -9,6 +9,7 @@ manifest lists: anything else would load unverified.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from pathlib import Path
@@ -19,6 +20,8 @@ from .files import UnsafeCheckpointError, inside, read_json
 MANIFEST = "checkpoint_manifest.json"
 FORMATS = ("modelparallel-partial", "modelparallel-full", "modelparallel-dcp")
 """A partial (``smp.save_checkpoint``), a full one, and one DCP directory (the v2 API's saves)."""
+TRASH = re.compile(r"^\.mp-trash-[0-9a-f]{12}-(.+)$")
+"""A directory a commit or a deletion moved aside (``commit.hidden_name("trash", ...)``)."""
 MAX_MANIFEST_BYTES = 16 * 2**20
 """Largest manifest read (a manifest lists files: ~100 bytes each, so about 150,000 of them);
 anything larger is refused before it is read, so a crafted one cannot exhaust memory."""
@@ -153,3 +156,30 @@ def check_committed(directory: str | Path, manifest: dict) -> None:
                             f"{entry['size']} written")
     if problems:
         raise OSError("the committed checkpoint is not what was written: " + "; ".join(problems))
+
+
+def restore_swapped_out(parent: str | Path, name: str) -> bool:
+    """Put back ``parent/name`` from the copy a commit moved aside (``.mp-trash-{nonce}-{name}``)
+    when a crash came before the new one took its place: only while ``name`` is absent, and only
+    a copy whose manifest and files are whole (a half-deleted one stays trash). Returns whether
+    one was restored."""
+    parent, final = Path(parent), Path(parent) / name
+    if os.path.lexists(final) or not parent.is_dir():
+        return False
+    for entry in sorted(parent.iterdir()):
+        trash = TRASH.match(entry.name)
+        if trash and trash.group(1) == name and entry.is_dir() and not entry.is_symlink():
+            try:
+                check_committed(entry, read_manifest(entry))
+            except (OSError, ValueError, CheckpointError):
+                continue
+            os.rename(entry, final)
+            fd = os.open(parent, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # the name back on disk
+            finally:
+                os.close(fd)
+            logging.getLogger("modelparallel").warning("restored %s from %s, which an interrupted commit left aside",
+                                                       final, entry.name)
+            return True
+    return False

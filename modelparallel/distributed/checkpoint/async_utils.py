@@ -65,8 +65,9 @@ class AsyncCallsQueue:
         about to be reused; its errors are raised when it is finalized)."""
         if self.saver.job is not None:
             self.saver.job.join()
-        pending = saving.start(state_dict, writer, planner, group, self.saver, self.plans, self.staging,
-                               busy=self.pending_paths)
+        busy = {path: False for queue in list(_LIVE) if queue is not self for path in queue.pending_paths}
+        busy.update((path, True) for path in self.pending_paths)
+        pending = saving.start(state_dict, writer, planner, group, self.saver, self.plans, self.staging, busy=busy)
         pending.extra_files.update(extra_files or {})
         index = self._next_index
         self._next_index += 1

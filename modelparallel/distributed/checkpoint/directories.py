@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from ... import devices
 from .group_blocks import block_of
 from .outcome import Group
-from .saving import writer_for
+from .directory import writer_for
 
 
 def split(group: Group, path) -> dict[str, list[int]] | None:

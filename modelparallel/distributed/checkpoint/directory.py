@@ -12,11 +12,14 @@ The committed directory is what ``torch.distributed.checkpoint.save`` writes (``
 plain DCP tools read it as any DCP checkpoint. A load opens it through
 ``files.CheckpointFiles``: only the files the manifest lists, each a regular file inside,
 verified as it is read. A directory plain DCP wrote (no manifest) loads the same way with sizes
-taken from the directory and no checksums to compare.
+taken from the directory and no checksums to compare, unless its ``.metadata`` says this library
+saved it (``SAVED_BY``, which plain DCP ignores): then the manifest was lost or removed, and the
+load is refused rather than silently done without checksums.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -25,14 +28,20 @@ from pathlib import Path
 
 import torch
 
+from torch.distributed.checkpoint import FileSystemWriter, StorageWriter
+
 from ...checkpoint.safety import commit
-from ...checkpoint.safety.files import CheckpointFiles
+from ...checkpoint.safety.files import CheckpointFiles, CorruptFileError
 from ...checkpoint.safety.manifest import MANIFEST, read_manifest
+from ...checkpoint.save.writer import CheckpointWriter
 
 FORMAT = "modelparallel-dcp"
 _CHECKPOINT_FILE = re.compile(r"^(\.metadata(\.tmp)?|__\d+\.metadata|__\d+_\d+\.distcp|"
                               + re.escape(MANIFEST) + r"|\.sm_local_layout\.json)$")
 """The names a DCP checkpoint directory holds (a save may replace a directory of only these)."""
+SAVED_BY = "modelparallel.manifest"
+"""Key of ``Metadata.planner_data`` (DCP's flattening record, read by key, so an extra key is
+ignored) that marks a checkpoint this library saved: it has a manifest."""
 
 
 def check_replaceable(final: Path) -> None:
@@ -57,6 +66,20 @@ def check_replaceable(final: Path) -> None:
                          "this one: move those away or choose another checkpoint_id")
 
 
+def check_not_pending(final: Path, busy: dict) -> None:
+    """Refuse a save of ``final`` while another queue has one pending (``busy``: path -> whether
+    in the saving queue): its staging directory would be taken for a leftover, and the older
+    save would commit over this one.
+
+    Raises:
+        ValueError: naming ``final``.
+    """
+    if busy.get(str(final)) is False:
+        raise ValueError(f"{final}: an asynchronous save of it is still pending in another queue (not finalized); "
+                         "finalize it first (maybe_finalize_async_calls(blocking=True)) or save to another "
+                         "checkpoint_id")
+
+
 def remove_leftovers(final: Path) -> list[str]:
     """Remove the hidden directories that interrupted saves of ``final`` left beside it (named
     as ``new_staging`` and ``commit.remove_dir`` name them; nothing else). Only while no other
@@ -64,6 +87,7 @@ def remove_leftovers(final: Path) -> list[str]:
     ours = re.compile(r"^\.mp-(staging|trash)-[0-9a-f]{12}-" + re.escape(final.name) + "$")
     if not final.parent.is_dir():
         return []
+    commit.restore_swapped_out(final.parent, final.name)
     with os.scandir(final.parent) as entries:
         doomed = sorted(e.name for e in entries if ours.match(e.name) and e.is_dir(follow_symlinks=False))
     for name in doomed:
@@ -103,6 +127,28 @@ def commit_checkpoint(staging: Path, final: Path, sums: dict[str, dict]) -> None
     commit.check_committed(final, manifest)
 
 
+def marked(metadata):
+    """``metadata`` marked as saved here (``SAVED_BY``); unchanged when its ``planner_data`` is
+    not DCP's dict (a custom planner's)."""
+    if not isinstance(metadata.planner_data, dict):
+        return metadata
+    return dataclasses.replace(metadata, planner_data={**metadata.planner_data, SAVED_BY: MANIFEST})
+
+
+def check_manifest_kept(files: CheckpointFiles) -> None:
+    """Refuse a checkpoint without a manifest whose ``.metadata`` says this library saved it.
+
+    Raises:
+        CorruptFileError: naming the missing manifest.
+    """
+    data = files.metadata("").planner_data
+    if files.manifest["format"] != FORMAT and isinstance(data, dict) and SAVED_BY in data:
+        raise CorruptFileError(f"{files.directory / MANIFEST}: missing, but this checkpoint was saved by modelparallel, "
+                               "which always writes it: without it no file's checksum can be verified (a damaged or "
+                               "altered file would load). Restore the whole directory, or load it unverified with "
+                               "torch.distributed.checkpoint.load")
+
+
 def discard(staging: Path) -> None:
     shutil.rmtree(staging, ignore_errors=True)
 
@@ -130,3 +176,23 @@ def checkpoint_files(path: Path) -> CheckpointFiles:
     if ".metadata" not in files:
         raise FileNotFoundError(f"{path} is not a complete checkpoint: no .metadata (nor {MANIFEST})")
     return CheckpointFiles(path, {"format": "dcp", "files": files})
+
+
+def writer_for(checkpoint_id, storage_writer: StorageWriter | None) -> StorageWriter:
+    """The storage writer a call names: the one given, else a ``FileSystemWriter`` at
+    ``checkpoint_id`` (a local or shared file system path)."""
+    if storage_writer is not None:
+        if not isinstance(storage_writer, FileSystemWriter):
+            raise NotImplementedError(f"storage_writer={type(storage_writer).__name__}: only file system writers "
+                                      "(FileSystemWriter, DistributedFileSystemWriter) are supported: a save is "
+                                      "committed by renaming a directory")
+        if checkpoint_id is not None:
+            storage_writer.reset(checkpoint_id)
+        return storage_writer
+    if checkpoint_id is None:
+        raise ValueError("a checkpoint save needs checkpoint_id (a directory) or storage_writer")
+    path = os.fspath(checkpoint_id)
+    if "://" in path:
+        raise NotImplementedError(f"checkpoint_id={path!r}: only file system paths are supported here "
+                                  "(S3 checkpoints are not built; mount the bucket or copy after saving)")
+    return CheckpointWriter(path)

@@ -80,3 +80,18 @@ def collective_outcome(group: Group, error: BaseException | None, what: str, pay
             f"{lead} (rank {failed[0][0]}, during {what})\n{what} failed on {len(failed)} of {len(outcomes)} ranks:"
             f"\n  {lines}") from error
     return [p for _, p in outcomes]
+
+
+def check_coordinators(group: Group, coordinators: list[int], what: str) -> None:
+    """Raise on every rank when the ranks of ``group`` named different coordinators
+    (``coordinators``: every rank's, as gathered): each would gather the plans itself, and every
+    rank would wait in that collective until it timed out.
+
+    Raises:
+        CheckpointSaveError: naming ``what`` and each rank's coordinator.
+    """
+    if len(set(coordinators)) > 1:
+        named = dict(zip(group.members, coordinators))
+        raise CheckpointSaveError(f"{what}: the ranks name different coordinators (global rank -> coordinator_rank: "
+                                  f"{named}); pass the same coordinator_rank on every rank of the process group, e.g. "
+                                  "min(get_global_ranks(group))")

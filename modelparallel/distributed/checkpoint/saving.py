@@ -39,17 +39,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter, SavePlanner, StorageWriter
+from torch.distributed.checkpoint import DefaultSavePlanner, SavePlanner, StorageWriter
 
 from ... import devices
 from ...checkpoint.background.async_save import AsyncSaver, Job
 from ...checkpoint.background.deferred import Early
-from ...checkpoint.save.writer import CheckpointWriter
 from . import directory
 from .group_blocks import for_group
-from .outcome import CheckpointLoadError, CheckpointSaveError, Group, collective_outcome, group_of  # noqa: F401
+from .outcome import (CheckpointLoadError, CheckpointSaveError, Group, collective_outcome, group_of,  # noqa: F401
+                      check_coordinators)
 from .staging import StagedPlanner, deferrable, stage
-from .state_dict_utils import check_local_group, check_objects
+from .state_dict_utils import check_local_group, check_objects, check_plans_agree
 
 
 @dataclass
@@ -126,6 +126,7 @@ def _global_plan(planner: SavePlanner, writer: StorageWriter, group: Group, loca
     scatter: list = [None] * len(group.members)
     if group.is_coordinator:
         try:
+            check_plans_agree(plans, group.members)
             plans, metadata = planner.create_global_plan(plans)
             scatter = writer.prepare_global_plan(plans)
         except Exception as e:  # noqa: BLE001 - sent to every rank below
@@ -140,8 +141,10 @@ def _global_plan(planner: SavePlanner, writer: StorageWriter, group: Group, loca
 def _prepare(state_dict, writer: StorageWriter, group: Group, busy) -> Path:
     """Before anything is written (a collective): a local state dict only over ranks holding
     the same tensors; the coordinator checks that ``checkpoint_id`` may be replaced, removes what
-    interrupted saves of it left (unless a save of it is still pending: ``busy``) and makes the
-    staging directory, which every rank's writer then writes into. Returns that directory."""
+    interrupted saves of it left (unless a save of it is still pending: ``busy``, path -> whether
+    in this queue) and makes the staging directory, which every rank's writer then writes into.
+    A save of a path another queue has pending is refused: its staging directory would be taken
+    for a leftover, and the older save would commit over this one. Returns that directory."""
     final = Path(writer.path)
     error, name = None, None
     try:
@@ -149,26 +152,34 @@ def _prepare(state_dict, writer: StorageWriter, group: Group, busy) -> Path:
         check_objects(state_dict)
         if group.is_coordinator:
             directory.check_replaceable(final)
+            directory.check_not_pending(final, busy)
             if str(final) not in busy:
                 directory.remove_leftovers(final)
             name = directory.new_staging(final).name
     except Exception as e:  # noqa: BLE001 - every rank must hear of it
         error = e
-    names = collective_outcome(group, error, f"checkpoint save to {final} (prepare)", name)
-    staging = final.parent / names[group.members.index(group.coordinator)]
+    names = collective_outcome(group, error, f"checkpoint save to {final} (prepare)", (name, group.coordinator))
+    try:
+        check_coordinators(group, [c for _, c in names], f"checkpoint save to {final}")
+    except CheckpointSaveError:
+        if name is not None:  # this rank took itself for the coordinator
+            directory.discard(final.parent / name)
+        raise
+    staging = final.parent / names[group.members.index(group.coordinator)][0]
     writer.reset(staging)
     return staging
 
 
 @torch.no_grad()  # nothing here is differentiated; a DTensor's to_local() is then its local tensor, no autograd view
 def start(state_dict, writer: StorageWriter, planner: SavePlanner | None, group: Group, saver: AsyncSaver,
-          cache: PlanCache, staging: str = "background", busy=()) -> PendingSave:
+          cache: PlanCache, staging: str = "background", busy=None) -> PendingSave:
     """Plan (collectively; a default planner's plan is cached), stage into ``saver``'s buffers
     and start writing ``state_dict`` in its thread. ``staging``: ``"background"`` (what only an
     optimizer step changes is copied by the writer thread first, the optimizers' next step
     waiting for it), ``"call"`` (everything copied here), ``"none"`` (no copy: for a save
     finished before training goes on). A staging failure fails this rank's write (raised on
-    every rank by ``finish``). ``busy``: checkpoint paths with a save still pending."""
+    every rank by ``finish``). ``busy``: checkpoint paths with a save still pending, each with
+    whether it is pending in the calling queue (finalized in order after this one) or another."""
     custom = planner is not None
     planner = planner or DefaultSavePlanner()
     final = Path(writer.path)  # before _prepare points the writer at the staging directory
@@ -206,7 +217,7 @@ def _plan_and_stage(state_dict, writer, planner, custom: bool, group: Group, sav
     """``start``'s collective part: (staged items, staging error, plan, metadata, hidden directory)."""
     final = Path(writer.path)
     with for_group(state_dict, group.pg):
-        hidden = _prepare(state_dict, writer, group, set(busy))
+        hidden = _prepare(state_dict, writer, group, dict(busy or {}))
         try:
             plan, metadata = _plan(state_dict, writer, planner, group, None if custom else cache)
         except BaseException:
@@ -274,25 +285,5 @@ def _commit(pending: PendingSave, gathered: list) -> None:
     for name, data in pending.extra_files.items():
         with open(pending.staging / name, "wb") as f:
             f.write(data)
-    pending.writer.finish(metadata=pending.metadata, results=[r for r, _ in gathered])
+    pending.writer.finish(metadata=directory.marked(pending.metadata), results=[r for r, _ in gathered])
     directory.commit_checkpoint(pending.staging, Path(pending.path), {k: v for _, s in gathered for k, v in s.items()})
-
-
-def writer_for(checkpoint_id, storage_writer: StorageWriter | None) -> StorageWriter:
-    """The storage writer a call names: the one given, else a ``FileSystemWriter`` at
-    ``checkpoint_id`` (a local or shared file system path)."""
-    if storage_writer is not None:
-        if not isinstance(storage_writer, FileSystemWriter):
-            raise NotImplementedError(f"storage_writer={type(storage_writer).__name__}: only file system writers "
-                                      "(FileSystemWriter, DistributedFileSystemWriter) are supported: a save is "
-                                      "committed by renaming a directory")
-        if checkpoint_id is not None:
-            storage_writer.reset(checkpoint_id)
-        return storage_writer
-    if checkpoint_id is None:
-        raise ValueError("a checkpoint save needs checkpoint_id (a directory) or storage_writer")
-    path = os.fspath(checkpoint_id)
-    if "://" in path:
-        raise NotImplementedError(f"checkpoint_id={path!r}: only file system paths are supported here "
-                                  "(S3 checkpoints are not built; mount the bucket or copy after saving)")
-    return CheckpointWriter(path)

@@ -30,11 +30,12 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ...checkpoint.safety.files import CheckpointFiles
 from ...checkpoint.safety.safe_open import resolve_named
-from ...compat import flatten_state_dict
+from ...compat import ShardedTensor, flatten_state_dict
+from ...tp.layout import local_part
 from ...checkpoint.paused_gc import paused_gc
 from . import directories, saving, stages
 from .async_utils import wait_for_staging
-from .directory import checkpoint_files
+from .directory import check_manifest_kept, checkpoint_files
 from .group_blocks import for_group
 from .state_dict_utils import LOCAL_LAYOUT_FILE, check_local_group, local_layouts
 from .verified_load import load_all_or_nothing
@@ -53,6 +54,15 @@ def _problems(state_dict, metadata, check_keys: bool) -> list[str]:
             continue
         if torch.is_tensor(value):
             md = saved[key]
+            if value.is_meta:
+                out.append(f"{key}: a tensor on the meta device, which a load cannot change (materialize the model "
+                           "first, e.g. to_empty() and its initialization, then load)")
+                continue
+            parts = [s.tensor for s in value.local_shards()] if isinstance(value, ShardedTensor) else [local_part(value)]
+            if any(n > 1 and st == 0 for t in parts for n, st in zip(t.shape, t.stride())):
+                out.append(f"{key}: an expanded view (stride 0 along a dimension of size > 1), which a load cannot "
+                           "write into without the others' values ending in the same memory: clone() it first")
+                continue
             if not isinstance(md, TensorStorageMetadata):
                 out.append(f"{key}: saved as an object, asked for as a tensor")
             elif tuple(md.size) != tuple(value.size()):
@@ -77,7 +87,16 @@ def _layout_problems(state_dict, files: CheckpointFiles) -> list[str]:
                 out.append(f"{key or 'state dict'}: a local checkpoint saved with {name} {old.get(name)} loads only "
                            f"into the same sharding; this job has {layout.get(name)} (the number of replicas may "
                            "change; save a sharded SHARDED_STATE_DICT checkpoint to change the sharding)")
+        if not out and isinstance(old, dict) and "shard" in old and old["shard"] != layout.get("shard"):
+            out.append(f"{key or 'state dict'}: this directory holds the local shard with {_words(old['shard'])}, "
+                       f"rank {dist.get_rank()} holds the one with {_words(layout.get('shard'))} (same keys and "
+                       "shapes, other values): each rank loads the directory its own shard saved; check how the "
+                       "directory name is computed")
     return out
+
+
+def _words(shard) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(shard.items())) if isinstance(shard, dict) else repr(shard)
 
 
 _READS = ("read_metadata", "read_data", "set_up_storage_reader", "prepare_local_plan", "prepare_global_plan")
@@ -151,6 +170,7 @@ def load(state_dict, *, checkpoint_id: str | os.PathLike | None = None, storage_
         try:
             check_local_group(state_dict, group.members, "load")
             files = checkpoint_files(path)
+            check_manifest_kept(files)
             problems = _layout_problems(state_dict, files)
             problems += _problems(state_dict, files.metadata(""), check_keys_matched)
             if problems:

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint import SavePlanner, StorageWriter
 
 from ... import runtime
 from ...checkpoint.paused_gc import paused_gc
-from . import directories, saving, stages
+from . import directories, directory, saving, stages
 from .async_utils import AsyncCallsQueue
 from .state_dict_utils import LOCAL_LAYOUT_FILE, local_layouts
 
@@ -103,7 +103,7 @@ def async_save(state_dict, *, checkpoint_id: str | os.PathLike | None = None,
     del wait_error_handling, force_check_all_plans
     _refuse_unsupported(sharded_strategy, s3_region, s3client_config)
     group = saving.group_of(process_group, coordinator_rank)
-    writer = saving.writer_for(checkpoint_id, storage_writer)
+    writer = directory.writer_for(checkpoint_id, storage_writer)
     queue = queue or _default_queue()
     if queue is None:
         raise RuntimeError("async_save without queue= uses the job's queue: call torch.sagemaker.init() "

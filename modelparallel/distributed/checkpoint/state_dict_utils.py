@@ -30,8 +30,8 @@ from ...tp.layout import local_part
 from ...training.flat_grads import flattened_by_fsdp1, fsdp1_units
 from .optim_init import init_optim_state
 
-__all__ = ["LOCAL_LAYOUT_FILE", "LocalStateDict", "SMStateDictType", "check_local_group", "init_optim_state",
-           "local_layouts", "sm_state_dict_type"]
+__all__ = ["LOCAL_LAYOUT_FILE", "LocalStateDict", "SMStateDictType", "check_local_group", "check_plans_agree",
+           "init_optim_state", "local_layouts", "sm_state_dict_type"]
 
 LOCAL_LAYOUT_FILE = ".sm_local_layout.json"
 _WRAPPER_SEGMENTS = {"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod", "module"}
@@ -78,6 +78,25 @@ def _shard_degree(units) -> int | None:
     return degrees.pop() if len(degrees) == 1 else None
 
 
+def _shard_of(units) -> dict:
+    """Which shard this rank holds: its place in its FSDP shard group and its tensor- and
+    expert-parallel ranks (the same on every replica of the shard, whatever the number of
+    replicas). Two shards of one model have the same keys and shapes, so only this tells a
+    directory saved by another shard (a directory name computed from the wrong rank)."""
+    from ... import runtime
+
+    from ...training.replication import Ranker
+
+    places = {0 if u.sharding_strategy == ShardingStrategy.NO_SHARD else dist.get_rank(u.process_group)
+              for u in units}
+    shard = {"fsdp_shard_rank": places.pop() if len(places) == 1 else None}
+    if runtime.is_initialized():
+        if not units:  # FSDP2 (fully_shard) or none: the job's layout says where this rank's shard is
+            shard["fsdp_shard_rank"] = Ranker.of(runtime.current()).get_shard_rank()
+        shard.update(tensor_parallel_rank=runtime.tp_rank(), expert_parallel_rank=runtime.ep_rank())
+    return shard
+
+
 def local_state_dict(model: nn.Module) -> LocalStateDict:
     """This rank's tensors of ``model``, as it holds them (the model's own memory)."""
     out = LocalStateDict()
@@ -102,7 +121,7 @@ def local_state_dict(model: nn.Module) -> LocalStateDict:
 
     tp = runtime.current().config.tensor_parallel_degree if runtime.is_initialized() else 1
     out.replicas = _replicas()
-    out.layout = {"fsdp_shard_degree": _shard_degree(units), "tensor_parallel_degree": tp,
+    out.layout = {"fsdp_shard_degree": _shard_degree(units), "tensor_parallel_degree": tp, "shard": _shard_of(units),
                   "shapes": {k: list(v.shape) for k, v in out.items()}}
     return out
 
@@ -150,6 +169,30 @@ def check_objects(state_dict) -> None:
             check_loadable(obj, f"state dict entry {path!r}", escape="")
 
     visit(state_dict, "")
+
+
+def check_plans_agree(plans: list, members: list[int]) -> None:
+    """Every rank's save plan (``plans``, in the order of ``members``) gives each key one kind,
+    shape and dtype. DCP keeps one rank's copy of a plain tensor saved by several (it takes them
+    for replicas) and the first rank's size for a sharded one, so a key whose shape differs
+    between ranks would lose the others' tensors while the save reports success (and their load
+    fail). Values are not compared (that would read every replicated tensor).
+
+    Raises:
+        ValueError: naming the first such key and what each rank saves under it.
+    """
+    seen: dict[str, dict] = {}
+    for rank, plan in zip(members, plans):
+        for item in plan.items:
+            data = item.tensor_data
+            kind = "an object" if data is None else f"{tuple(data.size)} {data.properties.dtype}"
+            seen.setdefault(item.index.fqn, {}).setdefault(kind, []).append(rank)
+    for fqn, kinds in seen.items():
+        if len(kinds) > 1:
+            raise ValueError(f"state dict entry {fqn!r} differs between the ranks saving it ("
+                             + "; ".join(f"ranks {ranks}: {kind}" for kind, ranks in kinds.items()) + "): a key saved "
+                             "by several ranks holds one tensor (a replica, or a DTensor's shards); give per-rank "
+                             "values their own keys")
 
 
 def check_local_group(state_dict, members: list[int], what: str = "save") -> None:

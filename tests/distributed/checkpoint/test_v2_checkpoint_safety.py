@@ -26,6 +26,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 import harness
 from modelparallel.checkpoint.safety.errors import CheckpointError
+from modelparallel.distributed.checkpoint.directory import SAVED_BY
 from modelparallel.distributed.checkpoint.state_dict_loader import load
 from modelparallel.distributed.checkpoint.state_dict_saver import save
 
@@ -149,8 +150,11 @@ def fifo_entry(root, manifest: bool):
             entries = json.loads((p / "checkpoint_manifest.json").read_text())
             entries["files"]["__1_0.distcp"] = {"size": 0, "crc32": "00000000"}
             (p / "checkpoint_manifest.json").write_text(json.dumps(entries))
-        else:
+        else:  # a directory plain DCP wrote: no manifest, no mark of ours in .metadata
             os.remove(p / "checkpoint_manifest.json")
+            metadata = _metadata(p)
+            metadata.planner_data.pop(SAVED_BY)
+            (p / ".metadata").write_bytes(pickle.dumps(metadata))
 
     return _refused(path, attack)
 

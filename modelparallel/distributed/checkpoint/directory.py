@@ -95,12 +95,18 @@ def remove_leftovers(final: Path) -> list[str]:
     return doomed
 
 
-def new_staging(final: Path) -> Path:
-    """A fresh hidden directory next to ``final`` (its parent created if needed)."""
+def staging_path(final: Path, nonce: int) -> Path:
+    """The hidden directory next to ``final`` a save with ``nonce`` (48 bits) writes into."""
+    return final.parent / commit.hidden_name("staging", f"{nonce:012x}", final.name)
+
+
+def new_staging(final: Path) -> int:
+    """Make a fresh hidden directory next to ``final`` (its parent created if needed); its nonce
+    (``staging_path`` names it: a number, so that the ranks learn it by an all-reduce)."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    staging = final.parent / commit.hidden_name("staging", commit.new_nonce(), final.name)
-    staging.mkdir()
-    return staging
+    nonce = int(commit.new_nonce(), 16)
+    staging_path(final, nonce).mkdir()
+    return nonce
 
 
 def fsynced_sums(staging: Path, names, known: dict[str, dict]) -> dict[str, dict]:

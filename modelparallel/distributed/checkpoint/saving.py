@@ -146,7 +146,7 @@ def _prepare(state_dict, writer: StorageWriter, group: Group, busy) -> Path:
     A save of a path another queue has pending is refused: its staging directory would be taken
     for a leftover, and the older save would commit over this one. Returns that directory."""
     final = Path(writer.path)
-    error, name = None, None
+    error, nonce = None, None
     try:
         check_local_group(state_dict, group.members)
         check_objects(state_dict)
@@ -155,19 +155,35 @@ def _prepare(state_dict, writer: StorageWriter, group: Group, busy) -> Path:
             directory.check_not_pending(final, busy)
             if str(final) not in busy:
                 directory.remove_leftovers(final)
-            name = directory.new_staging(final).name
+            nonce = directory.new_staging(final)
     except Exception as e:  # noqa: BLE001 - every rank must hear of it
         error = e
-    names = collective_outcome(group, error, f"checkpoint save to {final} (prepare)", (name, group.coordinator))
     try:
-        check_coordinators(group, [c for _, c in names], f"checkpoint save to {final}")
+        agreed = _agree_on_staging(group, error, nonce, f"checkpoint save to {final}")
     except CheckpointSaveError:
-        if name is not None:  # this rank took itself for the coordinator
-            directory.discard(final.parent / name)
+        if nonce is not None:  # this rank took itself for the coordinator
+            directory.discard(directory.staging_path(final, nonce))
         raise
-    staging = final.parent / names[group.members.index(group.coordinator)][0]
+    staging = directory.staging_path(final, agreed)
     writer.reset(staging)
     return staging
+
+
+def _agree_on_staging(group: Group, error: BaseException | None, nonce: int | None, what: str) -> int:
+    """The coordinator's staging nonce, on every rank (one all-reduce, a quarter of the time of
+    gathering objects: each asynchronous save's call pays it); an error on any rank, or ranks
+    naming different coordinators, is raised on every rank (then gathering every rank's word)."""
+    coordinator = group.coordinator
+    flags = torch.tensor([int(error is not None), nonce or 0, coordinator, -coordinator], dtype=torch.int64,
+                         device=devices.for_group(group.pg))
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group.pg)
+    if flags[0]:
+        collective_outcome(group, error, f"{what} (prepare)")
+    if flags[2] != -flags[3]:
+        coordinators: list = [None] * len(group.members)
+        dist.all_gather_object(coordinators, coordinator, group=group.pg)
+        check_coordinators(group, coordinators, what)
+    return int(flags[1])
 
 
 @torch.no_grad()  # nothing here is differentiated; a DTensor's to_local() is then its local tensor, no autograd view

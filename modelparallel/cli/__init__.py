@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 COMMANDS: dict[str, str] = {
@@ -54,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv  # kept so a launcher can start the same command on every rank
     try:
         return args._run(args, args._parser)
-    except KeyboardInterrupt:  # before any rank started (launched ranks report their own end)
-        print(f"\nmodelparallel {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt:  # before any rank started, or in a rank before its job began
+        from .outcome import STATUS_ENV
+
+        if not os.environ.get(STATUS_ENV):  # our launcher's ranks leave the one report to it
+            print(f"\nmodelparallel {args.command}: interrupted", file=sys.stderr)
         return 130

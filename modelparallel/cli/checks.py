@@ -23,6 +23,10 @@ least 1024), but attention over longer windows holds seq_len^2 scores per head a
 
 MAX_PORT = 65535
 
+MIN_TEMPERATURE = 1e-3
+"""Lowest ``--temperature`` above 0 (greedy): the sample divides the logits by it, and a tiny one
+(``1e-300``) makes them infinite, so the sample, run after all the training, would fail."""
+
 
 def _finite_problems(args: argparse.Namespace) -> list[str]:
     floats = [("--lr", args.lr), ("--weight-decay", args.weight_decay), ("--max-bytes", args.max_bytes),
@@ -30,13 +34,18 @@ def _finite_problems(args: argparse.Namespace) -> list[str]:
     problems = [f"{name} must be a finite number, got {value}" for name, value in floats if not math.isfinite(value)]
     if math.isfinite(args.weight_decay) and args.weight_decay < 0:
         problems.append(f"--weight-decay must be >= 0, got {args.weight_decay}")
+    if 0 < args.temperature < MIN_TEMPERATURE:
+        problems.append(f"--temperature {args.temperature} is below {MIN_TEMPERATURE}: the sample's logits divided by "
+                        "it overflow; use 0 for greedy decoding")
     return problems
 
 
 def _endpoint_problems(endpoint: str | None) -> list[str]:
-    port = (endpoint or "").rpartition(":")[2]
+    host, _, port = (endpoint or "").rpartition(":")
     if port.isdigit() and not 1 <= int(port) <= MAX_PORT:
         return [f"--rdzv-endpoint {endpoint}: the port must be in 1..{MAX_PORT}, got {int(port)}"]
+    if endpoint and port.isdigit() and not host.strip("[]"):
+        return [f"--rdzv-endpoint {endpoint}: no host before the port (HOST:PORT, the node-rank-0 machine)"]
     return []
 
 

@@ -103,6 +103,7 @@ def convert(source: Path, dest: Path, to: str) -> Path:
     if any(dest.glob("*.safetensors")):
         raise FileExistsError(f"{dest} already holds *.safetensors files; choose an empty directory")
     state_dict = _read_state_dict(source)
+    _refuse_converted(source, table, state_dict, to)
     converted = from_hf(table, state_dict) if to == "distributed" else to_hf(table, state_dict)
     dest.mkdir(parents=True, exist_ok=True)
     out = dest / "model.safetensors"
@@ -110,6 +111,30 @@ def convert(source: Path, dest: Path, to: str) -> Path:
                 lambda tmp: save_file(_without_aliases(converted), tmp, metadata={"format": "pt",
                                                                                   "modelparallel_format": to}))
     return out
+
+
+_FORMATS = {"hf": "Hugging Face", "distributed": "distributed"}
+
+
+def _refuse_converted(source: Path, table, state_dict: dict, to: str) -> None:
+    """Refuse a source already in the ``to`` format, as its first fused weight shows (the formats
+    differ only there): HF's ``[in, 3*out]`` has no dimension of ``chunks`` at the fused
+    dimension, ours ``[in, 3, out]`` has. Converted again, an HF one crashes and a distributed
+    one is silently reshaped into garbage."""
+    for key, tensor in state_dict.items():
+        try:
+            _, template, _ = table.match(table.model_key(key))
+        except KeyError:
+            continue  # from_hf / to_hf name it
+        if template not in table.packed:
+            continue
+        dim, chunks = table.packed[template]
+        found = "distributed" if tensor.dim() >= dim + 2 and tensor.shape[dim] == chunks else "hf"
+        if found == to:
+            back = "hf" if to == "distributed" else "distributed"
+            raise ValueError(f"{source} is already in the {_FORMATS[to]} format ({key} has shape "
+                             f"{tuple(tensor.shape)}); --to {back} converts it the other way")
+        return
 
 
 def _write_both(dest: Path, config: bytes, write_weights) -> None:

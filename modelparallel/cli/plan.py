@@ -79,6 +79,7 @@ def plan(directory: Path, tp: int, save: Path | None = None, auto: bool = False)
     from ..models import architecture_for
     from ..tp.auto.plan import derive
     from ..tp.auto.render import describe, model_file
+    from .presets import size_problems
 
     if tp < 1:
         raise ValueError(f"--tp {tp}: the degree is at least 1")
@@ -86,6 +87,9 @@ def plan(directory: Path, tp: int, save: Path | None = None, auto: bool = False)
         what = "is a symlink" if save.is_symlink() else "exists"
         raise FileExistsError(f"{save} {what}; choose a new file")
     model = _model(directory)
+    unfit = size_problems(model.config, 1, tp)  # what ``train`` and the walker refuse at this degree
+    if unfit:
+        raise ValueError(f"--tp {tp}: {'; '.join(unfit)}")
     builtin = getattr(architecture_for(model), "spec", None)
     if builtin is None or auto:
         _check_proxy_size(model)

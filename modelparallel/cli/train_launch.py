@@ -11,10 +11,9 @@ import argparse
 import shutil
 import signal
 import sys
-import tempfile
 from pathlib import Path
 
-from . import launch, outcome, resume
+from . import launch, outcome, resume, status_dir
 
 
 def _say(text: str) -> None:
@@ -24,7 +23,12 @@ def _say(text: str) -> None:
 
 def launch_ranks(args: argparse.Namespace) -> int:
     """Run the ranks of this machine and report their end; returns the exit status."""
-    args.out.mkdir(parents=True, exist_ok=True)
+    try:  # what the checks cannot foresee (/proc, a full disk, a race with another process)
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"modelparallel train: error: --out {args.out} cannot be created ({exc.strerror or exc}); "
+              "choose another --out", file=sys.stderr)
+        return 2
     nodes = launch.Nodes(args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint)
     world = args.nproc * args.nnodes
     where = "" if args.nnodes == 1 else f" on this machine (node {args.node_rank} of {args.nnodes}, {world} in all)"
@@ -36,7 +40,7 @@ def launch_ranks(args: argparse.Namespace) -> int:
           file=sys.stderr, flush=True)
     for note in getattr(args, "resume_notes", []):
         print(f"modelparallel train: {note}", file=sys.stderr, flush=True)
-    status = Path(tempfile.mkdtemp(prefix="modelparallel-train-"))
+    status = status_dir.create("train")
     try:
         exc = launch.torchrun(nodes, args.argv, {outcome.STATUS_ENV: str(status),
                                                  resume.TAG_ENV: args.resume_tag or ""})

@@ -30,6 +30,8 @@ from modelparallel.cli.progress import LineProgress, progress
     (["--weight-decay", "-5"], "--weight-decay must be >= 0, got -5.0"),
     (["--max-bytes", "nan"], "--max-bytes must be a finite number, got nan"),
     (["--temperature", "nan"], "--temperature must be a finite number, got nan"),
+    (["--temperature", "1e-300"], "--temperature 1e-300 is below 0.001"),
+    (["--rdzv-endpoint", ":29500"], "--rdzv-endpoint :29500: no host before the port"),
     (["--rdzv-endpoint", "host:99999"], "--rdzv-endpoint host:99999: the port must be in 1..65535, got 99999"),
     (["--seq-len", "100000"], "--seq-len 100000 exceeds the 8192 positions a preset model (gpt2-micro) can have"),
 ])

@@ -52,6 +52,9 @@ def test_status_dirs_of_dead_launchers_are_swept(tmp_path, monkeypatch):
     assert alive.is_dir() and old_format.is_dir() and (target / "keep").is_file() and link.is_symlink(), left
     assert made.is_dir() and made.parent == tmp_path
     assert status_dir.sweep(tmp_path) == []  # its own directory: its launcher (this process) is alive
+    another_users = _dead_launchers_dir(tmp_path)
+    monkeypatch.setattr(os, "getuid", lambda: os.stat(another_users).st_uid + 1)
+    assert status_dir.sweep(tmp_path) == [] and os.path.isdir(another_users)  # only this user's are swept
 
 
 def test_out_that_mkdir_refuses_is_one_line(capsys):

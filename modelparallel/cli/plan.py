@@ -87,10 +87,10 @@ def plan(directory: Path, tp: int, save: Path | None = None, auto: bool = False)
         what = "is a symlink" if save.is_symlink() else "exists"
         raise FileExistsError(f"{save} {what}; choose a new file")
     model = _model(directory)
-    unfit = size_problems(model.config, 1, tp)  # what ``train`` and the walker refuse at this degree
-    if unfit:
-        raise ValueError(f"--tp {tp}: {'; '.join(unfit)}")
     builtin = getattr(architecture_for(model), "spec", None)
+    unfit = size_problems(model.config, 1, tp)  # what ``train`` refuses; the automatic plan says its own
+    if builtin is not None and not auto and unfit:
+        raise ValueError(f"--tp {tp}: {'; '.join(unfit)}")
     if builtin is None or auto:
         _check_proxy_size(model)
     spec = builtin if builtin is not None and not auto else derive(model, tp).spec

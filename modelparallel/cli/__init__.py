@@ -14,6 +14,15 @@ import argparse
 import importlib
 import os
 import sys
+from pathlib import Path
+
+
+def user_path(text: str) -> Path:
+    """A path argument as the user meant it: ``~`` expanded. A shell expands it only at the
+    start of a word, so ``--out=~/runs`` arrives with its ``~``, and a directory named ``~`` made
+    in the current one is never what was meant."""
+    return Path(os.path.expanduser(text))
+
 
 COMMANDS: dict[str, str] = {
     "train": "modelparallel.cli.train",

@@ -16,12 +16,14 @@ import os
 import sys
 from pathlib import Path
 
+from . import user_path
+
 HELP = "convert a Hugging Face model directory to the distributed format, or back"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("source", type=Path, help="input directory (config.json + *.safetensors)")
-    p.add_argument("dest", type=Path, help="output directory (created; must not hold a model already)")
+    p.add_argument("source", type=user_path, help="input directory (config.json + *.safetensors)")
+    p.add_argument("dest", type=user_path, help="output directory (created; must not hold a model already)")
     p.add_argument("--to", choices=("distributed", "hf"), required=True, help="target format")
 
 

@@ -20,11 +20,13 @@ import json
 import time
 from pathlib import Path
 
+from . import user_path
+
 HELP = "list the checkpoints in a directory (tags, newest, layout, sizes) and verify their checksums"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("path", type=Path, help="the path given to smp.save_checkpoint (or one checkpoint in it)")
+    p.add_argument("path", type=user_path, help="the path given to smp.save_checkpoint (or one checkpoint in it)")
     p.add_argument("--no-verify", action="store_true", help="skip reading every file for its checksum")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 

@@ -16,13 +16,15 @@ import argparse
 import sys
 from pathlib import Path
 
+from . import user_path
+
 HELP = "print the tensor-parallel plan of a model directory (and save it as a model file)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", type=Path, help="a Hugging Face model directory (its config.json is read)")
+    p.add_argument("model", type=user_path, help="a Hugging Face model directory (its config.json is read)")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (default 2)")
-    p.add_argument("--save", type=Path, metavar="FILE", help="write the plan as a model file (a .py to review and "
+    p.add_argument("--save", type=user_path, metavar="FILE", help="write the plan as a model file (a .py to review and "
                    "keep in modelparallel/models/)")
     p.add_argument("--auto", action="store_true", help="derive the automatic plan even if a model file exists")
 

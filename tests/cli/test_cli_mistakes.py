@@ -113,3 +113,32 @@ def test_ctrl_c_in_a_launched_rank_is_left_to_the_launcher(tmp_path, capsys, mon
         monkeypatch.delenv(STATUS_ENV, raising=False)
     assert main(["inspect", str(tmp_path)]) == 130
     assert ("interrupted" in capsys.readouterr().err) is not launched
+
+
+def test_a_tilde_the_shell_left_is_the_home_directory(hf_dir, tmp_path, monkeypatch, capsys):
+    """``--out=~/runs`` reaches the command with its ``~`` (a shell expands only a word's start)."""
+    from modelparallel.cli import build_parser
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    args = build_parser().parse_args(["train", "--out=~/runs", "--data=~/text", "--model=~/model"])
+    assert (args.out, args.data, args.model) == (tmp_path / "runs", [str(tmp_path / "text")], str(tmp_path / "model"))
+    assert main(["convert", str(hf_dir), "--to", "distributed", "~/dist"]) == 0
+    assert (tmp_path / "dist" / "model.safetensors").is_file() and not (tmp_path / "cwd" / "~").exists()
+    assert build_parser().parse_args(["plan", "~/m", "--save", "~/p.py"]).save == tmp_path / "p.py"
+    assert build_parser().parse_args(["inspect", "~/c"]).path == tmp_path / "c"
+
+
+def test_the_corpus_is_regular_files_only(tmp_path):
+    """A dangling link (an editor's lock file) failed the check with a traceback; a FIFO named
+    ``*.py`` hung every rank reading it."""
+    import os
+
+    from modelparallel.cli.corpus import find_text_files
+
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / ".#b.py").symlink_to(tmp_path / "gone")
+    os.mkfifo(tmp_path / "c.py")
+    (tmp_path / "d.py").mkdir()
+    assert find_text_files([tmp_path]) == [tmp_path / "a.py"]

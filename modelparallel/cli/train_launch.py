@@ -74,7 +74,11 @@ def _report(args: argparse.Namespace, exc: BaseException, status: Path) -> int:
         step = ending.step()
         what = "interrupted" if sig in (None, signal.SIGINT) else f"stopped by {sig.name}"
         at = f" at step {step}" if step is not None else " before the first step"
-        _say(f"{what}{at}; {_newest_step(args)}")
+        try:  # reading ``newest`` imports the checkpoint package: seconds, in which Ctrl-C comes again
+            newest = _newest_step(args)
+        except KeyboardInterrupt:
+            newest = "rerun with --resume to continue from the newest checkpoint, if one was saved"
+        _say(f"{what}{at}; {newest}")
         return outcome.INTERRUPTED_EXIT
     errors = outcome.killed_ranks(exc, {r["rank"] for r in ending.records}) + ending.errors()
     if not ending.errors():

@@ -142,3 +142,23 @@ def test_the_corpus_is_regular_files_only(tmp_path):
     os.mkfifo(tmp_path / "c.py")
     (tmp_path / "d.py").mkdir()
     assert find_text_files([tmp_path]) == [tmp_path / "a.py"]
+
+
+def test_the_agents_signal_handlers_end_with_it(monkeypatch):
+    """torchrun's agent raises its own exception on SIGINT; left installed, a second Ctrl-C while
+    the launcher reported ended it in a traceback (status 1) instead of status 130."""
+    import signal
+
+    import torch.distributed.run
+
+    from modelparallel.cli import launch
+
+    def agent(args):
+        signal.signal(signal.SIGINT, lambda *_: None)  # as its ``start`` does for each signal
+        signal.signal(signal.SIGTERM, lambda *_: None)
+        raise RuntimeError("ranks failed")
+
+    monkeypatch.setattr(torch.distributed.run, "run", agent)
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    assert isinstance(launch.run_agent(None, 2, {}), RuntimeError)
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before

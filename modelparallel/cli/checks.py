@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from . import resume
-from .presets import PRESETS, load_config
+from .presets import PRESETS, load_config, max_positions
 
 PRESET_MAX_POSITIONS = 8192
 """Longest ``--seq-len`` a preset is built for: its position table grows with ``--seq-len`` (at
@@ -71,6 +71,19 @@ def _seq_len_problems(args: argparse.Namespace) -> list[str]:
         return [f"--seq-len {args.seq_len} exceeds the {PRESET_MAX_POSITIONS} positions a preset model "
                 f"({args.model}) can have"]
     return []
+
+
+def sample_problems(args: argparse.Namespace, config, tokenizer) -> list[str]:
+    """The sample, generated after the whole run, must fit the model's positions with its prompt:
+    beyond them a learned position table has no row, and the run would fail at its very end."""
+    limit = max_positions(config)
+    if not args.sample_tokens or args.pp > 1 or args.cp > 1 or limit is None:  # no sample at --pp/--cp > 1
+        return []
+    prompt = len(tokenizer.encode(args.prompt, add_special_tokens=False))
+    if prompt + args.sample_tokens <= limit:
+        return []
+    return [f"--sample-tokens {args.sample_tokens}: with the prompt's {prompt} token(s) the sample would reach "
+            f"{prompt + args.sample_tokens} positions, beyond the model's {limit}; lower --sample-tokens (0: no sample)"]
 
 
 def value_problems(args: argparse.Namespace) -> list[str]:

@@ -228,8 +228,9 @@ def _model_problems(args: argparse.Namespace) -> list[str]:
         problems = causal_lm_problems(args.model, config)
         if problems:
             return problems
-        load_tokenizer(args.model)
-        return size_problems(config, args.seq_len, args.tp, args.pp, args.ep)
+        tokenizer = load_tokenizer(args.model)
+        return size_problems(config, args.seq_len, args.tp, args.pp, args.ep) + \
+            checks.sample_problems(args, config, tokenizer)
     except (OSError, ValueError) as exc:
         return [str(exc)]
 

@@ -56,17 +56,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:  # the separator our own launcher puts before the arguments
         argv = argv[1:]
-    if argv[:1] == ["run"]:  # torchrun's options and the script's own: the command parses them
-        from ..sagemaker.launch import main as run_main
+    try:  # from the first import on: a Ctrl-C while the parser's modules load is a Ctrl-C too
+        if argv[:1] == ["run"]:  # torchrun's options and the script's own: the command parses them
+            from ..sagemaker.launch import main as run_main
 
-        return run_main(argv[1:])
-    args = build_parser().parse_args(argv)
-    args.argv = argv  # kept so a launcher can start the same command on every rank
-    try:
+            return run_main(argv[1:])
+        args = build_parser().parse_args(argv)
+        args.argv = argv  # kept so a launcher can start the same command on every rank
         return args._run(args, args._parser)
     except KeyboardInterrupt:  # before any rank started, or in a rank before its job began
         from .outcome import STATUS_ENV
 
         if not os.environ.get(STATUS_ENV):  # our launcher's ranks leave the one report to it
-            print(f"\nmodelparallel {args.command}: interrupted", file=sys.stderr)
+            print(f"\n{' '.join(['modelparallel', *argv[:1]])}: interrupted", file=sys.stderr)
         return 130

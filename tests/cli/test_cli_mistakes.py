@@ -102,17 +102,24 @@ def test_inspect_of_a_checkpoint_without_its_manifest_fails(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("launched", [False, True])
-def test_ctrl_c_in_a_launched_rank_is_left_to_the_launcher(tmp_path, capsys, monkeypatch, launched):
-    def interrupted(args, parser):
+@pytest.mark.parametrize("where", ["importing", "running"])
+def test_ctrl_c_in_a_launched_rank_is_left_to_the_launcher(tmp_path, capsys, monkeypatch, launched, where):
+    """Ctrl-C is status 130 and one line, also while the parser's modules are imported (it was a
+    traceback), and no line at all from a rank of our launcher, which reports once."""
+    import modelparallel.cli
+
+    def interrupted(*args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(inspect, "run", interrupted)
+    monkeypatch.setattr(*((modelparallel.cli, "build_parser") if where == "importing" else (inspect, "run")),
+                        interrupted)
     if launched:
         monkeypatch.setenv(STATUS_ENV, str(tmp_path))
     else:
         monkeypatch.delenv(STATUS_ENV, raising=False)
     assert main(["inspect", str(tmp_path)]) == 130
-    assert ("interrupted" in capsys.readouterr().err) is not launched
+    err = capsys.readouterr().err
+    assert err.strip() == ("" if launched else "modelparallel inspect: interrupted"), err
 
 
 def test_a_tilde_the_shell_left_is_the_home_directory(hf_dir, tmp_path, monkeypatch, capsys):

@@ -117,7 +117,11 @@ def test_ctrl_c_in_a_launched_rank_is_left_to_the_launcher(tmp_path, capsys, mon
         monkeypatch.setenv(STATUS_ENV, str(tmp_path))
     else:
         monkeypatch.delenv(STATUS_ENV, raising=False)
-    assert main(["inspect", str(tmp_path)]) == 130
+    try:
+        code = main(["inspect", str(tmp_path)])
+    except KeyboardInterrupt:  # pytest would take it for the user's and stop the session
+        pytest.fail("Ctrl-C escaped main as a KeyboardInterrupt")
+    assert code == 130
     err = capsys.readouterr().err
     assert err.strip() == ("" if launched else "modelparallel inspect: interrupted"), err
 

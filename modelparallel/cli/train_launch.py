@@ -82,26 +82,12 @@ def _report(args: argparse.Namespace, exc: BaseException, status: Path) -> int:
         return outcome.INTERRUPTED_EXIT
     errors = outcome.killed_ranks(exc, {r["rank"] for r in ending.records}) + ending.errors()
     if not ending.errors():
-        errors = errors or [_from_torchrun(exc)]
+        errors = errors or [outcome.from_torchrun(exc)]
         log = None
     else:
         log = outcome.write_log(args.out / "failure.log", errors)
     _say(outcome.failure_block(errors[0], log, len(errors), _hint(args, errors[0])))
     return 1
-
-
-def _from_torchrun(exc: BaseException) -> dict:
-    """A record for a rank that died without writing one (killed, crashed in C, failed to start),
-    or for a launch that failed before any rank ran (e.g. the machines never met)."""
-    first = getattr(exc, "get_first_failure", None)
-    if first is None:
-        return {"rank": "launcher", "step": None, "stage": "launch", "type": type(exc).__name__,
-                "message": str(exc).strip() or repr(exc)}
-    rank, failure = first()
-    signame = failure.signal_name() if failure.exitcode < 0 else ""
-    message = (f"exited with {signame}" if signame else f"exited with code {failure.exitcode}") + \
-        " without reporting an error (killed, out of memory, or crashed outside Python); its output is above"
-    return {"rank": rank, "step": None, "stage": "its run", "type": "ProcessExit", "message": message}
 
 
 def _hint(args: argparse.Namespace, first: dict) -> str:

@@ -173,3 +173,16 @@ def test_the_agents_signal_handlers_end_with_it(monkeypatch):
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     assert isinstance(launch.run_agent(None, 2, {}), RuntimeError)
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+def test_a_rank_that_exits_without_a_record_is_one_block(tmp_path):
+    """``os._exit(5)`` in a rank (no record): the report is one short block with its status,
+    not torchrun's 20-line failure report (``modelparallel run`` can return the 5)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from modelparallel.cli.outcome import failure_block, from_torchrun
+
+    failed = ChildFailedError("modelparallel.cli", {0: ProcessFailure(0, 123, 5, str(tmp_path / "none.json"))})
+    record = from_torchrun(failed)
+    assert (record["rank"], record["exit_code"]) == (0, 5) and "exited with code 5" in record["message"]
+    assert len(failure_block(record, None, 1).splitlines()) == 2

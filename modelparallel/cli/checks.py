@@ -34,6 +34,8 @@ def _finite_problems(args: argparse.Namespace) -> list[str]:
     problems = [f"{name} must be a finite number, got {value}" for name, value in floats if not math.isfinite(value)]
     if math.isfinite(args.weight_decay) and args.weight_decay < 0:
         problems.append(f"--weight-decay must be >= 0, got {args.weight_decay}")
+    if 0 < args.max_bytes < 1:  # read as int(): 0, which means no limit at all
+        problems.append(f"--max-bytes must be 0 (no limit) or at least 1, got {args.max_bytes}")
     if 0 < args.temperature < MIN_TEMPERATURE:
         problems.append(f"--temperature {args.temperature} is below {MIN_TEMPERATURE}: the sample's logits divided by "
                         "it overflow; use 0 for greedy decoding")

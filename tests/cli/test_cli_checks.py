@@ -31,6 +31,7 @@ from modelparallel.cli.progress import LineProgress, progress
     (["--max-bytes", "nan"], "--max-bytes must be a finite number, got nan"),
     (["--temperature", "nan"], "--temperature must be a finite number, got nan"),
     (["--temperature", "1e-300"], "--temperature 1e-300 is below 0.001"),
+    (["--max-bytes", "0.5"], "--max-bytes must be 0 (no limit) or at least 1, got 0.5"),
     (["--sample-tokens", "1021"], "--sample-tokens 1021: with the prompt's 4 token(s) the sample would reach 1025 "
                                   "positions, beyond the model's 1024"),
     (["--rdzv-endpoint", ":29500"], "--rdzv-endpoint :29500: no host before the port"),

@@ -68,4 +68,5 @@ def create(kind: str) -> Path:
     leftovers of dead launchers."""
     sweep()
     start = process_start(os.getpid())
-    return Path(tempfile.mkdtemp(prefix=f"{PREFIX}{kind}-{os.getpid()}-{start or 0}-"))
+    owner = f"{os.getpid()}-{start}-" if start is not None else ""  # unknown: a name no sweep matches
+    return Path(tempfile.mkdtemp(prefix=f"{PREFIX}{kind}-{owner}"))

@@ -12,7 +12,17 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+from pathlib import Path
+
+
+def user_path(text: str) -> Path:
+    """A path argument as the user meant it: ``~`` expanded. A shell expands it only at the
+    start of a word, so ``--out=~/runs`` arrives with its ``~``, and a directory named ``~`` made
+    in the current one is never what was meant."""
+    return Path(os.path.expanduser(text))
+
 
 COMMANDS: dict[str, str] = {
     "train": "modelparallel.cli.train",
@@ -46,14 +56,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:  # the separator our own launcher puts before the arguments
         argv = argv[1:]
-    if argv[:1] == ["run"]:  # torchrun's options and the script's own: the command parses them
-        from ..sagemaker.launch import main as run_main
+    try:  # from the first import on: a Ctrl-C while the parser's modules load is a Ctrl-C too
+        if argv[:1] == ["run"]:  # torchrun's options and the script's own: the command parses them
+            from ..sagemaker.launch import main as run_main
 
-        return run_main(argv[1:])
-    args = build_parser().parse_args(argv)
-    args.argv = argv  # kept so a launcher can start the same command on every rank
-    try:
+            return run_main(argv[1:])
+        args = build_parser().parse_args(argv)
+        args.argv = argv  # kept so a launcher can start the same command on every rank
         return args._run(args, args._parser)
-    except KeyboardInterrupt:  # before any rank started (launched ranks report their own end)
-        print(f"\nmodelparallel {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt:  # before any rank started, or in a rank before its job began
+        from .outcome import STATUS_ENV
+
+        if not os.environ.get(STATUS_ENV):  # our launcher's ranks leave the one report to it
+            print(f"\n{' '.join(['modelparallel', *argv[:1]])}: interrupted", file=sys.stderr)
         return 130

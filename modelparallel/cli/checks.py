@@ -15,13 +15,17 @@ import os
 from pathlib import Path
 
 from . import resume
-from .presets import PRESETS, load_config
+from .presets import PRESETS, load_config, max_positions
 
 PRESET_MAX_POSITIONS = 8192
 """Longest ``--seq-len`` a preset is built for: its position table grows with ``--seq-len`` (at
 least 1024), but attention over longer windows holds seq_len^2 scores per head and batch row."""
 
 MAX_PORT = 65535
+
+MIN_TEMPERATURE = 1e-3
+"""Lowest ``--temperature`` above 0 (greedy): the sample divides the logits by it, and a tiny one
+(``1e-300``) makes them infinite, so the sample, run after all the training, would fail."""
 
 
 def _finite_problems(args: argparse.Namespace) -> list[str]:
@@ -30,13 +34,20 @@ def _finite_problems(args: argparse.Namespace) -> list[str]:
     problems = [f"{name} must be a finite number, got {value}" for name, value in floats if not math.isfinite(value)]
     if math.isfinite(args.weight_decay) and args.weight_decay < 0:
         problems.append(f"--weight-decay must be >= 0, got {args.weight_decay}")
+    if 0 < args.max_bytes < 1:  # read as int(): 0, which means no limit at all
+        problems.append(f"--max-bytes must be 0 (no limit) or at least 1, got {args.max_bytes}")
+    if 0 < args.temperature < MIN_TEMPERATURE:
+        problems.append(f"--temperature {args.temperature} is below {MIN_TEMPERATURE}: the sample's logits divided by "
+                        "it overflow; use 0 for greedy decoding")
     return problems
 
 
 def _endpoint_problems(endpoint: str | None) -> list[str]:
-    port = (endpoint or "").rpartition(":")[2]
+    host, _, port = (endpoint or "").rpartition(":")
     if port.isdigit() and not 1 <= int(port) <= MAX_PORT:
         return [f"--rdzv-endpoint {endpoint}: the port must be in 1..{MAX_PORT}, got {int(port)}"]
+    if endpoint and port.isdigit() and not host.strip("[]"):
+        return [f"--rdzv-endpoint {endpoint}: no host before the port (HOST:PORT, the node-rank-0 machine)"]
     return []
 
 
@@ -62,6 +73,19 @@ def _seq_len_problems(args: argparse.Namespace) -> list[str]:
         return [f"--seq-len {args.seq_len} exceeds the {PRESET_MAX_POSITIONS} positions a preset model "
                 f"({args.model}) can have"]
     return []
+
+
+def sample_problems(args: argparse.Namespace, config, tokenizer) -> list[str]:
+    """The sample, generated after the whole run, must fit the model's positions with its prompt:
+    beyond them a learned position table has no row, and the run would fail at its very end."""
+    limit = max_positions(config)
+    if not args.sample_tokens or args.pp > 1 or args.cp > 1 or limit is None:  # no sample at --pp/--cp > 1
+        return []
+    prompt = len(tokenizer.encode(args.prompt, add_special_tokens=False))
+    if prompt + args.sample_tokens <= limit:
+        return []
+    return [f"--sample-tokens {args.sample_tokens}: with the prompt's {prompt} token(s) the sample would reach "
+            f"{prompt + args.sample_tokens} positions, beyond the model's {limit}; lower --sample-tokens (0: no sample)"]
 
 
 def value_problems(args: argparse.Namespace) -> list[str]:

@@ -16,12 +16,14 @@ import os
 import sys
 from pathlib import Path
 
+from . import user_path
+
 HELP = "convert a Hugging Face model directory to the distributed format, or back"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("source", type=Path, help="input directory (config.json + *.safetensors)")
-    p.add_argument("dest", type=Path, help="output directory (created; must not hold a model already)")
+    p.add_argument("source", type=user_path, help="input directory (config.json + *.safetensors)")
+    p.add_argument("dest", type=user_path, help="output directory (created; must not hold a model already)")
     p.add_argument("--to", choices=("distributed", "hf"), required=True, help="target format")
 
 
@@ -103,6 +105,7 @@ def convert(source: Path, dest: Path, to: str) -> Path:
     if any(dest.glob("*.safetensors")):
         raise FileExistsError(f"{dest} already holds *.safetensors files; choose an empty directory")
     state_dict = _read_state_dict(source)
+    _refuse_converted(source, table, state_dict, to)
     converted = from_hf(table, state_dict) if to == "distributed" else to_hf(table, state_dict)
     dest.mkdir(parents=True, exist_ok=True)
     out = dest / "model.safetensors"
@@ -110,6 +113,30 @@ def convert(source: Path, dest: Path, to: str) -> Path:
                 lambda tmp: save_file(_without_aliases(converted), tmp, metadata={"format": "pt",
                                                                                   "modelparallel_format": to}))
     return out
+
+
+_FORMATS = {"hf": "Hugging Face", "distributed": "distributed"}
+
+
+def _refuse_converted(source: Path, table, state_dict: dict, to: str) -> None:
+    """Refuse a source already in the ``to`` format, as its first fused weight shows (the formats
+    differ only there): HF's ``[in, 3*out]`` has no dimension of ``chunks`` at the fused
+    dimension, ours ``[in, 3, out]`` has. Converted again, an HF one crashes and a distributed
+    one is silently reshaped into garbage."""
+    for key, tensor in state_dict.items():
+        try:
+            _, template, _ = table.match(table.model_key(key))
+        except KeyError:
+            continue  # from_hf / to_hf name it
+        if template not in table.packed:
+            continue
+        dim, chunks = table.packed[template]
+        found = "distributed" if tensor.dim() >= dim + 2 and tensor.shape[dim] == chunks else "hf"
+        if found == to:
+            back = "hf" if to == "distributed" else "distributed"
+            raise ValueError(f"{source} is already in the {_FORMATS[to]} format ({key} has shape "
+                             f"{tuple(tensor.shape)}); --to {back} converts it the other way")
+        return
 
 
 def _write_both(dest: Path, config: bytes, write_weights) -> None:

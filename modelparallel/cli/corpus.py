@@ -53,7 +53,7 @@ class ByteTokenizer:
 
 
 def find_text_files(paths: Sequence[str | os.PathLike], suffixes: tuple[str, ...] = TEXT_SUFFIXES) -> list[Path]:
-    """Every file ending in ``suffixes`` under ``paths`` (files are taken as given), sorted.
+    """Every regular file ending in ``suffixes`` under ``paths`` (files are taken as given), sorted.
 
     Raises:
         FileNotFoundError: naming each path that does not exist.
@@ -69,7 +69,10 @@ def find_text_files(paths: Sequence[str | os.PathLike], suffixes: tuple[str, ...
             continue
         for root, dirs, files in os.walk(p):
             dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.startswith(".")]
-            found.update(Path(root, f).resolve() for f in files if f.endswith(suffixes))
+            # regular files only: a dangling link (an editor's lock file) or a FIFO named *.py
+            # would fail the size check before launch, or hang every rank reading it
+            found.update(Path(root, f).resolve() for f in files
+                         if f.endswith(suffixes) and os.path.isfile(os.path.join(root, f)))
     if not found:
         raise ValueError(f"no {'/'.join('*' + s for s in suffixes)} files under "
                          f"{', '.join(map(str, paths))}")

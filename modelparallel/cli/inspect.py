@@ -7,7 +7,8 @@ checkpoints. A checkpoint whose manifest does not parse or is malformed, or that
 manifest does not list, is reported BROKEN and the listing goes on. A ``newest`` that cannot be
 read, or that is there but empty (a write of it that never finished), is reported as such, naming
 the file (``train --resume`` then takes the intact checkpoint committed last, as without one).
-Exit status 1 if anything is broken or ``newest`` is unreadable, empty or names nothing. Reads
+Exit status 1 if anything is broken, ``newest`` is unreadable, empty or names nothing, or no
+checkpoint is there at all (a half-written one without its manifest, a mistyped path). Reads
 JSON manifests and raw bytes only (checksums): nothing in a checkpoint is unpickled, so
 inspecting one never runs code from it.
 """
@@ -19,11 +20,13 @@ import json
 import time
 from pathlib import Path
 
+from . import user_path
+
 HELP = "list the checkpoints in a directory (tags, newest, layout, sizes) and verify their checksums"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("path", type=Path, help="the path given to smp.save_checkpoint (or one checkpoint in it)")
+    p.add_argument("path", type=user_path, help="the path given to smp.save_checkpoint (or one checkpoint in it)")
     p.add_argument("--no-verify", action="store_true", help="skip reading every file for its checksum")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
@@ -113,13 +116,25 @@ def _print(report: dict) -> None:
     if report["not_checkpoints"]:
         print("directories without a manifest (not complete checkpoints; never deleted): "
               + ", ".join(report["not_checkpoints"]))
+    if not report["checkpoints"]:
+        print(f"no complete checkpoint in {report['path']} (a checkpoint directory holds {_manifest()}; one "
+              "without it is a save that never finished, or not a checkpoint)")
+
+
+def _manifest() -> str:
+    from ..checkpoint.safety import commit
+
+    return commit.MANIFEST
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Print the report; exit status 1 when something is broken or nothing is there to list
+    (a checkpoint cut short before its manifest, a mistyped path)."""
     if not args.path.is_dir():
         parser.error(f"{args.path} is not a directory")
     report = scan(args.path, not args.no_verify)
     print(json.dumps(report, indent=1)) if args.json else _print(report)
     bad = any(c["problems"] for c in report["checkpoints"])
     dangling = report["newest"] is not None and report["newest"] not in {c["name"] for c in report["checkpoints"]}
-    return 1 if bad or dangling or report.get("newest_unreadable") or report.get("newest_empty") else 0
+    empty = not report["checkpoints"]
+    return 1 if bad or dangling or empty or report.get("newest_unreadable") or report.get("newest_empty") else 0

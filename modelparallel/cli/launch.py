@@ -135,6 +135,12 @@ def torchrun(nodes: Nodes, argv: list[str], extra_env: dict[str, str]) -> BaseEx
     return run_agent(parse_args(torchrun_args(nodes, argv)), nodes.nproc, extra_env)
 
 
+_AGENT_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, n))
+"""The signals torchrun's agent takes over while its ranks run. Its handler raises an exception
+that is no ``KeyboardInterrupt``, so left in place after the ranks ended, a second Ctrl-C while
+the launcher reports would end it in a traceback with status 1."""
+
+
 def run_agent(args, nproc: int, extra_env: dict[str, str]) -> BaseException | None:
     """``torchrun`` with its parsed arguments ``args`` (``nproc`` ranks on this machine), as
     ``torchrun`` above describes; ``modelparallel run`` passes the user's torchrun options."""
@@ -142,6 +148,7 @@ def run_agent(args, nproc: int, extra_env: dict[str, str]) -> BaseException | No
 
     added = {**rank_env(nproc), **extra_env}
     before = {k: os.environ.get(k) for k in added}
+    handlers = {s: signal.getsignal(s) for s in _AGENT_SIGNALS}
     os.environ.update(added)  # the agent gives the ranks this process's environment
     for name in list(logging.root.manager.loggerDict):  # each sets its own level, so set each
         if name.startswith(("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")):
@@ -151,6 +158,8 @@ def run_agent(args, nproc: int, extra_env: dict[str, str]) -> BaseException | No
     except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - reported by the caller
         return exc
     finally:  # none of it outlives the run: a later launch or child of this process must not see it
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
         for k, v in before.items():
             if v is None:
                 del os.environ[k]

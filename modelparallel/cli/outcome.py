@@ -162,6 +162,22 @@ def killed_ranks(exc: BaseException, recorded: set[int]) -> list[dict]:
             if f.exitcode < 0 and -f.exitcode not in (signal.SIGTERM, signal.SIGINT) and rank not in recorded]
 
 
+def from_torchrun(exc: BaseException) -> dict:
+    """A record for a rank that died without writing one (killed, crashed in C, ``os._exit``, failed
+    to start), or for a launch that failed before any rank ran (e.g. the machines never met): what
+    a launcher reports instead of torchrun's own 20-line report, from torchrun's exception ``exc``."""
+    first = getattr(exc, "get_first_failure", None)
+    if first is None:
+        return {"rank": "launcher", "step": None, "stage": "launch", "type": type(exc).__name__,
+                "message": str(exc).strip() or repr(exc)}
+    rank, failure = first()
+    signame = failure.signal_name() if failure.exitcode < 0 else ""
+    message = (f"exited with {signame}" if signame else f"exited with code {failure.exitcode}") + \
+        " without reporting an error (killed, out of memory, or crashed outside Python); its output is above"
+    return {"rank": rank, "step": None, "stage": "its run", "type": "ProcessExit", "message": message,
+            "exit_code": failure.exitcode if failure.exitcode > 0 else 1}
+
+
 def write_log(log_path: Path, records: list[dict]) -> Path:
     """Every recorded traceback, earliest first, in one file."""
     log_path.parent.mkdir(parents=True, exist_ok=True)

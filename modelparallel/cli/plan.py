@@ -16,13 +16,15 @@ import argparse
 import sys
 from pathlib import Path
 
+from . import user_path
+
 HELP = "print the tensor-parallel plan of a model directory (and save it as a model file)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", type=Path, help="a Hugging Face model directory (its config.json is read)")
+    p.add_argument("model", type=user_path, help="a Hugging Face model directory (its config.json is read)")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (default 2)")
-    p.add_argument("--save", type=Path, metavar="FILE", help="write the plan as a model file (a .py to review and "
+    p.add_argument("--save", type=user_path, metavar="FILE", help="write the plan as a model file (a .py to review and "
                    "keep in modelparallel/models/)")
     p.add_argument("--auto", action="store_true", help="derive the automatic plan even if a model file exists")
 
@@ -79,6 +81,7 @@ def plan(directory: Path, tp: int, save: Path | None = None, auto: bool = False)
     from ..models import architecture_for
     from ..tp.auto.plan import derive
     from ..tp.auto.render import describe, model_file
+    from .presets import size_problems
 
     if tp < 1:
         raise ValueError(f"--tp {tp}: the degree is at least 1")
@@ -87,6 +90,9 @@ def plan(directory: Path, tp: int, save: Path | None = None, auto: bool = False)
         raise FileExistsError(f"{save} {what}; choose a new file")
     model = _model(directory)
     builtin = getattr(architecture_for(model), "spec", None)
+    unfit = size_problems(model.config, 1, tp)  # what ``train`` refuses; the automatic plan says its own
+    if builtin is not None and not auto and unfit:
+        raise ValueError(f"--tp {tp}: {'; '.join(unfit)}")
     if builtin is None or auto:
         _check_proxy_size(model)
     spec = builtin if builtin is not None and not auto else derive(model, tp).spec

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from ..config import Config, unbuilt_combinations
-from . import checks, launch, outcome, resume
+from . import checks, launch, outcome, resume, user_path
 from .corpus import default_data_path, find_text_files, select_files
 from .presets import (DEFAULT_PRESET, PRESETS, causal_lm_problems, load_config, load_tokenizer, preset_shape,
                       size_problems)
@@ -37,10 +37,10 @@ arguments (``--help``) needs none of it."""
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``train`` options; defaults are the embedded CPU demo."""
     g = p.add_argument_group("model and data")
-    g.add_argument("--model", default=DEFAULT_PRESET,
+    g.add_argument("--model", default=DEFAULT_PRESET, type=os.path.expanduser,
                    help=f"a preset ({', '.join(PRESETS)}) trained from scratch with a byte tokenizer, or a "
                         "local Hugging Face model directory to fine-tune (default: %(default)s)")
-    g.add_argument("--data", nargs="+", metavar="PATH",
+    g.add_argument("--data", nargs="+", metavar="PATH", type=os.path.expanduser,
                    help="text files or directories, searched recursively for *.py, *.txt, *.md "
                         "(default: the Python standard library's .py files)")
     g.add_argument("--max-files", type=int, default=None, help="read at most this many files")
@@ -104,7 +104,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt", default="def ", help="prompt of the generated sample (default: %(default)r)")
     g.add_argument("--sample-tokens", type=int, default=200, help="tokens to generate (0 = no sample)")
     g.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (0 = greedy)")
-    g.add_argument("--out", type=Path, default=Path("runs/train"),
+    g.add_argument("--out", type=user_path, default=Path("runs/train"),
                    help="output directory: metrics.json, loss.png, checkpoints/, failure.log (default: %(default)s)")
 
 
@@ -228,8 +228,9 @@ def _model_problems(args: argparse.Namespace) -> list[str]:
         problems = causal_lm_problems(args.model, config)
         if problems:
             return problems
-        load_tokenizer(args.model)
-        return size_problems(config, args.seq_len, args.tp, args.pp, args.ep)
+        tokenizer = load_tokenizer(args.model)
+        return size_problems(config, args.seq_len, args.tp, args.pp, args.ep) + \
+            checks.sample_problems(args, config, tokenizer)
     except (OSError, ValueError) as exc:
         return [str(exc)]
 

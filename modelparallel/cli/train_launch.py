@@ -11,10 +11,9 @@ import argparse
 import shutil
 import signal
 import sys
-import tempfile
 from pathlib import Path
 
-from . import launch, outcome, resume
+from . import launch, outcome, resume, status_dir
 
 
 def _say(text: str) -> None:
@@ -24,7 +23,12 @@ def _say(text: str) -> None:
 
 def launch_ranks(args: argparse.Namespace) -> int:
     """Run the ranks of this machine and report their end; returns the exit status."""
-    args.out.mkdir(parents=True, exist_ok=True)
+    try:  # what the checks cannot foresee (/proc, a full disk, a race with another process)
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"modelparallel train: error: --out {args.out} cannot be created ({exc.strerror or exc}); "
+              "choose another --out", file=sys.stderr)
+        return 2
     nodes = launch.Nodes(args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint)
     world = args.nproc * args.nnodes
     where = "" if args.nnodes == 1 else f" on this machine (node {args.node_rank} of {args.nnodes}, {world} in all)"
@@ -36,7 +40,7 @@ def launch_ranks(args: argparse.Namespace) -> int:
           file=sys.stderr, flush=True)
     for note in getattr(args, "resume_notes", []):
         print(f"modelparallel train: {note}", file=sys.stderr, flush=True)
-    status = Path(tempfile.mkdtemp(prefix="modelparallel-train-"))
+    status = status_dir.create("train")
     try:
         exc = launch.torchrun(nodes, args.argv, {outcome.STATUS_ENV: str(status),
                                                  resume.TAG_ENV: args.resume_tag or ""})
@@ -70,30 +74,20 @@ def _report(args: argparse.Namespace, exc: BaseException, status: Path) -> int:
         step = ending.step()
         what = "interrupted" if sig in (None, signal.SIGINT) else f"stopped by {sig.name}"
         at = f" at step {step}" if step is not None else " before the first step"
-        _say(f"{what}{at}; {_newest_step(args)}")
+        try:  # reading ``newest`` imports the checkpoint package: seconds, in which Ctrl-C comes again
+            newest = _newest_step(args)
+        except KeyboardInterrupt:
+            newest = "rerun with --resume to continue from the newest checkpoint, if one was saved"
+        _say(f"{what}{at}; {newest}")
         return outcome.INTERRUPTED_EXIT
     errors = outcome.killed_ranks(exc, {r["rank"] for r in ending.records}) + ending.errors()
     if not ending.errors():
-        errors = errors or [_from_torchrun(exc)]
+        errors = errors or [outcome.from_torchrun(exc)]
         log = None
     else:
         log = outcome.write_log(args.out / "failure.log", errors)
     _say(outcome.failure_block(errors[0], log, len(errors), _hint(args, errors[0])))
     return 1
-
-
-def _from_torchrun(exc: BaseException) -> dict:
-    """A record for a rank that died without writing one (killed, crashed in C, failed to start),
-    or for a launch that failed before any rank ran (e.g. the machines never met)."""
-    first = getattr(exc, "get_first_failure", None)
-    if first is None:
-        return {"rank": "launcher", "step": None, "stage": "launch", "type": type(exc).__name__,
-                "message": str(exc).strip() or repr(exc)}
-    rank, failure = first()
-    signame = failure.signal_name() if failure.exitcode < 0 else ""
-    message = (f"exited with {signame}" if signame else f"exited with code {failure.exitcode}") + \
-        " without reporting an error (killed, out of memory, or crashed outside Python); its output is above"
-    return {"rank": rank, "step": None, "stage": "its run", "type": "ProcessExit", "message": message}
 
 
 def _hint(args: argparse.Namespace, first: dict) -> str:

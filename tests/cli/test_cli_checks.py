@@ -30,6 +30,11 @@ from modelparallel.cli.progress import LineProgress, progress
     (["--weight-decay", "-5"], "--weight-decay must be >= 0, got -5.0"),
     (["--max-bytes", "nan"], "--max-bytes must be a finite number, got nan"),
     (["--temperature", "nan"], "--temperature must be a finite number, got nan"),
+    (["--temperature", "1e-300"], "--temperature 1e-300 is below 0.001"),
+    (["--max-bytes", "0.5"], "--max-bytes must be 0 (no limit) or at least 1, got 0.5"),
+    (["--sample-tokens", "1021"], "--sample-tokens 1021: with the prompt's 4 token(s) the sample would reach 1025 "
+                                  "positions, beyond the model's 1024"),
+    (["--rdzv-endpoint", ":29500"], "--rdzv-endpoint :29500: no host before the port"),
     (["--rdzv-endpoint", "host:99999"], "--rdzv-endpoint host:99999: the port must be in 1..65535, got 99999"),
     (["--seq-len", "100000"], "--seq-len 100000 exceeds the 8192 positions a preset model (gpt2-micro) can have"),
 ])

@@ -11,8 +11,11 @@ launcher (``torchrun -m modelparallel.run script.py``) it does the rank part alo
 
 A rank whose script raises records its error and exits; the launcher stops the other ranks and
 prints the first failing rank's error, with every rank's traceback in
-``<sagemaker-dir>/output/failure.log``. Exit status: the script's, 1 on failure, 130 on Ctrl-C, 2
-when this machine has GPUs but fewer than ``--nproc-per-node`` (each rank takes ``cuda:LOCAL_RANK``).
+``<sagemaker-dir>/output/failure.log``; a rank that dies without a record (``os._exit(5)``, a
+crash) is named in one block with its status. Exit status: the script's (a rank's ``os._exit``
+code too), 1 on failure or ``sys.exit("message")`` (its message reported), 130 on Ctrl-C, 2 for a
+bad ``--nproc-per-node`` or when this machine has GPUs but fewer than ``--nproc-per-node`` (each
+rank takes ``cuda:LOCAL_RANK``).
 """
 
 from __future__ import annotations

@@ -11,8 +11,11 @@ launcher (``torchrun -m modelparallel.run script.py``) it does the rank part alo
 
 A rank whose script raises records its error and exits; the launcher stops the other ranks and
 prints the first failing rank's error, with every rank's traceback in
-``<sagemaker-dir>/output/failure.log``. Exit status: the script's, 1 on failure, 130 on Ctrl-C, 2
-when this machine has GPUs but fewer than ``--nproc-per-node`` (each rank takes ``cuda:LOCAL_RANK``).
+``<sagemaker-dir>/output/failure.log``; a rank that dies without a record (``os._exit(5)``, a
+crash) is named in one block with its status. Exit status: the script's (a rank's ``os._exit``
+code too), 1 on failure or ``sys.exit("message")`` (its message reported), 130 on Ctrl-C, 2 for a
+bad ``--nproc-per-node`` or when this machine has GPUs but fewer than ``--nproc-per-node`` (each
+rank takes ``cuda:LOCAL_RANK``).
 """
 
 from __future__ import annotations
@@ -24,10 +27,9 @@ import runpy
 import shutil
 import signal
 import sys
-import tempfile
 from pathlib import Path
 
-from ..cli import launch, outcome
+from ..cli import launch, outcome, status_dir
 from . import env, hook, torch_calls
 
 HELP = "run a SageMaker (v1 or v2) training script unchanged, on torchrun's ranks"
@@ -70,13 +72,15 @@ def _our_env(args: argparse.Namespace) -> dict[str, str]:
 
 
 def _exit_code(exc: SystemExit) -> int:
+    """The status of the script's ``sys.exit(code)``. ``sys.exit("message")`` means "failed with
+    this message" (Python prints it and exits 1): it is raised again, so the rank's record, and
+    the launcher's report, carry the message rather than a bare status 1."""
     code = exc.code
     if code is None:
         return 0
     if isinstance(code, int):
         return code
-    print(code, file=sys.stderr)
-    return 1
+    raise SystemExit(str(code)) from None
 
 
 def run_script(args: argparse.Namespace) -> int:
@@ -123,6 +127,22 @@ def _no_module(name: str) -> bool:
         del sys.path[0]
 
 
+def _nproc(value: str, determine) -> int | None:
+    """``--nproc-per-node`` as a number of ranks (torchrun's ``determine`` also reads ``cpu``,
+    ``gpu``, ``auto``), or None after saying what is wrong: 0 or a word torchrun does not know
+    would otherwise end in a traceback from inside torchrun's agent."""
+    try:
+        nproc = determine(value)
+    except ValueError as exc:
+        print(f"modelparallel run: error: --nproc-per-node {value}: {exc} (a number of ranks >= 1, or cpu, gpu, "
+              "auto)", file=sys.stderr, flush=True)
+        return None
+    if nproc < 1:
+        print(f"modelparallel run: error: --nproc-per-node must be at least 1, got {value}", file=sys.stderr, flush=True)
+        return None
+    return nproc
+
+
 def launch_ranks(args: argparse.Namespace) -> int:
     """The launcher part: torchrun's agent over ``modelparallel.run`` on every rank."""
     from torch.distributed.run import determine_local_world_size
@@ -139,15 +159,17 @@ def launch_ranks(args: argparse.Namespace) -> int:
     if args.module and _no_module(args.training_script):
         print(f"modelparallel run: -m {args.training_script}: no such module", file=sys.stderr)
         return 2
+    nproc = _nproc(args.nproc_per_node, determine_local_world_size)
+    if nproc is None:
+        return 2
     rank_args = (["-m"] if args.module else []) + [args.training_script, *args.training_script_args]
     args.module, args.run_path = True, False
     args.training_script, args.training_script_args = "modelparallel.run", rank_args
-    nproc = determine_local_world_size(args.nproc_per_node)
     for problem in devices.launch_problems(nproc, "lower --nproc-per-node"):
         print(f"modelparallel run: error: {problem}", file=sys.stderr, flush=True)
         return 2
     root = Path(args.sagemaker_dir or env.DEFAULT_DIR).absolute()
-    status = Path(tempfile.mkdtemp(prefix="modelparallel-run-"))
+    status = status_dir.create("run")  # named for this launcher: swept by a later one if this one is killed
     extra = {**_our_env(args), env.DIR_ENV: str(root), outcome.STATUS_ENV: str(status)}
     if devices.requested() == "cpu":  # the script's own torch.cuda calls must not find the GPUs either
         extra["CUDA_VISIBLE_DEVICES"] = ""
@@ -165,11 +187,12 @@ def _report(exc: BaseException, status: Path, log_path: Path) -> int:
         print("\nmodelparallel run: interrupted", file=sys.stderr, flush=True)
         return outcome.INTERRUPTED_EXIT
     errors = outcome.killed_ranks(exc, {r["rank"] for r in ending.records}) + ending.errors()
-    if not errors:
-        print(f"\nmodelparallel run failed: {type(exc).__name__}: {str(exc).strip()}", file=sys.stderr, flush=True)
-        return 1
+    if not errors:  # no rank said why (os._exit, a crash) or none ran: one block, not torchrun's report
+        record = outcome.from_torchrun(exc)
+        print("\n" + outcome.failure_block(record, None, 1, command="run"), file=sys.stderr, flush=True)
+        return record.get("exit_code") or 1
     log = outcome.write_log(log_path, errors)
-    if errors[0]["traceback"]:
+    if errors[0]["traceback"] and errors[0]["type"] != "SystemExit":  # sys.exit("message"): the message says it
         print("\n" + errors[0]["traceback"].rstrip(), file=sys.stderr)
     print(outcome.failure_block(errors[0], log, len(errors), command="run"), file=sys.stderr, flush=True)
     return errors[0].get("exit_code") or 1  # the script's own status when it exited with one

@@ -22,6 +22,7 @@ from .load.pending import PendingResume
 from .safety import commit
 from .safety.errors import run_phase
 from .safety.files import CheckpointFiles
+from .safety.manifest import set_aside_note
 from . import single_file
 from .save import full, partial as partial_ckpt
 
@@ -286,7 +287,8 @@ def locate(path: Path, tag: str | None, partial: bool) -> Path:
                                     f"{'partial' if not partial else 'full'} checkpoint, resume it with "
                                     f"partial={not partial}")
         if not (path / name).is_dir():
-            raise FileNotFoundError(f"{where} does not exist in {path}; saved checkpoints: {_saved(path)}")
+            raise FileNotFoundError(f"{where} does not exist in {path}; saved checkpoints: {_saved(path)}"
+                                    + set_aside_note(path, name))
         kind = commit.read_manifest(path / name).get("format", "")
         if kind.endswith("partial") != partial:
             raise ValueError(f"{where} is a {'partial' if kind.endswith('partial') else 'full'} checkpoint; "

@@ -63,3 +63,22 @@ def test_a_whole_copy_left_aside_is_restored_a_half_deleted_one_removed(tmp_path
         directory.remove_leftovers(tmp_path / "gone")
     assert (tmp_path / "ck" / "data.bin").read_bytes() == b"old"
     assert sorted(os.listdir(tmp_path)) == ["ck"], os.listdir(tmp_path)
+
+
+def test_a_load_of_a_checkpoint_left_aside_names_the_copy_and_changes_nothing(tmp_path):
+    """Until the next save restores it, a load says where the copy is (v2 and v1's lookup), and
+    moves nothing: loading is read-only."""
+    from modelparallel.checkpoint.api import locate
+
+    commit.commit_dir(_staged(tmp_path, "ck", b"old"), tmp_path / "ck")
+    aside = commit.hidden_name("trash", commit.new_nonce(), "ck")
+    os.rename(tmp_path / "ck", tmp_path / aside)
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(FileNotFoundError, match=f"left a copy of it aside as {aside}"):
+        directory.checkpoint_files(tmp_path / "ck")
+    with pytest.raises(FileNotFoundError, match=f"left a copy of it aside as {aside}"):
+        locate(tmp_path, "ck", partial=False)
+    assert sorted(os.listdir(tmp_path)) == before
+    with pytest.raises(FileNotFoundError) as missing:  # nothing aside: no such note
+        directory.checkpoint_files(tmp_path / "other")
+    assert "aside" not in str(missing.value)

@@ -158,6 +158,21 @@ def check_committed(directory: str | Path, manifest: dict) -> None:
         raise OSError("the committed checkpoint is not what was written: " + "; ".join(problems))
 
 
+def set_aside_note(parent: str | Path, name: str) -> str:
+    """For a message about a missing ``parent/name``: the copies of it an interrupted commit left
+    aside (``.mp-trash-...``), which the next save of it restores if whole; "" if there is none.
+    Nothing is read or changed (a load only reports)."""
+    try:
+        found = sorted(e.name for e in os.scandir(parent) if TRASH.match(e.name)
+                       and TRASH.match(e.name).group(1) == name and e.is_dir(follow_symlinks=False))
+    except OSError:
+        return ""
+    if not found:
+        return ""
+    return (f"; an interrupted commit left a copy of it aside as {', '.join(found)} in {parent}: the next save of "
+            f"{name} puts it back if it is whole, or rename it to {name} yourself")
+
+
 def restore_swapped_out(parent: str | Path, name: str) -> bool:
     """Put back ``parent/name`` from the copy a commit moved aside (``.mp-trash-{nonce}-{name}``)
     when a crash came before the new one took its place: only while ``name`` is absent, and only

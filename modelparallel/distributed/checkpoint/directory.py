@@ -32,7 +32,7 @@ from torch.distributed.checkpoint import FileSystemWriter, StorageWriter
 
 from ...checkpoint.safety import commit
 from ...checkpoint.safety.files import CheckpointFiles, CorruptFileError
-from ...checkpoint.safety.manifest import MANIFEST, read_manifest
+from ...checkpoint.safety.manifest import MANIFEST, read_manifest, set_aside_note
 from ...checkpoint.save.writer import CheckpointWriter
 
 FORMAT = "modelparallel-dcp"
@@ -178,7 +178,8 @@ def checkpoint_files(path: Path) -> CheckpointFiles:
             files = {e.name: {"size": e.stat(follow_symlinks=False).st_size, "crc32": None}
                      for e in entries if e.is_file(follow_symlinks=False)}
     except OSError as e:
-        raise type(e)(e.errno, e.strerror, str(path)) from None
+        note = set_aside_note(path.parent, path.name) if isinstance(e, FileNotFoundError) else ""
+        raise type(e)(e.errno, f"{e.strerror}{note}" if note else e.strerror, str(path)) from None
     if ".metadata" not in files:
         raise FileNotFoundError(f"{path} is not a complete checkpoint: no .metadata (nor {MANIFEST})")
     return CheckpointFiles(path, {"format": "dcp", "files": files})

@@ -8,6 +8,7 @@ The resume object also holds what its loads skipped (``last_load_report``).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -78,6 +79,7 @@ def save_checkpoint(path: str | Path, tag: str, partial: bool = True, model=None
     if not isinstance(async_staging, bool):
         raise ValueError(f"save_checkpoint: async_staging must be True or False, got {async_staging!r}")
     wait_for_checkpoints()  # at most one save in flight; its error surfaces here
+    same_on_every_rank("save_checkpoint", path=path, tag=tag, partial=partial)
     saver = _saver() if async_save else None
     if partial:
         partial_ckpt.save(Path(path), tag, model, optimizer, user_content, num_kept_partial_checkpoints,
@@ -87,6 +89,20 @@ def save_checkpoint(path: str | Path, tag: str, partial: bool = True, model=None
     else:
         full.save(Path(path), tag, model, user_content, translate_if_full, trust_user_content=trust_user_content,
                   dtype=dtype, saver=saver)
+
+
+def same_on_every_rank(call: str, **args) -> None:
+    """Raise ``ValueError`` on every rank if ranks passed different ``args`` (a collective).
+    Rank 0's path and tag name the directory every rank writes into or reads from, so a rank
+    given another tag otherwise "saved" it silently into rank 0's, and a resume read each rank's
+    shard from a different checkpoint."""
+    mine = {k: os.path.abspath(v) if k == "path" else v for k, v in args.items()}
+    every = run_phase(f"{call} (arguments)", lambda: mine)
+    differ = [k for k in mine if len({repr(e[k]) for e in every}) > 1]
+    if differ:
+        raise ValueError(f"{call}: every rank must pass the same {', '.join(differ)}; got "
+                         + "; ".join(f"{k}: " + ", ".join(f"rank {r} {e[k]!r}" for r, e in enumerate(every))
+                                     for k in differ))
 
 
 def _saver() -> AsyncSaver:
@@ -190,6 +206,7 @@ def resume_from_checkpoint(path: str | Path, tag: str | None = None, partial: bo
     """
     policy = _policy(staging, staging_bucket)
     wait_for_checkpoints()  # never read what a save in flight is writing
+    same_on_every_rank("resume_from_checkpoint", path=path, tag=tag, partial=partial, load_optimizer=load_optimizer)
     rt = runtime.current()
     if rt.resume is not None:  # a new resume replaces one still waiting, even if it fails
         rt.resume.armed = False

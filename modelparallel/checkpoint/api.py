@@ -93,12 +93,13 @@ def save_checkpoint(path: str | Path, tag: str, partial: bool = True, model=None
 
 def same_on_every_rank(call: str, **args) -> None:
     """Raise ``ValueError`` on every rank if ranks passed different ``args`` (a collective).
-    Rank 0's path and tag name the directory every rank writes into or reads from, so a rank
-    given another tag otherwise "saved" it silently into rank 0's, and a resume read each rank's
-    shard from a different checkpoint."""
-    mine = {k: os.path.abspath(v) if k == "path" else v for k, v in args.items()}
-    every = run_phase(f"{call} (arguments)", lambda: mine)
-    differ = [k for k in mine if len({repr(e[k]) for e in every}) > 1]
+    Paths compare after resolving symlinks and ``..``. Rank 0's path and tag name the
+    directory every rank writes into or reads from, so a rank given another tag otherwise
+    "saved" it silently into rank 0's, and a resume read each rank's shard from a different
+    checkpoint."""
+    every = run_phase(f"{call} (arguments)",
+                      lambda: {k: os.path.realpath(v) if k == "path" else v for k, v in args.items()})
+    differ = [k for k in args if len({repr(e[k]) for e in every}) > 1]
     if differ:
         raise ValueError(f"{call}: every rank must pass the same {', '.join(differ)}; got "
                          + "; ".join(f"{k}: " + ", ".join(f"rank {r} {e[k]!r}" for r, e in enumerate(every))

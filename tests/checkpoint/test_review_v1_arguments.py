@@ -26,6 +26,12 @@ def different_tags(path: str, partial: bool) -> dict:
     out = {"save": error_of(smp.save_checkpoint, root / "d", f"t{rank}", partial=partial),
            "path": error_of(smp.save_checkpoint, root / f"p{rank}", "t", partial=partial)}
     out["disk"] = _listing(root)
+    smp.barrier()
+    (root / "real").mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        (root / "link").symlink_to(root / "real")
+    smp.barrier()
+    smp.save_checkpoint(root / ("real" if rank == 0 else "link"), "s", partial=partial)  # one directory, named two ways
     smp.save_checkpoint(root / "d", "t0", partial=partial)
     smp.save_checkpoint(root / "d", "t1", partial=partial)
     model, optimizer = build(seed=1)

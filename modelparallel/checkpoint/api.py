@@ -156,9 +156,10 @@ def _check_save_args(tag, keep, model, partial: bool) -> None:
                         f"(names of partial checkpoints and user content files); got {tag!r}")
     if model is None:
         problems.append("no model: create a smp.DistributedModel first or pass model=")
-    if not isinstance(tag, str) or not tag or "/" in tag or tag.startswith(".") or tag == commit.NEWEST:
-        problems.append(f"tag must be a non-empty name without '/', not starting with '.', not "
-                        f"'{commit.NEWEST}'; got {tag!r}")
+    if not isinstance(tag, str) or not tag or "/" in tag or tag.startswith(".") or tag == commit.NEWEST \
+            or tag != tag.strip():  # ``newest`` is read stripped: " a" would name "a"'s checkpoint
+        problems.append(f"tag must be a non-empty name without '/' or surrounding whitespace, not starting "
+                        f"with '.', not '{commit.NEWEST}'; got {tag!r}")
     if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
         problems.append(f"num_kept_partial_checkpoints must be an integer >= 1 or None, got {keep!r}")
     if problems:

@@ -8,7 +8,6 @@ The resume object also holds what its loads skipped (``last_load_report``).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,7 +20,7 @@ from .load.journal import Policy, check_policy
 from .load.parts import LoadReport, USER_CONTENT, read_user_content
 from .load.pending import PendingResume
 from .safety import commit
-from .safety.errors import run_phase
+from .safety.errors import run_phase, same_on_every_rank
 from .safety.files import CheckpointFiles
 from .safety.manifest import set_aside_note
 from . import single_file
@@ -89,21 +88,6 @@ def save_checkpoint(path: str | Path, tag: str, partial: bool = True, model=None
     else:
         full.save(Path(path), tag, model, user_content, translate_if_full, trust_user_content=trust_user_content,
                   dtype=dtype, saver=saver)
-
-
-def same_on_every_rank(call: str, **args) -> None:
-    """Raise ``ValueError`` on every rank if ranks passed different ``args`` (a collective).
-    Paths compare after resolving symlinks and ``..``. Rank 0's path and tag name the
-    directory every rank writes into or reads from, so a rank given another tag otherwise
-    "saved" it silently into rank 0's, and a resume read each rank's shard from a different
-    checkpoint."""
-    every = run_phase(f"{call} (arguments)",
-                      lambda: {k: os.path.realpath(v) if k == "path" else v for k, v in args.items()})
-    differ = [k for k in args if len({repr(e[k]) for e in every}) > 1]
-    if differ:
-        raise ValueError(f"{call}: every rank must pass the same {', '.join(differ)}; got "
-                         + "; ".join(f"{k}: " + ", ".join(f"rank {r} {e[k]!r}" for r, e in enumerate(every))
-                                     for k in differ))
 
 
 def _saver() -> AsyncSaver:

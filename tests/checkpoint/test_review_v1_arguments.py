@@ -5,7 +5,7 @@ exist), and ``resume_from_checkpoint`` read each rank's shard from a different c
 (a silent mix of two steps). Each must raise ``ValueError`` on every rank, naming the argument
 and every rank's value, before anything is written or loaded.
 
-A failure points at ``api.same_on_every_rank`` (modelparallel/checkpoint/api.py). 2 ranks, TP=2.
+A failure points at ``safety/errors.py``'s ``same_on_every_rank`` (called by api.py). 2 ranks, TP=2.
 """
 
 from pathlib import Path

@@ -20,7 +20,7 @@ from .load.journal import Policy, check_policy
 from .load.parts import LoadReport, USER_CONTENT, read_user_content
 from .load.pending import PendingResume
 from .safety import commit
-from .safety.errors import run_phase
+from .safety.errors import run_phase, same_on_every_rank
 from .safety.files import CheckpointFiles
 from .safety.manifest import set_aside_note
 from . import single_file
@@ -78,6 +78,7 @@ def save_checkpoint(path: str | Path, tag: str, partial: bool = True, model=None
     if not isinstance(async_staging, bool):
         raise ValueError(f"save_checkpoint: async_staging must be True or False, got {async_staging!r}")
     wait_for_checkpoints()  # at most one save in flight; its error surfaces here
+    same_on_every_rank("save_checkpoint", path=path, tag=tag, partial=partial)
     saver = _saver() if async_save else None
     if partial:
         partial_ckpt.save(Path(path), tag, model, optimizer, user_content, num_kept_partial_checkpoints,
@@ -139,9 +140,10 @@ def _check_save_args(tag, keep, model, partial: bool) -> None:
                         f"(names of partial checkpoints and user content files); got {tag!r}")
     if model is None:
         problems.append("no model: create a smp.DistributedModel first or pass model=")
-    if not isinstance(tag, str) or not tag or "/" in tag or tag.startswith(".") or tag == commit.NEWEST:
-        problems.append(f"tag must be a non-empty name without '/', not starting with '.', not "
-                        f"'{commit.NEWEST}'; got {tag!r}")
+    if not isinstance(tag, str) or not tag or "/" in tag or tag.startswith(".") or tag == commit.NEWEST \
+            or tag != tag.strip():  # ``newest`` is read stripped: " a" would name "a"'s checkpoint
+        problems.append(f"tag must be a non-empty name without '/' or surrounding whitespace, not starting "
+                        f"with '.', not '{commit.NEWEST}'; got {tag!r}")
     if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
         problems.append(f"num_kept_partial_checkpoints must be an integer >= 1 or None, got {keep!r}")
     if problems:
@@ -190,6 +192,7 @@ def resume_from_checkpoint(path: str | Path, tag: str | None = None, partial: bo
     """
     policy = _policy(staging, staging_bucket)
     wait_for_checkpoints()  # never read what a save in flight is writing
+    same_on_every_rank("resume_from_checkpoint", path=path, tag=tag, partial=partial, load_optimizer=load_optimizer)
     rt = runtime.current()
     if rt.resume is not None:  # a new resume replaces one still waiting, even if it fails
         rt.resume.armed = False

@@ -174,7 +174,8 @@ def prepare(files: CheckpointFiles, model, strict: bool,
         return report
 
     report = run_phase("full load (keys)", plan)[_rank()]
-    load = staging.begin(report, state, set(state) & set(found["sources"]) - report.mismatched_keys, policy)
+    load = staging.agreed("full load (targets)", lambda: staging.begin(
+        report, state, set(state) & set(found["sources"]) - report.mismatched_keys, policy))
     by_file: dict[str, dict[str, list[str]]] = {}
     for key in load.keys:
         name, stored, _, _ = found["sources"][key]

@@ -92,7 +92,8 @@ def prepare_model(files: CheckpointFiles, model, strict: bool, policy: Policy | 
         return report
 
     report = run_phase("load (model: keys)", check)[_rank_world()[0]]
-    load = staging.begin(report, state, parts.loadable(state, report), policy)
+    load = staging.agreed("load (model: targets)",
+                          lambda: staging.begin(report, state, parts.loadable(state, report), policy))
     planner = BucketPlanner(load.journal, set(load.keys)) if load.journal is not None else None
     load.run("load (model: read)", lambda: parts.read_part(load.targets(), files, MODEL, set(load.keys), planner))
     return load

@@ -48,10 +48,29 @@ def nbytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(local_part(t).numel() * local_part(t).element_size() for t in tensors.values())
 
 
+def unwritable(live: dict[str, torch.Tensor], keys) -> list[str]:
+    """The keys whose live tensor a load cannot write: on the meta device (a copy into it does
+    nothing, so the load "succeeded" leaving it unset) or an expanded view (the copy raises,
+    after other tensors were already written)."""
+    out = []
+    for key in keys:
+        t = local_part(live[key])
+        if t.is_meta:
+            out.append(f"{key}: a tensor on the meta device (materialize the model first)")
+        elif any(n > 1 and st == 0 for n, st in zip(t.shape, t.stride())):
+            out.append(f"{key}: an expanded view (stride 0 along a dimension of size > 1; clone() it first)")
+    return out
+
+
 def begin(report: LoadReport, live: dict[str, torch.Tensor], keys, policy: Policy | None) -> "ModelLoad":
     """A load of ``keys`` into ``live``: staged in memory, or through an undo journal when
-    ``policy`` says the staged copy would not fit."""
+    ``policy`` says the staged copy would not fit. No collective: callers run it in a phase
+    (``agreed``), since it raises ``ValueError`` for ``unwritable`` targets, which may be on
+    one rank only."""
     keys = sorted(keys)
+    problems = unwritable(live, keys)
+    if problems:
+        raise ValueError("a load cannot write into " + "; ".join(problems))
     need = nbytes({k: live[k] for k in keys})
     if policy is not None and policy.use_journal(need):
         return ModelLoad(report, live, keys=keys, journal=Journal(policy.bucket))

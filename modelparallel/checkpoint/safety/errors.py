@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import builtins
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -192,3 +193,18 @@ def single_error(phase: str, errors: list[str]) -> None:
     if errors:
         more = f" and {len(errors) - 1} more" if len(errors) > 1 else ""
         raise CheckpointError(f"{errors[0].splitlines()[0]} (checkpoint {phase}{more})\n  - " + "\n  - ".join(errors))
+
+
+def same_on_every_rank(call: str, **args) -> None:
+    """Raise ``ValueError`` on every rank if ranks passed different ``args`` (a collective).
+    Paths compare after resolving symlinks and ``..``. Rank 0's path and tag name the
+    directory every rank writes into or reads from, so a rank given another tag otherwise
+    "saved" it silently into rank 0's, and a resume read each rank's shard from a different
+    checkpoint."""
+    every = run_phase(f"{call} (arguments)",
+                      lambda: {k: os.path.realpath(v) if k == "path" else v for k, v in args.items()})
+    differ = [k for k in args if len({repr(e[k]) for e in every}) > 1]
+    if differ:
+        raise ValueError(f"{call}: every rank must pass the same {', '.join(differ)}; got "
+                         + "; ".join(f"{k}: " + ", ".join(f"rank {r} {e[k]!r}" for r, e in enumerate(every))
+                                     for k in differ))

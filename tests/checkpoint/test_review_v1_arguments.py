@@ -51,3 +51,29 @@ def test_different_tags_or_paths_are_refused_on_every_rank(tmp_path):
             assert r["disk"] == [], f"a refused save wrote {r['disk']}"
             assert "every rank must pass the same tag; got tag: rank 0 't0', rank 1 't1'" in r["resume"], r["resume"]
             assert r["changed"] == [], r["changed"]
+
+
+def same_text(path: str) -> dict:
+    """One path text that resolves differently on each rank (as one shared directory mounted at
+    different points on different machines does): accepted; another text and another
+    directory: refused."""
+    import os
+
+    from modelparallel.checkpoint.safety.errors import same_on_every_rank
+
+    here = Path(path) / f"machine{smp.rank()}"
+    here.mkdir(parents=True, exist_ok=True)
+    build()
+    back = os.getcwd()
+    os.chdir(here)  # the ranks are reused by later tests: the directory is restored below
+    try:
+        same_on_every_rank("save_checkpoint", path="ckpt", tag="t", partial=True)
+        return {"other text": error_of(same_on_every_rank, "save_checkpoint", path=f"ckpt{smp.rank()}", tag="t",
+                                       partial=True)}
+    finally:
+        os.chdir(back)
+
+
+def test_one_path_text_is_accepted_wherever_it_resolves(tmp_path):
+    for r in harness.run(2, same_text, str(tmp_path)):
+        assert "every rank must pass the same path" in r["other text"], r["other text"]

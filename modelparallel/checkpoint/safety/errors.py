@@ -197,13 +197,16 @@ def single_error(phase: str, errors: list[str]) -> None:
 
 def same_on_every_rank(call: str, **args) -> None:
     """Raise ``ValueError`` on every rank if ranks passed different ``args`` (a collective).
-    Paths compare after resolving symlinks and ``..``. Rank 0's path and tag name the
-    directory every rank writes into or reads from, so a rank given another tag otherwise
-    "saved" it silently into rank 0's, and a resume read each rank's shard from a different
-    checkpoint."""
-    every = run_phase(f"{call} (arguments)",
-                      lambda: {k: os.path.realpath(v) if k == "path" else v for k, v in args.items()})
-    differ = [k for k in args if len({repr(e[k]) for e in every}) > 1]
+    Paths agree when every rank gave the same text (one shared directory may resolve to
+    different mount points on different machines) or when they resolve to one directory (named
+    two ways on one machine). Rank 0's path and tag name the directory every rank writes into or
+    reads from, so a rank given another tag otherwise "saved" it silently into rank 0's, and a
+    resume read each rank's shard from a different checkpoint."""
+    every = run_phase(f"{call} (arguments)", lambda: {
+        **args, **({"path": os.fspath(args["path"]), "resolved path": os.path.realpath(args["path"])}
+                   if "path" in args else {})})
+    differ = [k for k in args if len({repr(e[k]) for e in every}) > 1
+              and not (k == "path" and len({e["resolved path"] for e in every}) == 1)]
     if differ:
         raise ValueError(f"{call}: every rank must pass the same {', '.join(differ)}; got "
                          + "; ".join(f"{k}: " + ", ".join(f"rank {r} {e[k]!r}" for r, e in enumerate(every))

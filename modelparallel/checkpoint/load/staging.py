@@ -48,18 +48,23 @@ def nbytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(local_part(t).numel() * local_part(t).element_size() for t in tensors.values())
 
 
+def why_unwritable(parts) -> str | None:
+    """Why a load cannot write into a tensor whose local memory is ``parts`` (a shard, or a
+    ShardedTensor's local shards), or None: on the meta device (a copy into it does nothing, so
+    the load "succeeded" leaving it unset) or an expanded view (the copy raises, after other
+    tensors were already written). v1's and v2's loads both ask this before reading."""
+    if any(t.is_meta for t in parts):
+        return ("a tensor on the meta device, which a load cannot change (materialize the model first, e.g. "
+                "to_empty() and its initialization, then load)")
+    if any(n > 1 and st == 0 for t in parts for n, st in zip(t.shape, t.stride())):
+        return ("an expanded view (stride 0 along a dimension of size > 1), which a load cannot write into without "
+                "the others' values ending in the same memory: clone() it first")
+    return None
+
+
 def unwritable(live: dict[str, torch.Tensor], keys) -> list[str]:
-    """The keys whose live tensor a load cannot write: on the meta device (a copy into it does
-    nothing, so the load "succeeded" leaving it unset) or an expanded view (the copy raises,
-    after other tensors were already written)."""
-    out = []
-    for key in keys:
-        t = local_part(live[key])
-        if t.is_meta:
-            out.append(f"{key}: a tensor on the meta device (materialize the model first)")
-        elif any(n > 1 and st == 0 for n, st in zip(t.shape, t.stride())):
-            out.append(f"{key}: an expanded view (stride 0 along a dimension of size > 1; clone() it first)")
-    return out
+    """The keys whose live tensor a load cannot write (``why_unwritable``), each with why."""
+    return [f"{key}: {why}" for key in keys if (why := why_unwritable([local_part(live[key])])) is not None]
 
 
 def begin(report: LoadReport, live: dict[str, torch.Tensor], keys, policy: Policy | None) -> "ModelLoad":

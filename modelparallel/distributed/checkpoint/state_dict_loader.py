@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, LoadPlanner, StorageReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from ...checkpoint.load.staging import why_unwritable
 from ...checkpoint.safety.files import CheckpointFiles
 from ...checkpoint.safety.safe_open import resolve_named
 from ...compat import ShardedTensor, flatten_state_dict
@@ -54,14 +55,10 @@ def _problems(state_dict, metadata, check_keys: bool) -> list[str]:
             continue
         if torch.is_tensor(value):
             md = saved[key]
-            if value.is_meta:
-                out.append(f"{key}: a tensor on the meta device, which a load cannot change (materialize the model "
-                           "first, e.g. to_empty() and its initialization, then load)")
-                continue
             parts = [s.tensor for s in value.local_shards()] if isinstance(value, ShardedTensor) else [local_part(value)]
-            if any(n > 1 and st == 0 for t in parts for n, st in zip(t.shape, t.stride())):
-                out.append(f"{key}: an expanded view (stride 0 along a dimension of size > 1), which a load cannot "
-                           "write into without the others' values ending in the same memory: clone() it first")
+            why = why_unwritable([value] if value.is_meta else parts)
+            if why is not None:
+                out.append(f"{key}: {why}")
                 continue
             if not isinstance(md, TensorStorageMetadata):
                 out.append(f"{key}: saved as an object, asked for as a tensor")

@@ -8,7 +8,7 @@ as it was, and leave the pending save to commit as it would have.
 
 A failure points at ``saving._prepare`` (the coordinators' agreement, the pending paths),
 ``AsyncCallsQueue.schedule`` (which paths other queues hold) or
-``state_dict_utils.check_plans_agree`` (called by ``saving._global_plan``).
+``state_dict_utils.check_plans_agree`` (called by ``planning.global_plan``).
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ checksummed (``directory``): a checkpoint already there stays whole and loadable
 
 from __future__ import annotations
 
-import copy
-import os
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,34 +48,9 @@ from . import directory
 from .group_blocks import for_group
 from .outcome import (CheckpointLoadError, CheckpointSaveError, Group, collective_outcome, group_of,  # noqa: F401
                       check_coordinators)
+from .planning import Planning, PlanCache
 from .staging import StagedPlanner, deferrable, stage
-from .state_dict_utils import check_local_group, check_objects, check_plans_agree
-
-
-@dataclass
-class PlanCache:
-    """The last plan of each (group, coordinator, writer type): this rank's local plan (DCP's
-    plans are dataclasses: compared field by field), its final plan, and (on the coordinator)
-    the metadata."""
-
-    entries: dict = field(default_factory=dict)
-    hits: int = 0
-    """Saves that reused a plan."""
-
-    @staticmethod
-    def key(group: Group, writer: StorageWriter) -> tuple:
-        return tuple(group.members), group.coordinator, type(writer).__qualname__
-
-
-def _agree_on_plan(group: Group, error: BaseException | None, unchanged: bool) -> bool:
-    """Whether every rank of ``group`` has its last plan unchanged (one small all-reduce); an
-    error on any rank is raised on every rank, with every rank's message."""
-    flags = torch.tensor([int(error is not None), int(not unchanged)], dtype=torch.int32,
-                         device=devices.for_group(group.pg))
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group.pg)
-    if flags[0]:
-        collective_outcome(group, error, "checkpoint save (planning)")
-    return not flags[1]
+from .state_dict_utils import check_local_group, check_objects
 
 
 @dataclass
@@ -91,60 +66,18 @@ class PendingSave:
     """name -> bytes the coordinator writes next to the metadata (before it)."""
     staging: Path | None = None
     """The hidden directory the files are written into, committed as ``path``."""
+    forget_plan: Callable[[], None] | None = None
+    """Drops the plan this save reused (a failed save may have failed its plan's check)."""
 
 
-def _plan(state_dict, writer: StorageWriter, planner: SavePlanner, group: Group, cache: PlanCache | None):
-    """DCP's planning steps as collectives over ``group``: (this rank's final plan, metadata on
-    the coordinator). With a ``cache``, a plan every rank already sent last time is reused."""
-    rank_in_group = group.members.index(dist.get_rank())
-    error, local = None, None
-    key = PlanCache.key(group, writer) if cache is not None else None
-    try:
-        planner.set_up_planner(state_dict=state_dict, storage_meta=writer.storage_meta(),
-                               is_coordinator=group.is_coordinator)
-        writer.set_up_storage_writer(group.is_coordinator, rank=rank_in_group, use_collectives=True)
-        local = writer.prepare_local_plan(planner.create_local_plan())
-    except Exception as e:  # noqa: BLE001 - every rank must hear of it
-        error = e
-    last = cache.entries.get(key) if cache is not None else None
-    if _agree_on_plan(group, error, last is not None and error is None and last[0] == local):
-        cache.hits += 1
-        _, final, metadata = last
-        return planner.finish_plan(final), copy.copy(metadata)
-    plan, metadata = _global_plan(planner, writer, group, local)
-    if cache is not None:
-        cache.entries[key] = (local, plan, metadata)
-        metadata = copy.copy(metadata)
-    return plan, metadata
-
-
-def _global_plan(planner: SavePlanner, writer: StorageWriter, group: Group, local):
-    """The coordinator merges every rank's plan; each rank gets its final plan back."""
-    metadata = None
-    plans: list = [None] * len(group.members) if group.is_coordinator else None
-    dist.gather_object(local, plans, dst=group.coordinator, group=group.pg)
-    scatter: list = [None] * len(group.members)
-    if group.is_coordinator:
-        try:
-            check_plans_agree(plans, group.members)
-            plans, metadata = planner.create_global_plan(plans)
-            scatter = writer.prepare_global_plan(plans)
-        except Exception as e:  # noqa: BLE001 - sent to every rank below
-            scatter = [e] * len(group.members)
-    mine: list = [None]
-    dist.scatter_object_list(mine, scatter if group.is_coordinator else None, src=group.coordinator, group=group.pg)
-    if isinstance(mine[0], Exception):
-        raise CheckpointSaveError(f"checkpoint save (global plan) failed on the coordinator: {mine[0]}")
-    return planner.finish_plan(mine[0]), metadata
-
-
-def _prepare(state_dict, writer: StorageWriter, group: Group, busy) -> Path:
-    """Before anything is written (a collective): a local state dict only over ranks holding
-    the same tensors; the coordinator checks that ``checkpoint_id`` may be replaced, removes what
-    interrupted saves of it left (unless a save of it is still pending: ``busy``, path -> whether
-    in this queue) and makes the staging directory, which every rank's writer then writes into.
-    A save of a path another queue has pending is refused: its staging directory would be taken
-    for a leftover, and the older save would commit over this one. Returns that directory."""
+def _prepare(state_dict, writer: StorageWriter, group: Group, busy, planning: Planning) -> tuple[Path, bool]:
+    """Before anything is written (one all-reduce, which also carries the planning's state):
+    a local state dict only over ranks holding the same tensors; the coordinator checks that
+    ``checkpoint_id`` may be replaced, removes what interrupted saves of it left (unless a save
+    of it is still pending: ``busy``, path -> whether in this queue) and makes the staging
+    directory, which every rank's writer then writes into. A save of a path another queue has
+    pending is refused: its staging directory would be taken for a leftover, and the older save
+    would commit over this one. Returns that directory and whether every rank reuses its plan."""
     final = Path(writer.path)
     error, nonce = None, None
     try:
@@ -159,22 +92,28 @@ def _prepare(state_dict, writer: StorageWriter, group: Group, busy) -> Path:
     except Exception as e:  # noqa: BLE001 - every rank must hear of it
         error = e
     try:
-        agreed = _agree_on_staging(group, error, nonce, f"checkpoint save to {final}")
+        agreed, planning_failed, reuse = _agree_on_staging(group, error, nonce, f"checkpoint save to {final}", planning)
     except CheckpointSaveError:
         if nonce is not None:  # this rank took itself for the coordinator
             directory.discard(directory.staging_path(final, nonce))
         raise
     staging = directory.staging_path(final, agreed)
     writer.reset(staging)
-    return staging
+    if planning_failed:
+        _abandon(group, writer, staging, final)
+        collective_outcome(group, planning.error, "checkpoint save (planning)")
+    return staging, reuse
 
 
-def _agree_on_staging(group: Group, error: BaseException | None, nonce: int | None, what: str) -> int:
-    """The coordinator's staging nonce, on every rank (one all-reduce, a quarter of the time of
-    gathering objects: each asynchronous save's call pays it); an error on any rank, or ranks
-    naming different coordinators, is raised on every rank (then gathering every rank's word)."""
+def _agree_on_staging(group: Group, error: BaseException | None, nonce: int | None, what: str,
+                      planning: Planning) -> tuple[int, bool, bool]:
+    """(the coordinator's staging nonce, whether the planning failed on some rank, whether every
+    rank reuses its plan), on every rank: one all-reduce, a quarter of the time of gathering
+    objects (each asynchronous save's call pays it); an error on any rank, or ranks naming
+    different coordinators, is raised on every rank (then gathering every rank's word)."""
     coordinator = group.coordinator
-    flags = torch.tensor([int(error is not None), nonce or 0, coordinator, -coordinator], dtype=torch.int64,
+    flags = torch.tensor([int(error is not None), nonce or 0, coordinator, -coordinator,
+                          int(planning.error is not None), int(planning.entry is None)], dtype=torch.int64,
                          device=devices.for_group(group.pg))
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group.pg)
     if flags[0]:
@@ -183,7 +122,7 @@ def _agree_on_staging(group: Group, error: BaseException | None, nonce: int | No
         coordinators: list = [None] * len(group.members)
         dist.all_gather_object(coordinators, coordinator, group=group.pg)
         check_coordinators(group, coordinators, what)
-    return int(flags[1])
+    return int(flags[1]), bool(flags[4]), not flags[5]
 
 
 @torch.no_grad()  # nothing here is differentiated; a DTensor's to_local() is then its local tensor, no autograd view
@@ -203,10 +142,11 @@ def start(state_dict, writer: StorageWriter, planner: SavePlanner | None, group:
     deferred_keys = deferrable(state_dict, memory) if staging == "background" else {}
     saver.stager.fingerprint_early(memory)
     try:
-        staged, error, plan, metadata, hidden = _plan_and_stage(state_dict, writer, planner, custom, group, saver,
-                                                                cache, staging, busy, deferred_keys)
+        planned, staged, error = _plan_and_stage(state_dict, writer, planner, None if custom else cache, group,
+                                                 saver, staging, busy, deferred_keys)
     finally:
         saver.stager.fingerprint_early(None)
+    plan, metadata, check, hidden, forget = planned
     staged_planner = StagedPlanner(staged)
     deferred = bool(saver.stager.deferred)
 
@@ -215,6 +155,8 @@ def start(state_dict, writer: StorageWriter, planner: SavePlanner | None, group:
             raise error
         if deferred:
             saver.stage_deferred()
+        if check is not None:  # a reused plan: this save's own local plan must be the one it was made from
+            check()
         try:
             result = writer.write_data(plan, staged_planner)
             result.wait()
@@ -225,27 +167,30 @@ def start(state_dict, writer: StorageWriter, planner: SavePlanner | None, group:
             raise
 
     job = saver.submit(str(final), write, at_exit=False, hold_every_optimizer=deferred)
-    return PendingSave(str(final), group, writer, metadata, job, staging=hidden)
+    return PendingSave(str(final), group, writer, metadata, job, staging=hidden, forget_plan=forget)
 
 
-def _plan_and_stage(state_dict, writer, planner, custom: bool, group: Group, saver: AsyncSaver, cache: PlanCache,
+def _plan_and_stage(state_dict, writer, planner, cache: PlanCache | None, group: Group, saver: AsyncSaver,
                     staging: str, busy, deferred_keys: dict) -> tuple:
-    """``start``'s collective part: (staged items, staging error, plan, metadata, hidden directory)."""
+    """``start``'s collective part: ((plan, metadata, the reused plan's check, hidden directory,
+    what drops the plan), staged items, staging error)."""
     final = Path(writer.path)
     with for_group(state_dict, group.pg):
-        hidden = _prepare(state_dict, writer, group, dict(busy or {}))
+        planning = Planning.begin(state_dict, writer, planner, group, cache)
+        hidden, reuse = _prepare(state_dict, writer, group, dict(busy or {}), planning)
         try:
-            plan, metadata = _plan(state_dict, writer, planner, group, None if custom else cache)
+            plan, metadata, check = planning.finish(state_dict, writer, group, reuse)
         except BaseException:
             _abandon(group, writer, hidden, final)
             raise
+        forget = functools.partial(cache.forget, planning.key) if check is not None else None
         error, staged = None, None
         try:
             staged = stage(planner, plan, None if staging == "none" else saver.stager, deferred_keys)
         except Exception as e:  # noqa: BLE001 - raised by this rank's write, so by finish() on every rank
             error = e
             saver.stager.abandon()
-    return staged, error, plan, metadata, hidden
+    return (plan, metadata, check, hidden, forget), staged, error
 
 
 def _abandon(group: Group, writer: StorageWriter, staging: Path, final: Path) -> None:
@@ -289,6 +234,8 @@ def finish(pending: PendingSave) -> None:
         collective_outcome(group, error, f"checkpoint save to {final} (commit)")
     except BaseException:
         _abandon(group, pending.writer, pending.staging, final)
+        if pending.forget_plan is not None:  # its check may be what failed: the next save plans again
+            pending.forget_plan()
         raise
     pending.writer.reset(final)
     if hasattr(pending.writer, "committed"):  # DistributedFileSystemWriter's post-write hooks

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import harness
-from modelparallel.distributed.checkpoint import saving
+from modelparallel.distributed.checkpoint import planning
 from modelparallel.distributed.checkpoint.async_utils import AsyncCallsQueue
 from modelparallel.distributed.checkpoint.state_dict_saver import async_save
 
@@ -32,14 +32,14 @@ def _load(path: str, like: dict) -> dict:
 
 
 def repeated_saves(root: str) -> dict:
-    real = saving._global_plan
+    real = planning.global_plan
     planned = []
 
     def counting(*args, **kwargs):
         planned.append(1)
         return real(*args, **kwargs)
 
-    saving._global_plan = counting
+    planning.global_plan = counting
     queue = AsyncCallsQueue()
     checks = []
     try:
@@ -55,7 +55,7 @@ def repeated_saves(root: str) -> dict:
                        for k, v in state.items())
             checks.append((step, len(planned) - before, same))
     finally:
-        saving._global_plan = real
+        planning.global_plan = real
         queue.close()
     return {"checks": checks, "cached": len(queue.plans.entries)}
 
@@ -73,9 +73,9 @@ def repeated_sync_saves(root: str) -> list:
     from modelparallel.distributed.checkpoint.state_dict_saver import save
 
     tsm.init({"tensor_parallel_degree": 1})  # the plan cache is the job's
-    real = saving._global_plan
+    real = planning.global_plan
     planned = []
-    saving._global_plan = lambda *a, **k: planned.append(1) or real(*a, **k)
+    planning.global_plan = lambda *a, **k: planned.append(1) or real(*a, **k)
     out = []
     try:
         for step in range(3):
@@ -87,7 +87,7 @@ def repeated_sync_saves(root: str) -> list:
             same = all(torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v for k, v in state.items())
             out.append((len(planned) - before, same))
     finally:
-        saving._global_plan = real
+        planning.global_plan = real
     return out
 
 

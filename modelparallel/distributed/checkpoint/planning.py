@@ -85,9 +85,9 @@ class Entry:
         new = {item.index: item for item in local.items}
         differ = sorted({i.fqn for i in old.keys() ^ new.keys()}
                         | {i.fqn for i in old.keys() & new.keys() if old[i] != new[i]})
-        what = f"entry {differ[0]!r}" if differ else "its plan's other fields"
-        raise PlanChanged(f"the structure of this save matched the last one's but its plan does not ({what} "
-                          "differs): nothing was committed; the next save plans again")
+        what = f"entry {differ[0]!r} differs" if differ else "how its keys nest differs"
+        raise PlanChanged(f"the structure of this save matched the last one's but its plan does not ({what}): "
+                          "nothing was committed; the next save plans again")
 
 
 @dataclass

@@ -150,15 +150,18 @@ def _slots(obj, prefix: str = "") -> Iterator[tuple[object, object, str]]:
 
 
 @contextlib.contextmanager
-def for_group(state_dict, group: dist.ProcessGroup | None):
+def for_group(state_dict, group: dist.ProcessGroup | None, known: dict | None = None):
     """Within the block, every DTensor of ``state_dict`` (nested dicts and lists, changed in
     place) whose mesh has ranks outside ``group`` is its block's DTensor; the originals come
-    back on exit. No-op for ``group`` None (the world)."""
+    back on exit. No-op for ``group`` None (the world). ``known``: a dict the caller keeps
+    between calls, where the blocks' layouts worked out for each group are kept (a repeated
+    save meets the same meshes and layouts)."""
     if group is None or not isinstance(state_dict, (dict, list)):
         yield state_dict
         return
     members = set(dist.get_process_group_ranks(group))
-    swapped, inside_by_mesh = [], {}
+    swapped = []
+    inside_by_mesh = {} if known is None else known.setdefault(frozenset(members), {})
     try:
         for container, key, name in list(_slots(state_dict)):
             original = container[key]

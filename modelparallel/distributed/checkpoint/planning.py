@@ -97,6 +97,8 @@ class PlanCache:
     entries: dict = field(default_factory=dict)
     hits: int = 0
     """Saves that reused a plan."""
+    layouts: dict = field(default_factory=dict)
+    """The blocks' layouts of the group's DTensors (``group_blocks.for_group``'s ``known``)."""
 
     @staticmethod
     def key(group: Group, writer: StorageWriter) -> tuple:

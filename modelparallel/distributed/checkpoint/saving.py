@@ -175,7 +175,7 @@ def _plan_and_stage(state_dict, writer, planner, cache: PlanCache | None, group:
     """``start``'s collective part: ((plan, metadata, the reused plan's check, hidden directory,
     what drops the plan), staged items, staging error)."""
     final = Path(writer.path)
-    with for_group(state_dict, group.pg):
+    with for_group(state_dict, group.pg, cache.layouts if cache is not None else None):
         planning = Planning.begin(state_dict, writer, planner, group, cache)
         hidden, reuse = _prepare(state_dict, writer, group, dict(busy or {}), planning)
         try:

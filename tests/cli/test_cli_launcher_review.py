@@ -163,6 +163,7 @@ def test_a_reader_only_resume_into_another_jobs_out_is_refused(tmp_path, capsys,
     assert out_lock.CHECKPOINT_LOCK == LOCK
     for name in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(launch, "torchrun", lambda *args: None)  # were the check gone: no ranks started
     (tmp_path / "a.py").write_text("x = 1\n" * 200)
     argv = ["train", *RUN, "--data", str(tmp_path / "a.py"), "--out", str(tmp_path)]
     lock = DirectoryLock(tmp_path / "checkpoints").acquire()
@@ -179,6 +180,7 @@ def test_a_reader_only_resume_into_another_jobs_out_is_refused(tmp_path, capsys,
 def test_an_out_another_launcher_holds_is_refused_but_not_by_its_own_ranks(tmp_path, capsys, monkeypatch):
     for name in ("RANK", "WORLD_SIZE", launch.LAUNCHER_PID_ENV):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(launch, "torchrun", lambda *args: None)
     (tmp_path / "a.py").write_text("x = 1\n" * 200)
     fd, owner = out_lock.take(tmp_path)  # the other job's launcher
     assert owner is None and out_lock.take(tmp_path)[1] == f"host={os.uname().nodename} pid={os.getpid()}"

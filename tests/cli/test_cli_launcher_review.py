@@ -38,7 +38,8 @@ RUN = ["--model", "gpt2-micro", "--tp", "2", "--nproc", "2", "--seq-len", "32", 
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", launch.LAUNCHER_PID_ENV)}
+    ours = ("RANK", "WORLD_SIZE", "LOCAL_RANK", launch.LAUNCHER_PID_ENV)
+    env = {k: v for k, v in os.environ.items() if k not in ours}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     return env
 
@@ -48,7 +49,8 @@ def test_sigterm_of_run_exits_143_with_one_line_and_takes_the_ranks_down(tmp_pat
     script.write_text("import os, time\nopen('pid.tmp', 'w').write(str(os.getpid()))\nos.rename('pid.tmp', 'pid')\n"
                       "time.sleep(120)\n")
     launcher = subprocess.Popen([sys.executable, "-m", "modelparallel", "run", "--nproc-per-node", "1", str(script)],
-                                cwd=tmp_path, env={**_env(), "TMPDIR": str(tmp_path)}, stderr=subprocess.PIPE, text=True)
+                                cwd=tmp_path, env={**_env(), "TMPDIR": str(tmp_path)}, stderr=subprocess.PIPE,
+                                text=True)
     deadline = time.monotonic() + 120
     while not (tmp_path / "pid").exists():
         assert time.monotonic() < deadline and launcher.poll() is None, launcher.stderr.read()[-3000:]
@@ -133,7 +135,8 @@ def test_run_names_a_bad_count_before_a_missing_script(tmp_path, monkeypatch, ca
     monkeypatch.chdir(tmp_path)
     assert main(["run", "--nproc-per-node", "0", "missing.py"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "modelparallel run: error: --nproc-per-node must be at least 1, got 0", "modelparallel run: missing.py: no such script"]
+        "modelparallel run: error: --nproc-per-node must be at least 1, got 0",
+        "modelparallel run: missing.py: no such script"]
 
 
 def test_importing_the_rank_entry_point_runs_nothing(monkeypatch):

@@ -14,7 +14,7 @@ import math
 import os
 from pathlib import Path
 
-from . import resume
+from . import launch, out_lock, resume
 from .presets import PRESETS, load_config, max_positions
 
 PRESET_MAX_POSITIONS = 8192
@@ -89,10 +89,10 @@ def sample_problems(args: argparse.Namespace, config, tokenizer) -> list[str]:
 
 
 def value_problems(args: argparse.Namespace) -> list[str]:
-    """Non-finite numbers, ports out of range, an ``--out`` that cannot be made, a preset
-    ``--seq-len`` beyond its positions."""
+    """Non-finite numbers, ports out of range, an ``--out`` that cannot be made or that another
+    job writes into, a preset ``--seq-len`` beyond its positions."""
     return (_finite_problems(args) + _endpoint_problems(args.rdzv_endpoint) + out_problems(args.out)
-            + _seq_len_problems(args) + _checkpoint_dir_problems(args))
+            + _seq_len_problems(args) + _checkpoint_dir_problems(args) + _other_job_problems(args))
 
 
 def _checkpoint_dir_problems(args: argparse.Namespace) -> list[str]:
@@ -104,15 +104,29 @@ def _checkpoint_dir_problems(args: argparse.Namespace) -> list[str]:
     if (ckpt.exists() or ckpt.is_symlink()) and not ckpt.is_dir():
         return [f"--out {args.out}: {ckpt} exists and is not a directory; checkpoints are saved and resumed there: "
                 "move it or choose another --out"]
-    owner = None
-    if getattr(args, "save_every", 0) and ckpt.is_dir():  # as listing its checkpoints, imports the package
-        from ..checkpoint.safety.lock import held_by
-
-        owner = held_by(ckpt)
-    if owner is not None:  # its ranks would train up to their first save, then fail there
-        return [f"--out {args.out}: another job is saving checkpoints into {ckpt} ({owner}); one writer per "
-                "directory: wait for it to end or choose another --out"]
     return []
+
+
+def _other_job_problems(args: argparse.Namespace) -> list[str]:
+    """One job per ``--out``: another live job writing there (its launcher's lock, ``out_lock``, or
+    its ranks saving checkpoints) is refused, whether this run saves or only reads: every run
+    writes its metrics.json, loss.png and failure.log into ``--out``, over the other job's. A rank
+    of our launcher skips the first (the lock is its own launcher's), and so does the launcher of
+    a machine other than the first (the first machine's launcher, of the same job, holds it)."""
+    ours = launch.under_launcher() and os.environ.get(launch.LAUNCHER_PID_ENV)
+    launcher = None if ours or getattr(args, "node_rank", 0) else out_lock.holder(args.out)
+    ckpt = resume.checkpoint_dir(args.out)
+    saver = out_lock.holder(ckpt, out_lock.CHECKPOINT_LOCK)
+    if saver is not None and getattr(args, "save_every", 0):  # its ranks would fail at their first save
+        return [f"--out {args.out}: another job is saving checkpoints into {ckpt} ({saver}); one writer per "
+                "directory: wait for it to end or choose another --out"]
+    if launcher is None and saver is None:
+        return []
+    what = f"another job is writing into it ({launcher})" if launcher else \
+        f"another job is saving checkpoints into {ckpt} ({saver})"
+    return [f"--out {args.out}: {what}; this run would overwrite that job's metrics.json and loss.png: one job per "
+            "--out, so wait for it to end or choose another --out (to start from one of its checkpoints, copy "
+            "OUT/checkpoints/TAG_partial into NEW_OUT/checkpoints/ and pass --resume-from TAG)"]
 
 
 def resume_model_problems(args: argparse.Namespace) -> list[str]:

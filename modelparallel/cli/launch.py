@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 
@@ -57,6 +58,36 @@ def threads_per_rank(nproc: int) -> int:
     """Cores divided among the ranks, at least one: more threads than cores makes every rank's
     collectives wait for descheduled threads, which costs far more than it gains."""
     return max(1, (os.cpu_count() or 1) // nproc)
+
+
+def oversubscription(nproc: int) -> str | None:
+    """A warning when a CPU run starts more ranks on this machine than it has cores, else None.
+
+    Not a refusal: it runs, and a test of a layout may want more ranks than a laptop's cores. But
+    every collective then waits for ranks the scheduler has put aside, so steps are many times
+    slower, and nothing else says why. On GPUs each rank has its own GPU (``devices`` refuses more
+    ranks than GPUs), so nothing is said there."""
+    from .. import devices
+
+    try:
+        if devices.device_type() != "cpu":
+            return None
+    except (ValueError, RuntimeError):  # a bad MODELPARALLEL_DEVICE: the checks report it
+        return None
+    cores = os.cpu_count() or 1
+    if nproc <= cores:
+        return None
+    threads = rank_env(nproc)["OMP_NUM_THREADS"]
+    each = "one thread" if threads == "1" else f"{threads} threads (OMP_NUM_THREADS)"
+    return (f"warning: oversubscribed: {nproc} ranks on {cores} core{'s' * (cores > 1)}, expect slow steps; "
+            f"each rank gets {each}")
+
+
+def warn_oversubscribed(command: str, nproc: int) -> None:
+    """Print ``oversubscription``'s warning, if any, as one line of ``modelparallel COMMAND``."""
+    warning = oversubscription(nproc)
+    if warning:
+        print(f"modelparallel {command}: {warning}", file=sys.stderr, flush=True)
 
 
 def rank_env(nproc: int) -> dict[str, str]:

@@ -39,6 +39,21 @@ STATUS_ENV = "MODELPARALLEL_CLI_STATUS"
 INTERRUPTED_EXIT = 130  # the shell's code for a process ended by SIGINT
 
 
+def stopping_signal(exc: BaseException) -> signal.Signals | None:
+    """The signal that stopped the launcher's agent (Ctrl-C's SIGINT, a ``kill``'s SIGTERM, a
+    closed terminal's SIGHUP), or None when ``exc`` is no signal's."""
+    if isinstance(exc, KeyboardInterrupt):
+        return signal.SIGINT
+    return getattr(exc, "sigval", None)
+
+
+def signal_exit(sig: signal.Signals | None) -> int:
+    """The shell's status for a process ended by ``sig``, 128 + its number (130 for SIGINT, 143
+    for SIGTERM): a job script or scheduler tells a preemption from a Ctrl-C by it. None (a rank
+    recorded an interrupt the launcher did not see) is Ctrl-C's."""
+    return INTERRUPTED_EXIT if sig is None else 128 + int(sig)
+
+
 @dataclass
 class Progress:
     """What a rank is doing, for the record written if it is interrupted or fails."""

@@ -8,7 +8,8 @@ most the GPUs it has (1 on a one-GPU machine); ``MODELPARALLEL_DEVICE=cpu`` keep
 Outside torchrun it starts ``--nproc`` ranks itself (on several machines: the same command on
 each with ``--nnodes``, ``--node-rank``, ``--rdzv-endpoint``) and reports how they ended: a failure
 as the first failing rank's error and the file holding every traceback (exit status 1), Ctrl-C as
-the step reached and the checkpoint a rerun with ``--resume`` continues from (exit status 130).
+the step reached and the checkpoint a rerun with ``--resume`` continues from (exit status 130;
+143 for a SIGTERM).
 Problems found before launch exit with status 2. Under torchrun it is one of the ranks.
 """
 

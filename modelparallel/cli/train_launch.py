@@ -2,18 +2,20 @@
 
 Success prints nothing more (rank 0 printed the summary). A failure prints the first failing
 rank's error and the log file with every traceback; Ctrl-C prints the step reached and the
-checkpoint a rerun with ``--resume`` continues from. Exit status: 0, 1 (failure), 130 (Ctrl-C).
+checkpoint a rerun with ``--resume`` continues from, a SIGTERM (``kill``, a scheduler's preemption)
+the same with "stopped by SIGTERM". Exit status: 0, 1 (failure), 130 (Ctrl-C), 143 (SIGTERM).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import signal
 import sys
 from pathlib import Path
 
-from . import launch, outcome, resume, status_dir
+from . import launch, out_lock, outcome, resume, status_dir
 
 
 def _say(text: str) -> None:
@@ -29,6 +31,19 @@ def launch_ranks(args: argparse.Namespace) -> int:
         print(f"modelparallel train: error: --out {args.out} cannot be created ({exc.strerror or exc}); "
               "choose another --out", file=sys.stderr)
         return 2
+    lock, owner = out_lock.take(args.out) if args.node_rank == 0 else (None, None)  # machine 0 writes the metrics
+    if owner is not None:  # since the check: two launches at once
+        print(f"modelparallel train: error: --out {args.out}: another job is writing into it ({owner}); one job per "
+              "--out: wait for it to end or choose another --out", file=sys.stderr)
+        return 2
+    try:
+        return _launch(args)
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+def _launch(args: argparse.Namespace) -> int:
     nodes = launch.Nodes(args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint)
     world = args.nproc * args.nnodes
     where = "" if args.nnodes == 1 else f" on this machine (node {args.node_rank} of {args.nnodes}, {world} in all)"
@@ -38,6 +53,7 @@ def launch_ranks(args: argparse.Namespace) -> int:
           f"{world // (args.tp * args.pp * args.cp)}, "
           f"{launch.rank_env(args.nproc)['OMP_NUM_THREADS']} thread(s) each), from {start}",
           file=sys.stderr, flush=True)
+    launch.warn_oversubscribed("train", args.nproc)
     for note in getattr(args, "resume_notes", []):
         print(f"modelparallel train: {note}", file=sys.stderr, flush=True)
     status = status_dir.create("train")
@@ -61,14 +77,8 @@ def _newest_step(args: argparse.Namespace) -> str:
     return f"newest checkpoint step {step if step is not None else tag}; rerun with --resume"
 
 
-def _signal_of(exc: BaseException) -> signal.Signals | None:
-    if isinstance(exc, KeyboardInterrupt):
-        return signal.SIGINT
-    return getattr(exc, "sigval", None)
-
-
 def _report(args: argparse.Namespace, exc: BaseException, status: Path) -> int:
-    sig = _signal_of(exc)
+    sig = outcome.stopping_signal(exc)
     ending = outcome.Ending.read(status, interrupted=sig == signal.SIGINT)
     if ending.interrupted or sig is not None:
         step = ending.step()
@@ -79,7 +89,7 @@ def _report(args: argparse.Namespace, exc: BaseException, status: Path) -> int:
         except KeyboardInterrupt:
             newest = "rerun with --resume to continue from the newest checkpoint, if one was saved"
         _say(f"{what}{at}; {newest}")
-        return outcome.INTERRUPTED_EXIT
+        return outcome.signal_exit(sig)
     errors = outcome.killed_ranks(exc, {r["rank"] for r in ending.records}) + ending.errors()
     if not ending.errors():
         errors = errors or [outcome.from_torchrun(exc)]

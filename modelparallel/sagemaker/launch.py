@@ -13,7 +13,8 @@ A rank whose script raises records its error and exits; the launcher stops the o
 prints the first failing rank's error, with every rank's traceback in
 ``<sagemaker-dir>/output/failure.log``; a rank that dies without a record (``os._exit(5)``, a
 crash) is named in one block with its status. Exit status: the script's (a rank's ``os._exit``
-code too), 1 on failure or ``sys.exit("message")`` (its message reported), 130 on Ctrl-C, 2 for a
+code too), 1 on failure or ``sys.exit("message")`` (its message reported), 130 on Ctrl-C, 143 on a
+SIGTERM ("stopped by SIGTERM"), 2 for a
 bad ``--nproc-per-node`` or when this machine has GPUs but fewer than ``--nproc-per-node`` (each
 rank takes ``cuda:LOCAL_RANK``).
 """
@@ -127,47 +128,51 @@ def _no_module(name: str) -> bool:
         del sys.path[0]
 
 
-def _nproc(value: str, determine) -> int | None:
-    """``--nproc-per-node`` as a number of ranks (torchrun's ``determine`` also reads ``cpu``,
-    ``gpu``, ``auto``), or None after saying what is wrong: 0 or a word torchrun does not know
-    would otherwise end in a traceback from inside torchrun's agent."""
+def _nproc(value: str, determine) -> tuple[int | None, list[str]]:
+    """(``--nproc-per-node`` as a number of ranks, or None; the problem with it). torchrun's
+    ``determine`` also reads ``cpu``, ``gpu``, ``auto``; 0 or a word torchrun does not know would
+    otherwise end in a traceback from inside torchrun's agent."""
     try:
         nproc = determine(value)
     except ValueError as exc:
-        print(f"modelparallel run: error: --nproc-per-node {value}: {exc} (a number of ranks >= 1, or cpu, gpu, "
-              "auto)", file=sys.stderr, flush=True)
-        return None
+        return None, [f"error: --nproc-per-node {value}: {exc} (a number of ranks >= 1, or cpu, gpu, auto)"]
     if nproc < 1:
-        print(f"modelparallel run: error: --nproc-per-node must be at least 1, got {value}", file=sys.stderr, flush=True)
-        return None
-    return nproc
+        return None, [f"error: --nproc-per-node must be at least 1, got {value}"]
+    return nproc, []
+
+
+def _script_problems(args: argparse.Namespace) -> list[str]:
+    """The script (or ``-m`` module) must be there: found now, not once per rank after launch."""
+    script = Path(args.training_script)
+    if not args.module and not script.is_file():
+        return [f"{args.training_script}: {'is a directory, not a script' if script.is_dir() else 'no such script'}"]
+    if args.module and _no_module(args.training_script):
+        return [f"-m {args.training_script}: no such module"]
+    return []
 
 
 def launch_ranks(args: argparse.Namespace) -> int:
-    """The launcher part: torchrun's agent over ``modelparallel.run`` on every rank."""
+    """The launcher part: torchrun's agent over ``modelparallel.run`` on every rank. Every problem
+    found before launch is printed, the ranks' count first (the launch's own option), then the
+    script's."""
     from torch.distributed.run import determine_local_world_size
 
     from .. import devices
 
     if args.no_python:
         raise SystemExit("modelparallel run: --no-python cannot be used: the ranks run Python (the script)")
-    script = Path(args.training_script)
-    if not args.module and not script.is_file():  # found now, not once per rank after launch
-        what = "is a directory, not a script" if script.is_dir() else "no such script"
-        print(f"modelparallel run: {args.training_script}: {what}", file=sys.stderr)
+    nproc, problems = _nproc(args.nproc_per_node, determine_local_world_size)
+    if nproc is not None:
+        problems += [f"error: {p}" for p in devices.launch_problems(nproc, "lower --nproc-per-node")]
+    problems += _script_problems(args)
+    for problem in problems:
+        print(f"modelparallel run: {problem}", file=sys.stderr, flush=True)
+    if problems:
         return 2
-    if args.module and _no_module(args.training_script):
-        print(f"modelparallel run: -m {args.training_script}: no such module", file=sys.stderr)
-        return 2
-    nproc = _nproc(args.nproc_per_node, determine_local_world_size)
-    if nproc is None:
-        return 2
+    launch.warn_oversubscribed("run", nproc)
     rank_args = (["-m"] if args.module else []) + [args.training_script, *args.training_script_args]
     args.module, args.run_path = True, False
     args.training_script, args.training_script_args = "modelparallel.run", rank_args
-    for problem in devices.launch_problems(nproc, "lower --nproc-per-node"):
-        print(f"modelparallel run: error: {problem}", file=sys.stderr, flush=True)
-        return 2
     root = Path(args.sagemaker_dir or env.DEFAULT_DIR).absolute()
     status = status_dir.create("run")  # named for this launcher: swept by a later one if this one is killed
     extra = {**_our_env(args), env.DIR_ENV: str(root), outcome.STATUS_ENV: str(status)}
@@ -181,11 +186,12 @@ def launch_ranks(args: argparse.Namespace) -> int:
 
 
 def _report(exc: BaseException, status: Path, log_path: Path) -> int:
-    interrupted = isinstance(exc, KeyboardInterrupt) or getattr(exc, "sigval", None) == signal.SIGINT
-    ending = outcome.Ending.read(status, interrupted=interrupted)
-    if ending.interrupted:
-        print("\nmodelparallel run: interrupted", file=sys.stderr, flush=True)
-        return outcome.INTERRUPTED_EXIT
+    sig = outcome.stopping_signal(exc)
+    ending = outcome.Ending.read(status, interrupted=sig == signal.SIGINT)
+    if ending.interrupted or sig is not None:  # the ranks were stopped with the launcher
+        what = "interrupted" if sig in (None, signal.SIGINT) else f"stopped by {sig.name}"
+        print(f"\nmodelparallel run: {what}", file=sys.stderr, flush=True)
+        return outcome.signal_exit(sig)
     errors = outcome.killed_ranks(exc, {r["rank"] for r in ending.records}) + ending.errors()
     if not errors:  # no rank said why (os._exit, a crash) or none ran: one block, not torchrun's report
         record = outcome.from_torchrun(exc)

@@ -73,7 +73,7 @@ def test_a_rank_killed_by_sigterm_still_tells_its_step(tmp_path, capsys):
     assert rank.wait(timeout=60) == -signal.SIGTERM
     assert Ending.read(tmp_path, interrupted=False).step() == 2250
     args = argparse.Namespace(out=tmp_path / "out")
-    assert _report(args, SignalException("stopped", signal.SIGTERM), tmp_path) == 130
+    assert _report(args, SignalException("stopped", signal.SIGTERM), tmp_path) == 143
     assert capsys.readouterr().err.strip().startswith("stopped by SIGTERM at step 2250;")
 
 

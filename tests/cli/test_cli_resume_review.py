@@ -7,7 +7,7 @@ its neighbours do not make. Where to look when one fails:
   ``modelparallel inspect`` on such a ``newest``: ``scan`` in modelparallel/cli/inspect.py;
 - an ``OUT/checkpoints`` file or a ``--seed`` out of range gets past the pre-launch check:
   ``checks._checkpoint_dir_problems``, ``train._range_problems``; a directory another live job
-  saves into gets past it: ``checkpoint.safety.lock.held_by``;
+  saves into gets past it: ``checks._other_job_problems``, ``out_lock.holder``;
 - a checkpoint whose user content claims another step than its tag is resumed at that step,
   skipping data the weights never saw: ``resume.saved_step`` (called by ``train_job.resume_run``);
 - ``run -m`` with a missing module launches ranks: ``_no_module`` in modelparallel/sagemaker/launch.py;

@@ -1,4 +1,8 @@
-"""``DistributedModel``: wraps a Hugging Face model, shards it in place, keeps HF's interface."""
+"""``DistributedModel``: wraps a Hugging Face model, shards it in place, keeps HF's interface.
+
+Its backward pass and data-parallel gradient average are in ``model_grads``, its tensor-parallel
+queries in ``model_tp`` (mixins).
+"""
 
 from __future__ import annotations
 
@@ -13,14 +17,14 @@ from torch.utils.hooks import RemovableHandle
 from . import runtime
 from . import partitioning
 from .materialize import weights
-from .expert import is_expert_parameter
 from .training import batch
-from .training.dp import OverlappedAverage, allreduce_gradients
+from .training.dp import OverlappedAverage
+from .model_grads import GradientAveraging
 from .model_tp import TensorParallelMethods
 from .materialize.state_dict import LoadReport, full_state_dict, load_state_dict, local_state_dict
 from .parallelize import check
 
-class DistributedModel(TensorParallelMethods, nn.Module):
+class DistributedModel(GradientAveraging, TensorParallelMethods, nn.Module):
     """A model sharded over the runtime's tensor-parallel mesh (SageMaker's ``smp.DistributedModel``).
 
     The wrapped model computes the same function as before wrapping: pretrained weights are kept,
@@ -100,88 +104,6 @@ class DistributedModel(TensorParallelMethods, nn.Module):
             return self.module(*args, **kwargs)
         args, kwargs, rows = batch.enter(args, kwargs, rt.group(runtime.TP_GROUP))
         return batch.exit(self.module(*args, **kwargs), rows)
-
-    def backward(self, tensors, grad_tensors=None) -> None:
-        """Backpropagate like ``torch.autograd.backward(tensors, grad_tensors)``, scaled by the
-        optimizer's loss scale (if any) and, inside ``@smp.step``, by 1/microbatches; then
-        average gradients over data-parallel replicas (inside a step: once, after its last
-        microbatch; every ``backward_passes_per_step`` steps)."""
-        rt = runtime.current()
-        optimizer = self._optimizer()
-        scale = optimizer.loss_scaler.loss_scale if optimizer is not None else 1.0
-        if rt.step is not None and self._v1.average_grads_across_microbatches:
-            scale /= rt.step.num_microbatches
-        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-        if grad_tensors is None or isinstance(grad_tensors, torch.Tensor):
-            grad_tensors = [grad_tensors] * (1 if grad_tensors is not None else len(tensors))
-        grads = [None if g is None else g * scale for g in grad_tensors]
-        if scale != 1.0:
-            tensors = [t * scale if g is None else t for t, g in zip(tensors, grads)]
-        if self._mp_pipeline is not None:  # the pipeline schedule back-propagates it later
-            return self._mp_pipeline.record_backward(tensors, grads)
-        self._arm_overlap(rt)
-        torch.autograd.backward(tensors, grads)
-        if rt.step is None:
-            self._finish_backward()
-        elif self not in rt.step.models:
-            rt.step.models.append(self)
-
-    def _finish_backward(self) -> bool:
-        """One backward pass (or step) done: average gradients when ``backward_passes_per_step``
-        says so. Returns whether the gradients are final (the end of such a window)."""
-        rt = runtime.current()
-        self._v1.passes += 1
-        if self._v1.passes % self._v1.backward_passes_per_step:
-            return False
-        if not self._averages(rt):
-            return True
-        if self._v1.overlap and self._v1.overlap[0].armed:
-            for average in self._v1.overlap:
-                average.finish()
-        else:
-            for params, group, size in self._replica_groups(rt):
-                allreduce_gradients(params, group, size)
-        return True
-
-    def _replica_groups(self, rt) -> list[tuple[list[nn.Parameter], object, int]]:
-        """(parameters, process group, its size) for each kind of replica: the experts of an
-        expert-parallel model are replicated over the ranks holding the same experts (expert
-        data x context parallel ranks), every other parameter over the data x context parallel ranks. Groups of one rank are left out."""
-        params = list(self.module.parameters())
-        experts = [p for p in params if is_expert_parameter(p)]
-        groups = [([p for p in params if not is_expert_parameter(p)], rt.group(runtime.DP_CP_GROUP),
-                   rt.config.replica_degree)]
-        if experts:
-            replicas = rt.expert_replica_mesh
-            groups.append((experts, replicas.get_group(), replicas.size()))
-        return [g for g in groups if g[2] > 1]
-
-    def _averages(self, rt) -> bool:
-        """Whether this model's gradients are averaged over data-parallel replicas (and context
-        ranks, which hold the same parameters) here (FSDP reduce-scatters them itself)."""
-        return rt.config.ddp and not self._mp_state.fsdp and rt.config.replica_degree > 1
-
-    def _arm_overlap(self, rt) -> None:
-        """Before a backward pass that ends with the data-parallel average (the last microbatch
-        of a step whose pass count averages), let its buckets launch during the pass. A second
-        backward in that same microbatch cancels it: its gradients would come after the launch,
-        so that step averages after the backward instead."""
-        v1 = self._v1
-        if not (v1.overlapping_allreduce and self._averages(rt)):
-            return
-        if v1.overlap and v1.overlap[0].armed:
-            for average in v1.overlap:
-                average.finish(apply=False)
-            return
-        last = rt.step is None or rt.step.microbatch == rt.step.num_microbatches - 1
-        if not last or (v1.passes + 1) % v1.backward_passes_per_step:
-            return
-        if v1.overlap is None:
-            v1.overlap = [OverlappedAverage(params, group, size, v1.bucket_cap_mb)
-                          for params, group, size in self._replica_groups(rt)]
-        for average in v1.overlap:
-            average.arm()
-
     @property
     def partitioned(self) -> bool:
         """SageMaker's flag: True once the first ``@smp.step`` call has started (the shards
@@ -310,4 +232,3 @@ def _check_v1_args(trace_device: str, backward_passes_per_step: int) -> None:
     if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
             or backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
-

@@ -5,7 +5,7 @@ own batch, the group computes on the union) and true, ``StepOutput``, hooks,
 
 A failure in a gradient comparison means modelparallel/step.py (microbatch scaling, the deferred
 data-parallel average), modelparallel/batch.py (the union's gather and its backward) or
-``DistributedModel.backward`` in model.py is wrong; the reference is an untouched HF model.
+``DistributedModel.backward`` in model_grads.py is wrong; the reference is an untouched HF model.
 """
 
 import copy

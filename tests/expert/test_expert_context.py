@@ -8,7 +8,7 @@ expert gradients over the 2 ranks holding the same experts (the context-parallel
 router without the auxiliary loss routes each token on its own, so the split changes nothing.
 
 Where to look: expert gradients off by a factor of 2 -> the experts' replica mesh
-(``Topology.expert_replica_mesh``, "edp" x "cp") in model.py's averaging, training/fsdp.py or
+(``Topology.expert_replica_mesh``, "edp" x "cp") in model_grads.py's averaging, training/fsdp.py or
 sagemaker/v2/fsdp1.py; a hang or a shape error in the dispatch -> the all-to-all must stay on
 ``Topology.ep_mesh`` (one cp position).
 """

@@ -5,7 +5,7 @@ expert replicas (E=2 on 4 data-parallel ranks), with TP for attention and the de
 
 Where to look: logits or loss wrong -> modelparallel/expert/dispatch.py (rows sent to the wrong
 rank, combined in the wrong place); only expert gradients wrong -> the 1/ep gradient scale in
-expert/style.py or the expert-replica average in model.py (``_replica_groups``); dense gradients
+expert/style.py or the expert-replica average in model_grads.py (``_replica_groups``); dense gradients
 wrong -> the data-parallel average; a Qwen2-MoE-only failure -> models/qwen2_moe.py's plan.
 """
 

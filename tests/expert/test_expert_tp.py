@@ -9,7 +9,7 @@ T=2 resumes bit-exactly at T=1 and E=2, and a full one holds Hugging Face's whol
 Where to look: logits wrong -> the pairing all-to-all in expert/tensor_parallel.py (gate and up
 features of another rank paired) or the partial-output sum in expert/style.py; only the router's
 or the attention's gradients wrong -> the ``f`` on the experts' inputs (expert/style.py); expert
-gradients off by a factor -> the 1/ep scale (expert/style.py) or the replica average (model.py).
+gradients off by a factor -> the 1/ep scale (expert/style.py) or the replica average (model_grads.py).
 """
 
 import copy

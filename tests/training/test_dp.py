@@ -2,7 +2,7 @@
 ``bucket_cap_mb``), against one Hugging Face process on the whole global batch.
 
 A failure means modelparallel/training/dp.py (``OverlappedAverage``: buckets, launch order, the
-write-back) or ``DistributedModel``'s arming of it in model.py averages the wrong gradients, or
+write-back) or ``DistributedModel``'s arming of it in model_grads.py averages the wrong gradients, or
 averages them after the backward instead of during it.
 """
 

@@ -34,7 +34,8 @@ import torch
 
 from .files import CorruptFileError, UnsafeCheckpointError
 from .metadata_check import metadata_problems
-from .pickle_bounds import check_expansion, check_zip_pickles
+from .pickle_bounds import check_expansion
+from .pickle_files import check_zip_pickles
 from .pickle_keys import py3_global
 
 # class name -> module of every class DCP's metadata pickles (torch 2.x)

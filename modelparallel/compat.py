@@ -21,6 +21,7 @@ from torch.distributed.tensor._utils import (
 # DCP's own rule for turning a nested state dict into checkpoint entry names (and back): the
 # keys we compare and load must be exactly the ones DCP wrote.
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors as flatten_sharded_tensors
 
 # Puts a non-tensor value read by DCP back at its place in a nested state dict, by the path
 # ``flatten_state_dict`` recorded; DCP's planners do the same and export no public helper.

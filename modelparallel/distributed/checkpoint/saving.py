@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import DefaultSavePlanner, SavePlanner, StorageWriter
+from torch.distributed.checkpoint import SavePlanner, StorageWriter
 
 from ... import devices
 from ...checkpoint.background.async_save import AsyncSaver, Job
@@ -48,7 +48,7 @@ from . import directory
 from .group_blocks import for_group
 from .outcome import (CheckpointLoadError, CheckpointSaveError, Group, collective_outcome, group_of,  # noqa: F401
                       check_coordinators)
-from .planning import Planning, PlanCache
+from .planning import Planner, Planning, PlanCache
 from .staging import StagedPlanner, deferrable, stage
 from .state_dict_utils import check_local_group, check_objects
 
@@ -136,7 +136,7 @@ def start(state_dict, writer: StorageWriter, planner: SavePlanner | None, group:
     every rank by ``finish``). ``busy``: checkpoint paths with a save still pending, each with
     whether it is pending in the calling queue (finalized in order after this one) or another."""
     custom = planner is not None
-    planner = planner or DefaultSavePlanner()
+    planner = planner or Planner()
     final = Path(writer.path)  # before _prepare points the writer at the staging directory
     memory: list | None = [] if Early.pays() else None  # their CRC32s read while the call plans (see Stager)
     deferred_keys = deferrable(state_dict, memory) if staging == "background" else {}

@@ -130,3 +130,36 @@ def test_a_plan_reused_by_mistake_fails_its_save_on_every_rank_and_is_dropped(tm
         assert "'extra'" in r["error"] and "nothing was committed" in r["error"], r["error"]
         assert "rank 1" in r["error"], r["error"]
         assert r["kept"] and r["cached_after_failure"] == 0 and r["then"], r
+
+
+def planner_set_up_as_dcp() -> list:
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+
+    torch.manual_seed(0)
+    # the last layer's one-element tensors leave rank 1 a ShardedTensor with no local shard (dropped by DCP)
+    model = FSDP(torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 1), torch.nn.Linear(1, 1, bias=False)),
+                 device_id=torch.device("cpu"))
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        sharded = {"model": model.state_dict()}  # ShardedTensors
+    mixed = {"a": {"b": torch.ones(2), "c": [torch.zeros(1), {"d": 3}], "e": (torch.ones(1), 2)}, "f": [1, 2],
+             "g": {}, "h": "text", "i": [[torch.ones(3)]]}
+    out = []
+    for state in (mixed, sharded):
+        ours, dcp_own = planning.Planner(), DefaultSavePlanner()
+        ours.set_up_planner(state, is_coordinator=True)
+        dcp_own.set_up_planner(state, is_coordinator=True)
+        out.append((list(ours.state_dict) == list(dcp_own.state_dict),
+                    all(ours.state_dict[k] is v for k, v in dcp_own.state_dict.items()),
+                    ours.mappings == dcp_own.mappings,
+                    ours.create_local_plan() == dcp_own.create_local_plan()))
+    return out
+
+
+def test_the_planner_flattens_as_dcp_s_default_planner():
+    """``planning.Planner`` skips DCP's second walk only where it changes nothing: the same keys
+    in the same order, the same objects, the same mappings and local plan as DCP's own planner,
+    for nested lists, tuples and empty dicts, and for FSDP's ShardedTensors."""
+    for r in harness.run(2, planner_set_up_as_dcp):
+        assert r == [(True, True, True, True)] * 2, r

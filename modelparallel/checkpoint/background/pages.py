@@ -133,7 +133,7 @@ class PageWatch:
         """A contiguous host tensor of ``min_bytes`` or more (and three pages at least: a whole
         page inside), not pinned for a GPU (a copy from the device writes it by DMA, past the
         page tables)."""
-        if t.device.type != "cpu" or not t.is_contiguous() or t.nbytes < max(self.min_bytes, 3 * PAGE):
+        if not t.is_cpu or not t.is_contiguous() or t.nbytes < max(self.min_bytes, 3 * PAGE):
             return False
         return not (torch.cuda.is_initialized() and t.is_pinned())  # nothing is pinned before CUDA starts
 

@@ -166,9 +166,9 @@ def stage(planner: SavePlanner, plan, stager: Stager | None, deferred_keys: dict
             staged[item.index] = _object_bytes(planner, item, serialized)
             continue
         data = _plain(flat, item)
-        data = (planner.resolve_data(item) if data is None else data).detach()
+        data = planner.resolve_data(item) if data is None else data
         if stager is None:  # a synchronous save writes from the tensors themselves
-            staged[item.index] = data
+            staged[item.index] = data.detach()
             continue
         buf = staged[item.index] = stager.buffer((item.index,), data)
         if item.index.fqn in deferred_keys and data.numel() > 0:

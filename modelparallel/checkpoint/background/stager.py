@@ -164,8 +164,8 @@ class Stager:
             self.copy_now(local, buf)
             return
         else:  # an alias of the call's memory: ``p.data = x`` or ``set_`` on the tensor later moves it, not the copy
-            local = local.detach()
-            pages = self.pages.claim(local) if self.pages is not None else None
+            local, watch = local.detach(), self.pages
+            pages = watch.claim(local) if watch is not None else None
             crc = pages.edges(local) if pages is not None else self._crc(local)
             self.deferred.append(Deferred(name, buf, local, HOST, crc, None, watched, pages=pages))
         self.deferred_bytes += buf.numel() * buf.element_size()

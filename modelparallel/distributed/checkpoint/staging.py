@@ -56,11 +56,12 @@ def deferrable(state_dict, memory: list | None = None) -> dict[str, tuple]:
     out: dict[str, tuple] = {}
 
     def visit(obj, path: tuple, defer: bool, aliases: tuple = ()) -> None:
-        if isinstance(obj, (DTensor, ShardedTensor)) or (isinstance(obj, torch.Tensor) and defer and obj.dim() > 0):
-            out[".".join(path)] = aliases
-            if memory is not None:
-                memory.extend(_locals(obj))
-        elif isinstance(obj, Mapping):
+        if isinstance(obj, torch.Tensor):  # (DTensors and ShardedTensors are tensors)
+            if isinstance(obj, (DTensor, ShardedTensor)) or (defer and obj.dim() > 0):
+                out[".".join(path)] = aliases
+                if memory is not None:
+                    memory.extend(_locals(obj))
+        elif isinstance(obj, dict) or isinstance(obj, Mapping):  # a dict is told apart without the ABC's check
             optimizer = _is_optimizer_state(obj)
             local = isinstance(obj, LocalStateDict)
             for k, v in obj.items():

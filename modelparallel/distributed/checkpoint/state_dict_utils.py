@@ -156,7 +156,7 @@ def check_objects(state_dict) -> None:
         kind = type(obj)
         if kind in _PLAIN_LEAVES or isinstance(obj, (torch.Tensor, ShardedTensor)):
             return
-        if isinstance(obj, Mapping):  # flattened by the save: its own type is not stored
+        if isinstance(obj, dict) or isinstance(obj, Mapping):  # flattened by the save: its own type is not stored
             if not all(type(k) in _PLAIN_LEAVES for k in obj):
                 check_loadable(dict(obj), f"state dict entry {path!r}", escape="")
                 return

@@ -187,16 +187,15 @@ class PageWatch:
                 logger.debug("write tracking: registering %#x-%#x refused (%s)", lo, hi, e)
                 refused.add(vma)
         failed = []
-        for mark, vmas in located:
+        for run in _runs([(m, v) for m, v in located if v is not None and not any(x[:2] in refused for x in v)]):
+            lo, hi = run[0].lo, max(m.hi for m in run)
             try:
-                if vmas is None or any(vma[:2] in refused for vma in vmas):
-                    raise OSError(0, "not private anonymous memory, or its mapping not registered")
-                self._protect(mark.lo, mark.hi)
-                self.protected.append((mark.lo, mark.hi))
+                self._protect(lo, hi)
+                self.protected.append((lo, hi))
             except OSError as e:
-                logger.debug("write tracking refused for %#x-%#x (%s): read at the call instead", mark.lo, mark.hi, e)
-                failed.append(mark)
-        return failed
+                logger.debug("write tracking refused for %#x-%#x (%s): read at the call instead", lo, hi, e)
+                failed.extend(run)
+        return failed + [m for m, v in located if v is None or any(x[:2] in refused for x in v)]
 
     def _protect(self, lo: int, hi: int, on: bool = True) -> None:
         """Write-protect ``[lo, hi)`` (``on``) by ``PAGEMAP_SCAN``'s protect-while-walking, with no
@@ -243,6 +242,32 @@ class PageWatch:
             self.kernel.ioctl(self.uffd, request, *words)
         except OSError as e:  # the memory was unmapped since: nothing left to clear
             logger.debug("write tracking: %#x over %#x-%#x failed (%s)", request, words[0], words[0] + words[1], e)
+
+
+MERGE_GAP = 4 * PAGE
+"""Marks of one mapping at most this far apart are protected by one walk: each walk costs about
+15 microseconds besides its pages (a TLB flush; 2-core VM: 66 tensors of 63 MB in 1.8 ms one by
+one, 0.8 ms in one range), and a save's tensors lie side by side (views of one flat parameter,
+``malloc``'s neighbouring mappings)."""
+
+
+def _runs(located: list) -> list[list]:
+    """``located`` (marks in address order, each with its mappings) cut into runs protected
+    together: marks in one and the same mapping, each starting within ``MERGE_GAP`` of where the
+    run ends. The pages between them (a neighbour's edge, ``malloc``'s header) are protected too,
+    which changes no answer: each mark asks only for its own whole pages (``Protected.written``),
+    and a write to a page in between costs the writer one fault until ``release``."""
+    runs: list[list] = []
+    end, where = -1, None
+    for mark, vmas in located:
+        here = vmas[0][:2] if len(vmas) == 1 else None
+        if runs and here is not None and here == where and mark.lo - end <= MERGE_GAP:
+            runs[-1].append(mark)
+            end = max(end, mark.hi)
+        else:
+            runs.append([mark])
+            end, where = mark.hi, here
+    return runs
 
 
 @dataclass

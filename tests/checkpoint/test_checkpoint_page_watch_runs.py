@@ -102,3 +102,18 @@ def test_runs_join_only_marks_of_one_mapping_close_together():
     located = [(m[0], [one]), (m[1], [one]), (m[2], [one]), (m[3], [one, other]), (m[4], [one])]
     assert [[x.lo for x in run] for run in pages._runs(located)] == [[m[0].lo, m[1].lo], [m[2].lo], [m[3].lo],
                                                                       [m[4].lo]]
+
+
+@needs_watch
+def test_a_small_tensor_joins_a_large_neighbours_walk_and_is_read_when_alone():
+    small = 40 * FLOATS_PER_PAGE  # 160 kB: under MIN_BYTES, protected only beside a larger tensor
+    assert small * 4 < pages.MIN_BYTES <= N * 4
+    flat = torch.randn(N + small + 8)
+    big, beside = flat[:N], flat[N + 3:N + 3 + small]
+    walks: list = []
+    assert _save(lambda: _flip(beside, small // 2), walks, big=big, beside=beside) == ["beside"]
+    assert len(walks) == 1 and walks[0][1] - walks[0][0] > N * 4, "the small tensor is not in the large one's walk"
+    alone = torch.randn(small)
+    walks = []
+    assert _save(lambda: _flip(alone, small // 2), walks, alone=alone) == ["alone"], "read at the call"
+    assert walks == [], "a small tensor alone was protected by a walk of its own"

@@ -42,9 +42,11 @@ logger = logging.getLogger("modelparallel")
 
 PAGE = mmap.PAGESIZE
 MIN_BYTES = 1 << 19
-"""Smaller tensors are read at the call. A protection costs about 10 microseconds (system call,
-bookkeeping) plus 30-45 ns per page on the 2-core VM measured, a CRC32 150-250 ns per page
-(16-27 GB/s): protecting pays from a few hundred kilobytes up."""
+"""Smaller tensors are protected only beside larger ones (in their walk, ``_runs``), else read at
+the call. A walk of its own costs about 15 microseconds (system call, TLB flush) plus 30-45 ns per
+page on the 2-core VM measured, a CRC32 150-250 ns per page (16-27 GB/s; slower from memory, as
+after a training step): protecting alone pays from a few hundred kilobytes up, in a neighbour's
+walk from three pages (a whole page inside)."""
 MIN_SAVE_BYTES = 1 << 26
 """A save deferring fewer bytes is read at the call, where the process's mappings are read whole
 (``uffd.Listed``): that and the registrations (about 2 ms) cost as much as reading 64 MiB at 27 GB/s."""
@@ -125,15 +127,15 @@ class PageWatch:
         self._reread = False
 
     def eligible(self, t: torch.Tensor) -> bool:
-        """Whether ``claim`` takes ``t`` and its memory is private anonymous (the rest of
-        ``protect_claimed``'s test, which reads the process's mappings)."""
-        return self._large(t) and self._covering(t.data_ptr(), t.data_ptr() + t.nbytes) is not None
+        """Whether ``claim`` takes ``t`` to be protected alone and its memory is private anonymous
+        (the rest of ``protect_claimed``'s test, which reads the process's mappings)."""
+        return self._watchable(t, self.min_bytes) and self._covering(t.data_ptr(), t.data_ptr() + t.nbytes) is not None
 
-    def _large(self, t: torch.Tensor) -> bool:
-        """A contiguous host tensor of ``min_bytes`` or more (and three pages at least: a whole
+    def _watchable(self, t: torch.Tensor, floor: int) -> bool:
+        """A contiguous host tensor of ``floor`` bytes or more (and three pages at least: a whole
         page inside), not pinned for a GPU (a copy from the device writes it by DMA, past the
         page tables)."""
-        if not t.is_cpu or not t.is_contiguous() or t.nbytes < max(self.min_bytes, 3 * PAGE):
+        if not t.is_cpu or not t.is_contiguous() or t.nbytes < max(floor, 3 * PAGE):
             return False
         return not (torch.cuda.is_initialized() and t.is_pinned())  # nothing is pinned before CUDA starts
 
@@ -150,13 +152,13 @@ class PageWatch:
     def claim(self, t: torch.Tensor) -> Protected | None:
         """``t``'s mark, to be protected by ``protect_claimed`` at the end of the call's staging
         (the mappings read and registered once then); None (the caller reads ``t``) if it is too
-        small or pinned."""
-        if not self._large(t):
+        small or pinned. Under ``min_bytes`` the mark is protected only in a larger one's walk."""
+        if not self._watchable(t, 0):
             return None
         start = t.data_ptr()
         end = start + t.nbytes
         lo, hi = -(-start // PAGE) * PAGE, end // PAGE * PAGE
-        mark = Protected(self, lo, hi, lo - start, end - hi)
+        mark = Protected(self, lo, hi, lo - start, end - hi, t.nbytes >= self.min_bytes)
         self._claimed.append(mark)
         return mark
 
@@ -188,6 +190,9 @@ class PageWatch:
                 refused.add(vma)
         failed = []
         for run in _runs([(m, v) for m, v in located if v is not None and not any(x[:2] in refused for x in v)]):
+            if not any(m.alone for m in run):  # small tensors only: reading them costs less than a walk
+                failed.extend(run)
+                continue
             lo, hi = run[0].lo, max(m.hi for m in run)
             try:
                 self._protect(lo, hi)
@@ -280,6 +285,8 @@ class Protected:
     hi: int
     head: int
     tail: int
+    alone: bool = True
+    """Large enough to be protected by a walk of its own (``MIN_BYTES``)."""
 
     def edges(self, t: torch.Tensor) -> int:
         """CRC32 of ``t``'s bytes outside the protected pages (``t``: the tensor or its copy)."""

@@ -178,7 +178,7 @@ class Stager:
         failed = {id(mark) for mark in self.pages.protect_claimed()}
         for d in self.deferred:
             if d.pages is not None and id(d.pages) in failed:
-                d.pages, d.crc = None, fingerprint(d.local)
+                d.pages, d.crc = None, self._crc(d.local)
 
     def _on_device(self, name: str, local: torch.Tensor, buf: torch.Tensor, watched: tuple) -> Deferred:
         """A GPU tensor's way (``device``): a copy on a side stream into a pinned buffer, a

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import os
 from typing import Any
 
@@ -39,6 +40,7 @@ _FAILED_WRITEBACK = (errno.EIO, errno.ENOSPC, errno.EDQUOT)
 ``sync_file_range`` (a file system that does not support it) only ends the early write-back."""
 
 
+@functools.cache  # one handle for the process: each writer of each save asks for it
 def _sync_file_range():
     """Linux's ``sync_file_range``, or None."""
     try:

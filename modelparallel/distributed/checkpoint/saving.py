@@ -115,7 +115,8 @@ def _agree_on_staging(group: Group, error: BaseException | None, nonce: int | No
     flags = torch.tensor([int(error is not None), nonce or 0, coordinator, -coordinator,
                           int(planning.error is not None), int(planning.entry is None)], dtype=torch.int64,
                          device=devices.for_group(group.pg))
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group.pg)
+    if dist.get_world_size(group.pg) > 1:  # (a group of one: its own word is the outcome)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group.pg)
     if flags[0]:
         collective_outcome(group, error, f"{what} (prepare)")
     if flags[2] != -flags[3]:

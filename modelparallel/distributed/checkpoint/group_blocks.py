@@ -142,11 +142,10 @@ def _slots(obj, prefix: str = "") -> Iterator[tuple[object, object, str]]:
     """(container, key, dotted name) of every DTensor in a nested dict / list."""
     items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
     for k, v in items:
-        name = f"{prefix}{k}"
         if isinstance(v, DTensor):
-            yield obj, k, name
-        elif isinstance(v, (dict, list)):
-            yield from _slots(v, name + ".")
+            yield obj, k, f"{prefix}{k}"
+        elif isinstance(v, (dict, list)) and v:  # (names made only where needed: each save walks every entry)
+            yield from _slots(v, f"{prefix}{k}.")
 
 
 @contextlib.contextmanager

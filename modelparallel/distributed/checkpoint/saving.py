@@ -18,10 +18,11 @@ With ``background_staging``, the tensors only an optimizer step changes
 (``staging.deferrable``) are copied by the background thread before it writes, and every
 optimizer's next ``step`` waits for that copy; the call copies the rest.
 
-Repeated saves of the same structure reuse their plan (``PlanCache``): each rank plans locally
-as usual and compares its plan with the one it sent last time; if every rank's is unchanged
-(one small collective, which also carries planning errors), the last global plan and metadata
-are reused and the plan gather / global planning / scatter are skipped.
+Repeated saves of the same structure reuse their plan (``planning``): each rank compares a
+fingerprint of its flattened state dict with the last save's; if every rank's is unchanged (a
+flag in the prepare step's all-reduce, the call's one collective), the last global plan and
+metadata are reused and the writer thread checks, before writing, that the local plan this save
+would have sent is the one they were made from.
 
 Built from DCP's own pieces (``DefaultSavePlanner``, the checkpoint package's
 ``CheckpointWriter``...): the files are the ones ``torch.distributed.checkpoint.save`` writes,

@@ -1,4 +1,4 @@
-"""Neighbouring deferred tensors write-protected by one walk (``pages._runs``, ``MERGE_GAP``).
+"""Neighbouring deferred tensors write-protected by one walk (``background/runs.py``).
 
 The tensors of a save lie side by side (views of one flat parameter, neighbouring ``malloc``
 mappings); protecting each costs a walk and a TLB flush of its own, so marks of one mapping close
@@ -12,8 +12,9 @@ write tracking (as in ``test_checkpoint_page_watch.py``).
 import pytest
 import torch
 
-from modelparallel.checkpoint.background import pages
-from modelparallel.checkpoint.background.pages import MERGE_GAP, PAGE, PageWatch
+from modelparallel.checkpoint.background import pages, runs
+from modelparallel.checkpoint.background.pages import PAGE, PageWatch
+from modelparallel.checkpoint.background.runs import MERGE_GAP
 from modelparallel.checkpoint.background.stager import StagedTensorChanged, Stager
 
 FLOATS_PER_PAGE = PAGE // 4
@@ -87,21 +88,29 @@ def test_tensors_far_apart_are_protected_apart():
     assert _save(lambda: _flip(b, 1000), [], a=a, b=b) == ["b"]
 
 
-def test_runs_join_only_marks_of_one_mapping_close_together():
-    """The cut itself, on made-up marks: (lo, hi) and the mappings each lies in."""
+def test_runs_join_marks_close_together_in_one_mapping_or_the_next():
+    """The cut itself, on made-up marks: (lo, hi) and the mappings (start, end, trusted) each
+    lies in. Joined: within the gap in one mapping, or across two mappings without a hole; apart:
+    past the gap, across a hole between mappings; left out: a mark with no trusted mapping."""
 
     class Mark:
         def __init__(self, lo, hi):
-            self.lo, self.hi = lo, hi
+            self.lo, self.hi, self.alone = lo, hi, True
 
-    one, other = (0, 1 << 30, True), (1 << 30, 1 << 31, True)
-    m = [Mark(PAGE, 10 * PAGE), Mark(10 * PAGE + MERGE_GAP, 20 * PAGE + MERGE_GAP),  # joined: at the gap
-         Mark(21 * PAGE + 2 * MERGE_GAP, 30 * PAGE + 2 * MERGE_GAP),  # apart: past it
-         Mark(40 * PAGE + 2 * MERGE_GAP, 50 * PAGE + 2 * MERGE_GAP),  # apart: two mappings
-         Mark(50 * PAGE + 2 * MERGE_GAP, 60 * PAGE + 2 * MERGE_GAP)]
-    located = [(m[0], [one]), (m[1], [one]), (m[2], [one]), (m[3], [one, other]), (m[4], [one])]
-    assert [[x.lo for x in run] for run in pages._runs(located)] == [[m[0].lo, m[1].lo], [m[2].lo], [m[3].lo],
-                                                                      [m[4].lo]]
+    one, two = (0, 1 << 20, True), (1 << 20, (1 << 20) + 4 * PAGE, True)
+    far = ((1 << 20) + 5 * PAGE, 1 << 22, True)  # a page's hole after ``two``
+    g = MERGE_GAP
+    assert g >= 4 * PAGE
+    m = [Mark(PAGE, 10 * PAGE), Mark(10 * PAGE + g, 20 * PAGE + g),  # at the gap: joined
+         Mark(21 * PAGE + 2 * g, 30 * PAGE + 2 * g),  # past it: apart
+         Mark(30 * PAGE + 2 * g, (1 << 20) + PAGE),  # into the next mapping, no hole: joined
+         Mark((1 << 20) + 5 * PAGE, (1 << 20) + 9 * PAGE),  # within the gap, but after a hole: apart
+         Mark((1 << 20) + 9 * PAGE, (1 << 20) + 12 * PAGE)]  # not trusted: left out
+    located = [(m[0], [one]), (m[1], [one]), (m[2], [one]), (m[3], [one, two]), (m[4], [far]), (m[5], None)]
+    got = [([x.lo for x in r.marks], r.lo, r.hi, [v[:2] for v in r.vmas]) for r in runs.cut(located)]
+    assert got == [([m[0].lo, m[1].lo], m[0].lo, m[1].hi, [one[:2]]),
+                   ([m[2].lo, m[3].lo], m[2].lo, m[3].hi, [one[:2], two[:2]]),
+                   ([m[4].lo], m[4].lo, m[4].hi, [far[:2]])], got
 
 
 @needs_watch

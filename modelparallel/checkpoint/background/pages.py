@@ -37,12 +37,13 @@ import torch
 from ...host_bytes import host_bytes
 from ..safety.crc import crc32
 from . import uffd as abi
+from .runs import cut
 
 logger = logging.getLogger("modelparallel")
 
 PAGE = mmap.PAGESIZE
 MIN_BYTES = 1 << 19
-"""Smaller tensors are protected only beside larger ones (in their walk, ``_runs``), else read at
+"""Smaller tensors are protected only beside larger ones (in their walk, ``runs``), else read at
 the call. A walk of its own costs about 15 microseconds (system call, TLB flush) plus 30-45 ns per
 page on the 2-core VM measured, a CRC32 150-250 ns per page (16-27 GB/s; slower from memory, as
 after a training step): protecting alone pays from a few hundred kilobytes up, in a neighbour's
@@ -173,13 +174,12 @@ class PageWatch:
         self.maps.forget()  # not ``eligible``'s answers: a file mapped since where they saw the heap
         self._reread = True
         located = [(mark, self._covering(mark.lo - mark.head, mark.hi + mark.tail)) for mark in claimed]
+        runs = cut(located)  # neighbours in one walk (``runs``)
         spans: dict[tuple[int, int], list[int]] = {}
-        for mark, vmas in located:
-            for vma in vmas or ():
-                lo, hi = max(mark.lo, vma[0]), min(mark.hi, vma[1])
-                if lo < hi:  # else only the tensor's edge bytes lie in this mapping
-                    span = spans.setdefault(vma[:2], [lo, hi])
-                    span[0], span[1] = min(span[0], lo), max(span[1], hi)
+        for run in runs:
+            for vma, lo, hi in run.spans() if run.alone else ():
+                span = spans.setdefault(vma, [lo, hi])
+                span[0], span[1] = min(span[0], lo), max(span[1], hi)
         refused: set[tuple[int, int]] = set()
         for vma, (lo, hi) in spans.items():
             try:
@@ -188,19 +188,19 @@ class PageWatch:
             except OSError as e:  # another watch holds it (another saver's save), or the kernel refuses
                 logger.debug("write tracking: registering %#x-%#x refused (%s)", lo, hi, e)
                 refused.add(vma)
-        failed = []
-        for run in _runs([(m, v) for m, v in located if v is not None and not any(x[:2] in refused for x in v)]):
-            if not any(m.alone for m in run):  # small tensors only: reading them costs less than a walk
-                failed.extend(run)
-                continue
-            lo, hi = run[0].lo, max(m.hi for m in run)
+        failed = [mark for mark, vmas in located if vmas is None]
+        for run in runs:
             try:
-                self._protect(lo, hi)
-                self.protected.append((lo, hi))
+                if not run.alone:  # small tensors only: reading them costs less than a walk
+                    raise OSError(0, "small tensors only")
+                if any(vma[:2] in refused for vma in run.vmas):
+                    raise OSError(0, "a mapping of it not registered")
+                self._protect(run.lo, run.hi)
+                self.protected.append((run.lo, run.hi))
             except OSError as e:
-                logger.debug("write tracking refused for %#x-%#x (%s): read at the call instead", lo, hi, e)
-                failed.extend(run)
-        return failed + [m for m, v in located if v is None or any(x[:2] in refused for x in v)]
+                logger.debug("write tracking not used for %#x-%#x (%s): read at the call instead", run.lo, run.hi, e)
+                failed.extend(run.marks)
+        return failed
 
     def _protect(self, lo: int, hi: int, on: bool = True) -> None:
         """Write-protect ``[lo, hi)`` (``on``) by ``PAGEMAP_SCAN``'s protect-while-walking, with no
@@ -249,32 +249,6 @@ class PageWatch:
             logger.debug("write tracking: %#x over %#x-%#x failed (%s)", request, words[0], words[0] + words[1], e)
 
 
-MERGE_GAP = 4 * PAGE
-"""Marks of one mapping at most this far apart are protected by one walk: each walk costs about
-15 microseconds besides its pages (a TLB flush; 2-core VM: 66 tensors of 63 MB in 1.8 ms one by
-one, 0.8 ms in one range), and a save's tensors lie side by side (views of one flat parameter,
-``malloc``'s neighbouring mappings)."""
-
-
-def _runs(located: list) -> list[list]:
-    """``located`` (marks in address order, each with its mappings) cut into runs protected
-    together: marks in one and the same mapping, each starting within ``MERGE_GAP`` of where the
-    run ends. The pages between them (a neighbour's edge, ``malloc``'s header) are protected too,
-    which changes no answer: each mark asks only for its own whole pages (``Protected.written``),
-    and a write to a page in between costs the writer one fault until ``release``."""
-    runs: list[list] = []
-    end, where = -1, None
-    for mark, vmas in located:
-        here = vmas[0][:2] if len(vmas) == 1 else None
-        if runs and here is not None and here == where and mark.lo - end <= MERGE_GAP:
-            runs[-1].append(mark)
-            end = max(end, mark.hi)
-        else:
-            runs.append([mark])
-            end, where = mark.hi, here
-    return runs
-
-
 @dataclass
 class Protected:
     """A tensor watched by ``PageWatch``: its whole pages ``[lo, hi)`` protected, and the ``head``
@@ -289,9 +263,13 @@ class Protected:
     """Large enough to be protected by a walk of its own (``MIN_BYTES``)."""
 
     def edges(self, t: torch.Tensor) -> int:
-        """CRC32 of ``t``'s bytes outside the protected pages (``t``: the tensor or its copy)."""
-        flat = host_bytes(t)
-        return crc32(flat[len(flat) - self.tail:], crc32(flat[:self.head]))
+        """CRC32 of ``t``'s bytes outside the protected pages (``t``: the tensor or its copy, a
+        contiguous host tensor: read through its address, as ``host_bytes`` does, without making
+        a view of all of it for two ends)."""
+        if not t.is_cpu or not t.is_contiguous():
+            host_bytes(t)  # raises, naming what is wrong
+        start, nbytes = t.data_ptr(), t.nbytes
+        return crc32(ctypes.string_at(start + nbytes - self.tail, self.tail), crc32(ctypes.string_at(start, self.head)))
 
     def written(self) -> bool:
         return self.watch.written(self.lo, self.hi)

@@ -15,7 +15,8 @@ import torch
 from modelparallel.checkpoint.background import pages, runs
 from modelparallel.checkpoint.background.pages import PAGE, PageWatch
 from modelparallel.checkpoint.background.runs import MERGE_GAP
-from modelparallel.checkpoint.background.stager import StagedTensorChanged, Stager
+from modelparallel.checkpoint.background.stager import Stager
+from test_checkpoint_page_watch_edges import _named, _save as save_and_edit
 
 FLOATS_PER_PAGE = PAGE // 4
 N = 200 * FLOATS_PER_PAGE  # 800 kB of floats: above the per-tensor floor
@@ -45,18 +46,9 @@ def _save(edit, walks: list, **tensors) -> list[str]:
 
     stager.pages._protect = counted
     stager.begin()
-    for name, t in tensors.items():
-        stager.defer(name, t, t, stager.buffer((name,), t))
-    stager.seal()
-    edit()
-    try:
-        stager.copy_deferred()
-        return []
-    except StagedTensorChanged as e:
-        return str(e).split("staged: ")[1].split(". ")[0].split(", ")
-    finally:
-        stager.settle()
-        assert stager.pages.protected == [], "a range outlived the copy"
+    named = _named(save_and_edit(stager, edit, **tensors))
+    assert stager.pages.protected == [], "a range outlived the copy"
+    return named
 
 
 def _flip(t: torch.Tensor, i: int) -> None:

@@ -7,9 +7,10 @@ and metadata are kept per (group, coordinator, writer type) and reused when ever
 structure is unchanged (one flag in the call's single all-reduce).
 
 Whether a rank's structure is unchanged is asked of a *fingerprint* of its flattened state dict
-(``fingerprint``: each entry's key, kind, shape, dtype and layout, and how the keys were
-flattened), about a fifth of the time of building the local plan itself, which an
-asynchronous save's call would otherwise pay. The exact test stays: the writer thread builds
+(``fingerprint``: each entry's key, kind, shape, dtype and layout, a DTensor's mesh and
+placements, a ShardedTensor's shards, and how the keys were flattened): 0.17 ms for 168 entries
+against 1.0 ms to build the local plan itself (2-core VM), which an asynchronous save's call
+would otherwise pay. The exact test stays: the writer thread builds
 the local plan before writing and compares it with the one the reused plan was made from
 (``Entry.verify``); a difference (a property the fingerprint does not cover) fails that save on
 every rank, naming the key, nothing is committed, and the entry is dropped, so the next save

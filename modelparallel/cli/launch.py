@@ -18,6 +18,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from .. import cpus
+
 START_TIME_ENV = "MODELPARALLEL_CLI_START"
 """Wall-clock start of the command, passed to the ranks so reported times include the launch."""
 
@@ -57,7 +59,7 @@ def start_time() -> float:
 def threads_per_rank(nproc: int) -> int:
     """Cores divided among the ranks, at least one: more threads than cores makes every rank's
     collectives wait for descheduled threads, which costs far more than it gains."""
-    return max(1, (os.cpu_count() or 1) // nproc)
+    return max(1, cpus.usable() // nproc)
 
 
 def oversubscription(nproc: int) -> str | None:
@@ -74,7 +76,7 @@ def oversubscription(nproc: int) -> str | None:
             return None
     except (ValueError, RuntimeError):  # a bad MODELPARALLEL_DEVICE: the checks report it
         return None
-    cores = os.cpu_count() or 1
+    cores = cpus.usable()
     if nproc <= cores:
         return None
     threads = rank_env(nproc)["OMP_NUM_THREADS"]

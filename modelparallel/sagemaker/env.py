@@ -13,7 +13,7 @@ default ``./sagemaker``); variables already set are kept, ``--channel NAME=DIR``
 ``SM_CHANNEL_TRAIN``/``TEST`` ``DIR/input/data/train`` / ``test`` (not created: data goes there)
 ``SM_CHANNELS``               JSON list of the channel names
 ``SM_NUM_GPUS``               CUDA devices, or on a CPU-only machine the ranks per machine
-``SM_NUM_CPUS``               ``os.cpu_count()``
+``SM_NUM_CPUS``               the cores this process may run on (``cpus.usable``)
 ``SM_HOSTS``                  JSON list ``["algo-1", ..., "algo-N"]``, one per machine
 ``SM_CURRENT_HOST``           ``algo-<node rank + 1>``
 ============================  ==========================================================
@@ -36,6 +36,8 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
+
+from .. import cpus
 
 logger = logging.getLogger("modelparallel")
 
@@ -77,7 +79,7 @@ def defaults(environ, root: Path) -> dict[str, str]:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else int(environ.get("LOCAL_WORLD_SIZE", "1"))
     out = {"SM_MODEL_DIR": str(root / "model"), "SM_OUTPUT_DIR": str(root / "output"),
            "SM_OUTPUT_DATA_DIR": str(root / "output" / "data"), "SM_CHANNELS": json.dumps(channels),
-           "SM_NUM_GPUS": str(gpus), "SM_NUM_CPUS": str(os.cpu_count() or 1),
+           "SM_NUM_GPUS": str(gpus), "SM_NUM_CPUS": str(cpus.usable()),
            "SM_HOSTS": json.dumps([f"algo-{i + 1}" for i in range(machines)]), "SM_CURRENT_HOST": f"algo-{node + 1}"}
     out.update({f"SM_CHANNEL_{name.upper()}": str(data / name) for name in channels})
     return out

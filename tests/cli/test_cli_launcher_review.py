@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 import modelparallel.cli
+from modelparallel import cpus
 from modelparallel.cli import checks, launch, main, out_lock, outcome, status_dir
 
 REPO = Path(__file__).resolve().parents[2]
@@ -94,7 +95,7 @@ def cpu_machine(monkeypatch, tmp_path):
     for name in ("RANK", "WORLD_SIZE", launch.LAUNCHER_PID_ENV):
         monkeypatch.delenv(name, raising=False)
     cores = {"n": 1}
-    monkeypatch.setattr(os, "cpu_count", lambda: cores["n"])
+    monkeypatch.setattr(cpus, "usable", lambda: cores["n"])
     return cores
 
 
@@ -202,3 +203,17 @@ def test_an_out_another_launcher_holds_is_refused_but_not_by_its_own_ranks(tmp_p
     finally:
         os.close(fd)
     assert out_lock.holder(tmp_path) is None  # a dead (here: closed) owner's lock goes with it
+
+
+def test_the_cores_counted_are_the_ones_this_process_may_run_on(monkeypatch):
+    """A container or ``taskset`` limits a process to some cores: the ranks' threads and the
+    oversubscription warning count those, not the machine's (``cpus.usable``)."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3}, raising=False)
+    monkeypatch.setenv("MODELPARALLEL_DEVICE", "cpu")
+    assert cpus.usable() == 1
+    assert launch.threads_per_rank(1) == 1
+    assert launch.oversubscription(2).startswith("warning: oversubscribed: 2 ranks on 1 core")
+    monkeypatch.delattr(os, "sched_getaffinity")  # a system without affinity: the machine's count
+    assert cpus.usable() == 8 and launch.threads_per_rank(2) == 4 and launch.oversubscription(2) is None
+

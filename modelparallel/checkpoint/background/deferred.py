@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ... import cpus
 from ...host_bytes import host_bytes
 from ..safety.files import crc32
 from .device import word_sum
@@ -118,7 +119,7 @@ class Early:
     @staticmethod
     def share() -> int:
         """This rank's share of the machine's cores (the cores over the ranks on it)."""
-        return (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        return cpus.usable() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
     @classmethod
     def pays(cls) -> bool:

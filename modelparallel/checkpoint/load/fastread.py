@@ -25,7 +25,6 @@ read whole and loaded with ``torch.load(weights_only=True)``.
 from __future__ import annotations
 
 import io
-import os
 import struct
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +35,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from ... import cpus
 from ...compat import set_element
 from ...host_bytes import host_bytes
 from ..safety.files import CheckpointFiles, CorruptFileError, UnsafeCheckpointError, VerifiedReader
@@ -128,8 +128,7 @@ def _read_into(reader: VerifiedReader, target: torch.Tensor, host: torch.Tensor 
 def _threads() -> int:
     """Threads one rank's load reads and checksums with: reading from the page cache and CRC-32
     are both one core's work per thread."""
-    return max(1, min(READ_THREADS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                      else os.cpu_count() or 1))
+    return max(1, min(READ_THREADS, cpus.usable()))
 
 
 class _HostBuffer:

@@ -159,9 +159,9 @@ def launch_ranks(args: argparse.Namespace) -> int:
 
     from .. import devices
 
-    if args.no_python:
-        raise SystemExit("modelparallel run: --no-python cannot be used: the ranks run Python (the script)")
     nproc, problems = _nproc(args.nproc_per_node, determine_local_world_size)
+    if args.no_python:  # a usage error, reported with the others (exit 2)
+        problems.insert(0, "error: --no-python cannot be used: the ranks run Python (the script)")
     if nproc is not None:
         problems += [f"error: {p}" for p in devices.launch_problems(nproc, "lower --nproc-per-node")]
     problems += _script_problems(args)

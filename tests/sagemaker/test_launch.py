@@ -48,7 +48,7 @@ def test_no_python_refused(tmp_path):
     cli = Path(sys.executable).parent / "modelparallel"
     done = subprocess.run([str(cli), "run", "--no-python", "x.py"], cwd=tmp_path, capture_output=True, text=True,
                           timeout=300)
-    assert done.returncode != 0 and "--no-python cannot be used" in done.stderr
+    assert done.returncode == 2 and "--no-python cannot be used" in done.stderr, (done.returncode, done.stderr)
 
 
 def test_cuda_step_calls_on_cpu(tmp_path):

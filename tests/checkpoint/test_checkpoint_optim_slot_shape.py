@@ -7,6 +7,8 @@ part with the model first; when both exist as the resume is called, that compari
 and ``plan_load`` is the only check. A failure means such a slot is read into a tensor of the
 saved shape and installed (the next step fails or, worse, broadcasts), or the refusal came after
 the model or optimizer changed. 2 ranks, TP=2, staged in memory and through the undo journal.
+With ``strict=False`` the parameter gets none of its saved state (a step finding ``exp_avg_sq``
+without ``exp_avg`` raises KeyError): it starts afresh, as a parameter without saved state does.
 """
 
 from pathlib import Path
@@ -15,7 +17,8 @@ import torch
 
 import harness
 import modelparallel as smp
-from ckpt_helpers import on_rank0, refresh_manifest, rewrite_metadata
+from modelparallel import runtime
+from ckpt_helpers import changed, on_rank0, refresh_manifest, rewrite_metadata, snapshot
 
 PARAM = "transformer.h.0.mlp.c_fc.weight"
 SLOT = f"optimizer.state.{PARAM}.exp_avg"
@@ -64,3 +67,38 @@ def test_a_slot_at_another_shape_than_its_parameter_is_refused_before_anything_c
         assert expected in results[0][mode], (expected, results[0][mode])
         for r in results:
             assert r[f"{mode} changed"] == [], (mode, r[f"{mode} changed"][:5])
+
+
+def forged_slot_not_strict(path: str) -> dict:
+    """The same forged checkpoint of an fp32 job, resumed with ``strict=False``: what changed
+    against the saved state, the report, and the step counts after one more step."""
+    from test_checkpoint_side_effects import build, step
+
+    model, optimizer = build(0, False)
+    step(model, optimizer, 0)
+    smp.save_checkpoint(path, "a")
+    want = snapshot(model, optimizer)
+    directory = Path(path) / "a_partial"
+    on_rank0(lambda: (transpose_entry(directory / "optimizer", SLOT), refresh_manifest(directory)))
+    model, optimizer = build(1, False)
+    step(model, optimizer, 1)
+    live = snapshot(model, optimizer)
+    smp.resume_from_checkpoint(path, "a", strict=False, staging="memory")
+    got = snapshot(model, optimizer)
+    step(model, optimizer, 2)  # raised KeyError('exp_avg') when the parameter kept its other slots
+    steps = {n: float(optimizer.optimizer.state[p]["step"]) for n, p in model.module.named_parameters()}
+    # staged: a copy of each live slot the load replaces, none of the parameter starting afresh
+    others = sum(v.nbytes for k, v in live.items() if k.startswith("optim/") and not k.startswith(f"optim/{PARAM}/"))
+    return {"changed": changed(want, got), "saved": want, "report": smp.last_load_report()["optimizer"],
+            "steps": steps, "staged": runtime.current().resume.costs["optimizer"].in_memory, "others": others}
+
+
+def test_strict_false_starts_that_parameters_state_afresh_and_loads_the_rest(tmp_path):
+    for r in harness.run(2, forged_slot_not_strict, str(tmp_path / "ck")):
+        ours = sorted(k for k in r["saved"] if k.startswith(f"optim/{PARAM}/"))
+        assert f"optim/{PARAM}/exp_avg" in ours and r["changed"] == ours, r["changed"]
+        assert [m.partition(":")[0] for m in r["report"].mismatched_shapes] == [SLOT], r["report"]
+        saved_step = {k.split("/")[1]: float(v) for k, v in r["saved"].items() if k.endswith("/step")}
+        for name, count in r["steps"].items():
+            assert count == (1 if name == PARAM else saved_step[name] + 1), (name, count)
+        assert r["staged"] == r["others"], (r["staged"], r["others"])

@@ -67,7 +67,9 @@ class Planned:
 def plan_load(module: nn.Module, optimizer, metadata, reuse: bool = False) -> Planned:
     """Targets for every saved entry of the part whose DCP ``metadata`` is given (no collective,
     nothing read). ``reuse``: a state slot the optimizer already holds at the saved shape, dtype
-    and placement is its own target (the caller then must read through an undo journal)."""
+    and placement is its own target (the caller then must read through an undo journal). A
+    parameter with a slot at another shape (reported mismatched) gets none of its saved state:
+    with ``strict=False`` it starts afresh, as one without saved state does."""
     saved = metadata.state_dict_metadata
     params = _params(module)
     names = param_names(module)
@@ -80,7 +82,7 @@ def plan_load(module: nn.Module, optimizer, metadata, reuse: bool = False) -> Pl
     masters: dict[str, dict] = {}
     groups: dict[int, dict] = {}
     scaler: dict[str, Any] = {}
-    unexpected, mismatched = set(), []
+    unexpected, mismatched, misfit = set(), [], set()
     for key, md in saved.items():
         split = _split(key, params)
         if split is not None:
@@ -96,6 +98,7 @@ def plan_load(module: nn.Module, optimizer, metadata, reuse: bool = False) -> Pl
                 bucket.setdefault(name, {})[slot] = None
             elif tuple(md.size) not in ((), tuple(param.shape)):
                 mismatched.append(f"{key}: checkpoint {tuple(md.size)}, model {tuple(param.shape)}")
+                misfit.add(name)
             elif _reusable(existing := slots_now.get(prefix, {}).get(name, {}).get(slot), param, md):
                 bucket.setdefault(name, {})[slot] = existing
                 reused[key] = (bucket[name], slot)
@@ -106,6 +109,9 @@ def plan_load(module: nn.Module, optimizer, metadata, reuse: bool = False) -> Pl
             groups.setdefault(int(index), {})[field] = _placeholder(md)
         elif key.startswith(SCALER):
             scaler[key[len(SCALER):]] = _placeholder(md)
+    for name in misfit:  # all of a parameter's state or none: a step finding exp_avg_sq without exp_avg fails
+        holder = state.pop(name, None)
+        reused = {k: v for k, v in reused.items() if v[0] is not holder}
     if sorted(groups) != list(range(len(groups))):
         raise ValueError(f"the optimizer part's parameter groups {sorted(groups)} are not numbered 0..n-1")
     nested = {"optimizer": {"state": state, "param_groups": [groups[i] for i in sorted(groups)]},

@@ -189,7 +189,10 @@ def read_newest(path: str | Path) -> str | None:
 def saved_checkpoints(path: str | Path, suffix: str = "_partial") -> list[tuple[int, str]]:
     """(saved_at_ns, directory name) of every complete checkpoint ending in ``suffix``, oldest
     first. Complete means a real directory (not a symlink) holding a readable manifest of this
-    library; anything else is never counted, never deleted."""
+    library; anything else is never counted, never deleted. Ordered by the manifest's time, not
+    by directory mtimes: those are reset by a copy or a restore from object storage (SageMaker's
+    checkpoint sync), the manifest travels with the files; whoever could forge it could as well
+    delete the directories."""
     found = []
     for entry in Path(path).iterdir():
         if entry.is_dir() and not entry.is_symlink() and not entry.name.startswith(HIDDEN) \

@@ -98,7 +98,7 @@ def _newest(ckpt_dir: Path, verify: bool) -> tuple[str | None, str, list[str]]:
     if not ckpt_dir.is_dir():
         return None, "", []
     from ..checkpoint.safety import commit
-    from ..checkpoint.safety.errors import CheckpointError
+    from ..checkpoint.safety.failure import CheckpointError
 
     tags = saved_tags(ckpt_dir)
     try:

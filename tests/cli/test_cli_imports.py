@@ -119,7 +119,8 @@ class Model:  # what the comparison reads of a Hugging Face config
 out, notes = Path(sys.argv[2]), []
 tag, problems = resume.choose(out, "latest", None, 10, verify=True, notes=notes)
 found = {"tag": tag, "problems": problems + resume.foreign_problems(out, tag, 2),
-         "differences": resume.config_problems(out, tag, Model()), "matching": resume.matching_tags(out, Model(), tag),
+         "differences": resume.config_problems(out, tag, Model()),
+         "matching": resume.matching_tags(out, Model(), tag),
          "torch": sorted(m for m in sys.modules if m.split(".")[0] == "torch")}
 args = build_parser().parse_args(["train", "--model", "gpt2-micro", "--tp", "2", "--data", sys.argv[1], "--seq-len", "16",
                                   "--out", sys.argv[2], "--steps", "10", "--save-every", "2", "--resume"])

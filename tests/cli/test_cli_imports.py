@@ -165,3 +165,17 @@ def test_the_resume_check_reads_checkpoints_without_torch(tmp_path):
     assert len(found["launch checks"]) == 1 and "n_layer: checkpoint 999" in found["launch checks"][0] \
         and "--resume-from step2" in found["launch checks"][0], found
     assert found["imported by them"] == [], found
+
+
+def test_the_checkpoint_package_exports_on_first_use():
+    """``modelparallel.checkpoint`` imports its names on first use (so the launcher's ``safety``
+    imports do not import ``api``): each is its module's object, and ``CheckpointError`` is one
+    class wherever it is imported from."""
+    import modelparallel.checkpoint as ckpt
+    from modelparallel.checkpoint.safety import durable, errors, failure
+    from modelparallel.checkpoint.save import stream
+
+    wrong = {name: module for name, module in ckpt.EXPORTS.items()
+             if getattr(ckpt, name) is not getattr(importlib.import_module(module, ckpt.__name__), name)}
+    assert wrong == {} and set(ckpt.__all__) == set(ckpt.EXPORTS) and set(ckpt.__all__) <= set(dir(ckpt))
+    assert ckpt.CheckpointError is errors.CheckpointError is failure.CheckpointError and stream.named is durable.named

@@ -50,7 +50,7 @@ def _worker(rank: int, world: int, store_path: str, tasks, results) -> None:
 
 PRELOAD = ("torch", "torch.distributed.tensor", "transformers", "transformers.modeling_utils",
            "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama", "modelparallel",
-           "modelparallel.model", "modelparallel.parallelize", "modelparallel.optimizer", "modelparallel.checkpoint")
+           "modelparallel.model", "modelparallel.parallelize", "modelparallel.optimizer", "modelparallel.checkpoint.api")
 """Imported once by the fork server that starts every pool's ranks (a rank's seconds of start-up are
 these imports): a rank is a fork of that server, with nothing but the imports done (no thread, no
 OpenMP pool, no process group, no CUDA), then sets its environment and joins its own group as a

@@ -183,7 +183,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Convert; a bad input is one line naming the file, exit status 2."""
     from safetensors import SafetensorError
 
-    from ..checkpoint.safety.errors import CheckpointError
+    from ..checkpoint.safety.failure import CheckpointError
 
     try:
         out = convert(args.source, args.dest, args.to)

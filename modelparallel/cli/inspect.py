@@ -68,7 +68,7 @@ def describe(directory: Path, verify: bool) -> dict:
 def scan(path: Path, verify: bool) -> dict:
     """The whole directory's report."""
     from ..checkpoint.safety import commit
-    from ..checkpoint.safety.errors import CheckpointError
+    from ..checkpoint.safety.failure import CheckpointError
     from .resume import newest_is_empty
 
     if (path / commit.MANIFEST).is_file():

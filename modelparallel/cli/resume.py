@@ -26,6 +26,10 @@ import os
 import re
 from pathlib import Path
 
+# Checkpoints are read here through the checkpoint package's torch-free modules (``safety`` but
+# its ``errors``, ``format``): the launcher runs this before every launch with a resume, and the
+# package's ``api`` and ``safety.errors`` import torch.distributed and DCP (seconds).
+
 PARTIAL = "_partial"
 TAG_ENV = "MODELPARALLEL_CLI_RESUME_TAG"
 """The checkpoint the launcher chose for the ranks (empty: a fresh start): they resume exactly it."""
@@ -49,7 +53,7 @@ def tag_step(tag: str) -> int | None:
 
 def saved_tags(ckpt_dir: Path) -> list[str]:
     """Tags of the complete partial checkpoints in ``ckpt_dir``, newest first."""
-    if not ckpt_dir.is_dir():  # first: reading checkpoints imports the checkpoint package (torch)
+    if not ckpt_dir.is_dir():  # first: nothing to read, nothing of the checkpoint package to import
         return []
     from ..checkpoint.safety import commit
 
@@ -98,7 +102,7 @@ def _newest(ckpt_dir: Path, verify: bool) -> tuple[str | None, str, list[str]]:
     if not ckpt_dir.is_dir():
         return None, "", []
     from ..checkpoint.safety import commit
-    from ..checkpoint.safety.errors import CheckpointError
+    from ..checkpoint.safety.failure import CheckpointError
 
     tags = saved_tags(ckpt_dir)
     try:

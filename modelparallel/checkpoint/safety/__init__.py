@@ -2,4 +2,5 @@
 on ``durable`` writes and file ``checksums``), the manifest every committed directory holds
 (``manifest``), one writer per directory (``lock``), checksums (``crc``), files opened and read
 verified without following links (``safe_open``, ``files``), no code run from a file
-(``safe_load``), and a failure on one rank raised on every rank (``errors``)."""
+(``safe_load``), and a failure on one rank raised on every rank (``errors``,
+built on torch.distributed; the exception it raises lives in ``failure``, which needs no torch)."""

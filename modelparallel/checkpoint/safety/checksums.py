@@ -14,9 +14,9 @@ import threading
 from pathlib import Path
 
 from .crc import crc32
+from .durable import named
 from .files import check_file
 from .manifest import MANIFEST
-from ..save.stream import named
 
 _DCP_DATA = re.compile(r"(?:^|/)__(\d+)_\d+\.distcp$")
 

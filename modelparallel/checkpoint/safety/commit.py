@@ -37,7 +37,7 @@ from .checksums import (  # noqa: F401 - part of this module's API
     crc32, data_files, file_checksum, share, synced_checksum, verify_file)
 from .durable import (  # noqa: F401 - part of this module's API
     HIDDEN, fsync_path, fsync_tree, hidden_name, named, new_nonce, write_file_atomic)
-from .errors import CheckpointError
+from .failure import CheckpointError
 from .files import read_small
 from .lock import LOCK, DirectoryLock, DirectoryLocked  # noqa: F401 - part of this module's API
 from .manifest import (  # noqa: F401 - part of this module's API

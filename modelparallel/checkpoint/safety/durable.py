@@ -12,9 +12,14 @@ import os
 import uuid
 from pathlib import Path
 
-from ..save.stream import named
-
 HIDDEN = ".mp-"
+
+
+def named(error: OSError, path) -> OSError:
+    """``error`` naming ``path`` (an error from a file object names no file)."""
+    if not isinstance(error, OSError) or error.filename or error.errno is None:
+        return error
+    return type(error)(error.errno, error.strerror or str(error), str(path))
 
 
 def new_nonce() -> str:

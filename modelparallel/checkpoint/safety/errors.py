@@ -24,14 +24,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 from ... import runtime
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint save or load failed on at least one rank; raised on every rank.
-
-    When every failing rank raised the same built-in type (``FileNotFoundError``, ``ValueError``...)
-    the error is also an instance of that type, so ``except FileNotFoundError`` still works.
-    """
+from .failure import CheckpointError  # re-exported: callers have always imported it from here
 
 
 def _error_class(names: set[str]) -> type:

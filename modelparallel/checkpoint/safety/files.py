@@ -26,7 +26,7 @@ import os
 from concurrent.futures import Executor
 from pathlib import Path
 
-from .errors import CheckpointError
+from .failure import CheckpointError
 from .safe_open import (UnsafeCheckpointError, read_capped, fstat, open_file, open_inside,  # noqa: F401
                         plain_parts, read_from, read_path, read_small)
 

@@ -15,7 +15,7 @@ import socket
 import stat
 from pathlib import Path
 
-from .errors import CheckpointError
+from .failure import CheckpointError
 
 LOCK = ".mp-lock"
 

@@ -14,7 +14,7 @@ import os
 import re
 from pathlib import Path
 
-from .errors import CheckpointError
+from .failure import CheckpointError
 from .files import UnsafeCheckpointError, inside, read_json
 
 MANIFEST = "checkpoint_manifest.json"

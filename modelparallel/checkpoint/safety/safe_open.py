@@ -19,7 +19,7 @@ import os
 import stat
 from pathlib import Path
 
-from .errors import CheckpointError
+from .failure import CheckpointError
 
 CHUNK = 1 << 22
 """Bytes per ``read`` call."""

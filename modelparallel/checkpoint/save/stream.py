@@ -30,6 +30,7 @@ from typing import Any
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from ..safety.crc import crc32
+from ..safety.durable import named  # importable from here too, where callers have found it
 
 SYNC_EVERY = 32 << 20
 """Bytes written to a file between two starts of its write-back."""
@@ -49,13 +50,6 @@ def _sync_file_range():
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     return fn
-
-
-def named(error: OSError, path) -> OSError:
-    """``error`` naming ``path`` (an error from a file object names no file)."""
-    if not isinstance(error, OSError) or error.filename or error.errno is None:
-        return error
-    return type(error)(error.errno, error.strerror or str(error), str(path))
 
 
 class _Stream:

@@ -110,3 +110,23 @@ def test_every_file_is_verified_by_exactly_one_rank_and_dcp_files_by_their_write
     for r in range(2):
         assert {f"model/__{r}_0.distcp", f"optimizer/__{r}_0.distcp"} <= set(shares[r])
     assert commit.share(sizes, 0, 1) == sorted(sizes)
+
+
+def test_a_clock_stepped_back_does_not_reorder_the_saves(tmp_path, monkeypatch):
+    """``saved_at_ns`` orders retention and ``--resume``: a save made after the clock went back
+    records a time just after the checkpoint ``newest`` names, so retention deletes the older save."""
+    clock = {"ns": 1000}
+    monkeypatch.setattr(commit.time, "time_ns", lambda: clock["ns"])
+    assert commit.saved_at(tmp_path) == 1000, "no checkpoint yet: the clock"
+    fake_checkpoint(tmp_path, "a_partial", saved_at=commit.saved_at(tmp_path))
+    commit.write_newest(tmp_path, "a_partial")
+    clock["ns"] = 400  # stepped back
+    fake_checkpoint(tmp_path, "b_partial", saved_at=commit.saved_at(tmp_path))
+    commit.write_newest(tmp_path, "b_partial")
+    assert [n for _, n in commit.saved_checkpoints(tmp_path)] == ["a_partial", "b_partial"]
+    assert commit.apply_retention(tmp_path, keep=1, protect="b_partial") == ["a_partial"]
+    clock["ns"] = 5000  # ahead again: the clock
+    assert commit.saved_at(tmp_path) == 5000
+    (tmp_path / "newest").write_text("gone_partial")  # newest naming nothing readable: the clock
+    clock["ns"] = 10
+    assert commit.saved_at(tmp_path) == 10

@@ -31,6 +31,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 from .checksums import (  # noqa: F401 - part of this module's API
@@ -184,6 +185,19 @@ def read_newest(path: str | Path) -> str | None:
         return data.decode().strip() or None
     except UnicodeDecodeError:
         raise ValueError(f"{f}: not a checkpoint name (not UTF-8 text)") from None
+
+
+def saved_at(path: str | Path) -> int:
+    """The time a new checkpoint's manifest records (``saved_at_ns``): now, or just after the
+    checkpoint ``newest`` names when the clock reads earlier (stepped back since that save), so
+    that the order retention and ``--resume`` read from the manifests is the order of the saves."""
+    now = time.time_ns()
+    try:
+        name = read_newest(path)
+        last = int(read_manifest(Path(path) / name)["saved_at_ns"]) if name else None
+    except (OSError, ValueError, KeyError, TypeError, CheckpointError):  # no readable newest: the clock alone
+        return now
+    return now if last is None or now > last else last + 1
 
 
 def saved_checkpoints(path: str | Path, suffix: str = "_partial") -> list[tuple[int, str]]:

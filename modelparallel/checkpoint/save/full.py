@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -229,7 +228,7 @@ def _finish(path: Path, staging: Path, tag: str, about: tuple, writer: ShardWrit
                 "files": {f: sums[f] if f in sums else commit.file_checksum(staging / f, fsync=True)
                           for f in commit.data_files(staging)},
                 "user_content": {"file": content_name, **commit.file_checksum(content_tmp)},
-                "user_content_trusted": trusted, "saved_at_ns": time.time_ns(), **described}
+                "user_content_trusted": trusted, "saved_at_ns": commit.saved_at(path), **described}
     commit.write_manifest(staging, manifest)
     commit.commit_dir(staging, path / tag)
     commit.check_committed(path / tag, manifest)

@@ -10,7 +10,6 @@ Loading is ``partial_load``.
 from __future__ import annotations
 
 import shutil
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -187,7 +186,7 @@ def _commit(path: Path, staging: Path, name: str, manifest: dict, lost: list[str
     retention (``commit.retain``: what it cannot delete is logged, the save succeeded)."""
     if lost:
         raise OSError(f"files written by this save disappeared from {staging} before commit: {lost}")
-    manifest["saved_at_ns"] = time.time_ns()
+    manifest["saved_at_ns"] = commit.saved_at(path)
     commit.write_manifest(staging, manifest)
     commit.commit_dir(staging, path / name)
     commit.check_committed(path / name, manifest)

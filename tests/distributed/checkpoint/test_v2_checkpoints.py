@@ -97,11 +97,11 @@ def repeated_saves(root: str, rounds: int) -> list[int]:
 def test_repeated_saves_add_no_threads(tmp_path):
     """Saves, queues and jobs repeated over one world make no process groups after the first
     round (each gloo group keeps three threads and their sockets until the process ends). The
-    first round's count may still hold a thread an earlier test on the same rank left exiting (seen
-    once under load: [149, 148, 148, 148]); no later round may end with more threads than the one
-    before it."""
+    count of any round may still hold a thread an earlier test on the same rank left exiting (seen
+    under load: [149, 148, 148, 148], [200, 200, 200, 199]); no round may end with more threads
+    than the one before it."""
     for rank, counts in enumerate(harness.run(2, repeated_saves, str(tmp_path), 4)):
-        assert counts[1] <= counts[0] and counts[2:] == counts[1:2] * 2, f"rank {rank}: threads after each round {counts}"
+        assert all(b <= a for a, b in zip(counts, counts[1:])), f"rank {rank}: threads after each round {counts}"
 
 
 def local_refused_at_other_sharding(root):
